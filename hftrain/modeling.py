@@ -1,0 +1,76 @@
+"""Model and tokenizer loading (transformers Auto classes), LoRA through peft."""
+
+from __future__ import annotations
+
+import os
+
+from .recipe import ModelSection
+
+
+class ModelError(ValueError):
+    pass
+
+
+def _check_path(name_or_path: str, key: str) -> None:
+    # A Hub id is "name" or "org/name"; anything else is a local path, and a missing one is a typo, not a download.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise ModelError(f"{key}: {name_or_path} does not exist (a local path; check the spelling or build it first)")
+
+
+def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer_name_or_path or cfg.name_or_path
+    _check_path(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path")
+    tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if not getattr(tok, "is_fast", False):
+        raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks need offsets")
+    if chat_template:
+        if chat_template.endswith(".jinja"):
+            if not os.path.isfile(chat_template):
+                raise ModelError(f"data.chat_template: {chat_template} does not exist")
+            with open(chat_template, encoding="utf-8") as fh:
+                chat_template = fh.read()
+        tok.chat_template = chat_template
+    if tok.pad_token is None:
+        # Labels are padded with -100 and the attention mask hides padding, so reusing EOS for padding is safe.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelSection):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _check_path(cfg.name_or_path, "model.name_or_path")
+    dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    # Weights are read from safetensors only: a pickle checkpoint could run code on load.
+    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, use_safetensors=True, **kwargs)
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            task_type="CAUSAL_LM",
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            modules_to_save=cfg.lora.modules_to_save,
+        )
+        model = get_peft_model(model, lora)
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+    return model
+
+
+def save_merged(model, tokenizer, output_dir: str) -> str:
+    """base + LoRA merged into a plain model in output_dir/merged (safetensors)."""
+    merged = model.merge_and_unload()
+    path = os.path.join(output_dir, "merged")
+    merged.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

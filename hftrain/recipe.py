@@ -1,0 +1,520 @@
+"""The typed recipe: schema, YAML + command-line loading, validation.
+
+Precedence is defaults < YAML < command line. Every problem found is collected and raised at once in a
+`RecipeError`, each naming the key as the user spelled it, where it came from, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity")
+FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "text")
+
+
+def _f(default=dataclasses.MISSING, help: str = "", factory=None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class LoraSection:
+    r: int = _f(16, "LoRA rank.")
+    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = _f(0.05, "Dropout on the LoRA input.")
+    target_modules: str | list[str] = _f("all-linear", "Modules to adapt: a list of names, or 'all-linear'.")
+    modules_to_save: list[str] | None = _f(None, "Modules trained fully and saved with the adapter (e.g. lm_head).")
+    merge: bool = _f(False, "Also save base + adapter merged into a full model in output_dir/merged.")
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str = _f(help="Local folder or Hub id of the causal LM to fine-tune.")
+    tokenizer_name_or_path: str | None = _f(None, "Tokenizer folder or Hub id; defaults to name_or_path.")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) of model and tokenizer.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Dtype the weights are loaded in.")
+    attn_implementation: str | None = _f(None, "Attention kernel: eager, sdpa, flash_attention_2, ...")
+    trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint. Off unless you trust it.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    lora: LoraSection | None = _f(None, "Train a LoRA adapter through peft instead of all weights.")
+
+
+@dataclass
+class DataSource:
+    path: str = _f(help="A local file (.jsonl/.json/.parquet/.csv), a save_to_disk folder, or a Hub dataset id.")
+    format: Literal["auto", "messages", "prompt_completion", "alpaca", "text"] = _f(
+        "auto", "Example format; 'auto' detects it from the columns."
+    )
+    split: str = _f("train", "Split to read (Hub datasets and save_to_disk DatasetDicts).")
+    name: str | None = _f(None, "Dataset configuration name (Hub datasets).")
+    columns: dict[str, str] = _f(
+        help="Rename map from hftrain's column name to yours, e.g. {messages: conversations}.", factory=dict
+    )
+    weight: float = _f(1.0, "Relative sampling weight when several sources are mixed.")
+
+
+@dataclass
+class DataSection:
+    sources: list[DataSource] = _f(help="Training data: one or more sources.")
+    eval_sources: list[DataSource] = _f(help="Held-out data for evaluation.", factory=list)
+    eval_fraction: float = _f(0.0, "Fraction of each training source held out for evaluation (0 = none).")
+    chat_template: str | None = _f(None, "Jinja chat template, or a path to a .jinja file, replacing the tokenizer's.")
+    max_length: int = _f(2048, "Maximum tokens per example.")
+    truncation: Literal["right", "drop"] = _f("right", "Longer examples: cut at max_length ('right') or 'drop' them.")
+    packing: bool = _f(False, "Pack each batch into one row; position_ids restart per example so none attends another.")
+    assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
+    completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
+    skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
+    num_proc: int | None = _f(None, "Processes for tokenisation (datasets.map).")
+
+
+@dataclass
+class StrategySection:
+    name: Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"] | None = _f(
+        None, "How to distribute. Unset: the launcher's config decides; set: it must agree with the launcher."
+    )
+
+
+@dataclass
+class EvalSection:
+    exact_match: int = _f(
+        0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after training."
+    )
+    max_new_tokens: int = _f(32, "Generation length for exact_match.")
+
+
+# hftrain's defaults for TrainingArguments fields, overridden by the recipe's `training:` section.
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "output_dir": "runs/hftrain",
+    "report_to": ["tensorboard"],
+    "logging_steps": 10,
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "save_total_limit": 2,
+    # All parameters take part in every step of a causal LM; True costs an extra all-reduce per step.
+    "ddp_find_unused_parameters": False,
+    "average_tokens_across_devices": True,
+}
+# TrainingArguments fields the recipe owns elsewhere, or must never hold.
+TRAINING_REFUSED = {
+    "hub_token": "the Hub token is read from HF_TOKEN or `hf auth login`, never from a recipe (it would be saved with the run)",
+    "gradient_checkpointing": "set model.gradient_checkpointing instead",
+    "activation_checkpointing": "set model.gradient_checkpointing instead",
+}
+
+
+@dataclass
+class Recipe:
+    model: ModelSection
+    data: DataSection
+    training: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainingArguments fields."})
+    strategy: StrategySection = field(default_factory=StrategySection, metadata={"help": "Distribution strategy."})
+    eval: EvalSection = field(default_factory=EvalSection, metadata={"help": "Generation-based evaluation."})
+    source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
+
+    @property
+    def output_dir(self) -> str:
+        return self.training["output_dir"]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def training_arguments(self):
+        """TrainingArguments from the `training:` section (this also sets up torch.distributed)."""
+        from transformers import TrainingArguments
+
+        kwargs = {k: v for k, v in self.training.items() if k != "resume_from_checkpoint"}
+        kwargs["activation_checkpointing"] = self.model.gradient_checkpointing
+        if "include_num_input_tokens_seen" not in kwargs:
+            # With packing there is no attention_mask and pad may equal eos: count every token.
+            kwargs["include_num_input_tokens_seen"] = "all" if self.data.packing else "non_padding"
+        if "use_cpu" not in kwargs and not accelerator_available():
+            # Without it a GPU-less multi-process launch silently trains world-size-1 copies (FEASIBILITY.md).
+            kwargs["use_cpu"] = True
+        return TrainingArguments(**kwargs)
+
+    @property
+    def resume_from_checkpoint(self) -> str | bool | None:
+        return self.training.get("resume_from_checkpoint")
+
+
+def accelerator_available() -> bool:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+class RecipeError(ValueError):
+    """All problems of one recipe, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        n = len(problems)
+        super().__init__(f"{n} problem{'s' if n > 1 else ''} in the recipe:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            node = node[idx]
+            continue
+        if part not in node or not isinstance(node[part], (dict, list)):
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append({})
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`section.key=value`, `--section.key value` and `--section.key=value`; values are parsed as YAML scalars."""
+    out, problems, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            body = a[2:]
+            if "=" in body:
+                key, raw = body.split("=", 1)
+            elif i + 1 < len(args):
+                key, raw = body, args[i + 1]
+                i += 1
+            else:
+                problems.append(f"command line: '{a}' has no value; write {body}=VALUE")
+                i += 1
+                continue
+        elif "=" in a:
+            key, raw = a.split("=", 1)
+        else:
+            problems.append(f"command line: '{a}' is not an override; write section.key=value (e.g. training.max_steps=10)")
+            i += 1
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+        i += 1
+    if problems:
+        raise RecipeError(problems)
+    return out
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise RecipeError([f"{path}: recipe file not found"])
+    with open(path, encoding="utf-8") as fh:
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+            raise RecipeError([f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}"]) from None
+        except UnicodeDecodeError as e:
+            raise RecipeError([f"{path}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError([f"{path}: a recipe is a mapping of sections (model:, data:, training:, ...), got {type(raw).__name__}"])
+    return raw
+
+
+def load_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None) -> Recipe:
+    """Read a recipe file (or `raw` dict), apply command-line overrides, validate everything."""
+    tree = read_yaml(path) if path is not None else dict(raw or {})
+    source = path or "<dict>"
+    origins: dict[str, str] = {}
+    for key, value in parse_overrides(overrides or []):
+        try:
+            _set_dotted(tree, key, value)
+        except (ValueError, TypeError, AttributeError):
+            raise RecipeError([f"command line: cannot set '{key}'"]) from None
+        origins[key] = "command line"
+    return validate(tree, source, origins)
+
+
+def load_from_argv(argv: list[str]) -> Recipe:
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        raise RecipeError(["usage: <recipe.yaml> [section.key=value ...] (the recipe path comes first)"])
+    return load_recipe(argv[0], argv[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+class _Ctx:
+    def __init__(self, source: str, origins: dict[str, str]):
+        self.source, self.origins, self.problems = source, origins, []
+
+    def where(self, key: str) -> str:
+        for k, origin in self.origins.items():
+            if key == k or key.startswith(k + ".") or k.startswith(key + "."):
+                return origin
+        return self.source
+
+    def add(self, key: str, msg: str) -> None:
+        self.problems.append(f"{self.where(key)}: {key}: {msg}")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums:
+            return _type_name(enums[0])
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + (
+            " or null" if type(None) in typing.get_args(tp) else ""
+        )
+    if origin is list:
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check(value: Any, tp, key: str, ctx: _Ctx) -> tuple[bool, Any]:
+    """(ok, converted) for value against annotation tp; nested dataclasses are built and checked."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            return type(None) in args, None
+        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums and isinstance(value, str):  # transformers' `SchedulerType | str`: the str must still be a member
+            return any(value in [m.value for m in e] for e in enums), value
+        for a in args:
+            if a is type(None):
+                continue
+            sub = _Ctx(ctx.source, ctx.origins)
+            ok, conv = _check(value, a, key, sub)
+            if ok and not sub.problems:
+                return True, conv
+        # A single non-null alternative: report its precise problems.
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1 and dataclasses.is_dataclass(real[0]) and isinstance(value, dict):
+            return _check(value, real[0], key, ctx)
+        return False, value
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            return False, value
+        return True, _build(tp, value, key, ctx)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        out = []
+        for i, v in enumerate(value):
+            ok, conv = _check(v, item_tp, f"{key}.{i}", ctx)
+            if not ok:
+                ctx.add(f"{key}.{i}", f"expected {_type_name(item_tp)}, got {v!r}")
+            out.append(conv)
+        return True, out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            return False, value
+        args = typing.get_args(tp)
+        if args and args[1] is str and not all(isinstance(v, str) for v in value.values()):
+            return False, value
+        return True, value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        values = [m.value for m in tp]
+        return value in values, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value  # an annotation we do not model: let the library validate it
+
+
+def _unknown(key: str, name: str, valid: list[str], ctx: _Ctx) -> None:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    hint = f"did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?" if close else (
+        "valid keys: " + ", ".join(sorted(valid))
+    )
+    ctx.add(key, f"unknown key; {hint}")
+
+
+def _build(cls, raw: dict, prefix: str, ctx: _Ctx):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            _unknown(key, str(name), list(fields), ctx)
+            continue
+        ok, conv = _check(value, hints[name], key, ctx)
+        if not ok:
+            ctx.add(key, f"expected {_type_name(hints[name])}, got {value!r}")
+        kwargs[name] = conv
+    for name, f in fields.items():
+        if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            key = f"{prefix}.{name}" if prefix else name
+            ctx.add(key, f"required key is missing ({f.metadata.get('help', '')})")
+            kwargs[name] = None
+    try:
+        return cls(**kwargs)
+    except TypeError:
+        return None
+
+
+def _training_fields() -> tuple[dict[str, Any], set[str]]:
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    names = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    return hints, names
+
+
+def _validate_training(raw: dict, ctx: _Ctx) -> dict:
+    hints, names = _training_fields()
+    merged = dict(TRAINING_DEFAULTS)
+    for name, value in raw.items():
+        key = f"training.{name}"
+        if name in TRAINING_REFUSED:
+            ctx.add(key, f"not accepted here: {TRAINING_REFUSED[name]}")
+            continue
+        if name not in names:
+            _unknown(key, str(name), sorted(names - set(TRAINING_REFUSED)), ctx)
+            continue
+        tp = hints.get(name, Any)
+        if name == "resume_from_checkpoint":
+            tp = str | bool | None  # true = the newest checkpoint in output_dir
+        ok, conv = _check(value, tp, key, ctx)
+        if not ok:
+            ctx.add(key, f"expected {_type_name(tp)}, got {value!r}")
+        merged[name] = conv
+    if not isinstance(merged.get("output_dir"), str) or not merged["output_dir"]:
+        ctx.add("training.output_dir", "must be a folder path")
+    return merged
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _validate_semantics(recipe: Recipe, ctx: _Ctx) -> None:
+    """Cross-field rules; values that already failed their type check are skipped."""
+    d = recipe.data
+    has_eval = False
+    if d is not None:
+        if isinstance(d.sources, list) and len(d.sources) == 0:
+            ctx.add("data.sources", "needs at least one source, e.g. [{path: data/train.jsonl}]")
+        if _num(d.eval_fraction) and not 0.0 <= d.eval_fraction < 1.0:
+            ctx.add("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+        has_eval = (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
+        if _num(d.eval_fraction) and d.eval_fraction > 0 and d.eval_sources:
+            ctx.add("data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both")
+        if _num(d.max_length) and d.max_length < 2:
+            ctx.add("data.max_length", f"must be at least 2, got {d.max_length}")
+        for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
+            if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
+                ctx.add(f"data.sources.{i}.weight", f"must be > 0, got {s.weight}")
+    t = recipe.training
+    if t.get("eval_strategy", "no") not in ("no", None) and not has_eval:
+        ctx.add("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction")
+    if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0 and not has_eval:
+        ctx.add("eval.exact_match", "needs held-out data: set data.eval_sources or data.eval_fraction")
+    lora = recipe.model.lora if recipe.model is not None else None
+    if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
+        ctx.add("model.lora.r", f"must be > 0, got {lora.r}")
+
+
+def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Recipe:
+    ctx = _Ctx(source, origins or {})
+    sections = {
+        "model": ModelSection,
+        "data": DataSection,
+        "training": dict,
+        "strategy": StrategySection,
+        "eval": EvalSection,
+    }
+    built: dict[str, Any] = {}
+    for name, value in tree.items():
+        if name not in sections:
+            _unknown(str(name), str(name), list(sections), ctx)
+            continue
+        if not isinstance(value, dict):
+            ctx.add(name, f"expected a mapping of keys, got {value!r}")
+            continue
+        if name == "training":
+            built[name] = _validate_training(value, ctx)
+        else:
+            built[name] = _build(sections[name], value, name, ctx)
+    for name in ("model", "data"):
+        if name not in tree:
+            ctx.add(name, "required section is missing")
+    built.setdefault("training", dict(TRAINING_DEFAULTS))
+    built.setdefault("strategy", StrategySection())
+    built.setdefault("eval", EvalSection())
+    recipe = Recipe(
+        model=built.get("model"),
+        data=built.get("data"),
+        training=built["training"],
+        strategy=built["strategy"] or StrategySection(),
+        eval=built["eval"] or EvalSection(),
+        source=source,
+    )
+    _validate_semantics(recipe, ctx)
+    if ctx.problems:
+        raise RecipeError(ctx.problems)
+    return recipe

@@ -1,0 +1,102 @@
+"""Tiny models for demos and tests: a tokenizer trained locally and a causal LM with random weights.
+
+Nothing here touches the Hub: the tokenizer is trained on the texts it is given (tokenizers' BPE trainer),
+the model is built from a config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+# ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on `texts`, with ChatML special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        unk_token=None,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def texts_of_jsonl(paths: Iterable[str]) -> list[str]:
+    """Every string value found in JSONL rows (messages' contents included), for tokenizer training."""
+    out: list[str] = []
+
+    def walk(v):
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    walk(json.loads(line))
+    return out
+
+
+def build_tiny_model(
+    output: str, texts: list[str], config: dict | None = None, vocab_size: int = 512, seed: int = 0
+) -> str:
+    """Train a tokenizer on `texts`, build a Llama-style model with random weights, save both to `output`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    cfg = dict(TINY_LLAMA, **(config or {}))
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **cfg,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    os.makedirs(output, exist_ok=True)
+    model.save_pretrained(output, safe_serialization=True)
+    tokenizer.save_pretrained(output)
+    return output

@@ -1,0 +1,83 @@
+"""Supervised fine-tuning of a causal LM from one YAML recipe.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py recipes/demo/sft.yaml [key=value ...]
+    python recipes/sft.py recipes/demo/sft.yaml training.max_steps=10
+
+parse -> model/tokenizer -> data -> trainer -> train -> save. The detail lives in the hftrain package.
+"""
+
+import math
+import sys
+
+from transformers import Trainer, set_seed
+
+from hftrain import distributed
+from hftrain.callbacks import CurvesCallback
+from hftrain.data import build_datasets
+from hftrain.errors import exit_on_user_error
+from hftrain.evaluate import exact_match
+from hftrain.modeling import load_model, load_tokenizer
+from hftrain.recipe import load_from_argv
+from hftrain.run import check_launch, save_final, write_recipe
+
+
+def evaluate(trainer, data, recipe) -> dict:
+    """Eval loss on the held-out set and, when asked, exact-match accuracy of greedy answers."""
+    out = {}
+    if data.eval is not None:
+        out["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if recipe.eval.exact_match:
+        out["exact_match"] = exact_match(trainer.model, trainer.processing_class, data.eval_examples, recipe.eval.max_new_tokens)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    # 1. Parse: defaults < YAML < command line, every problem reported at once.
+    recipe = load_from_argv(argv)
+    args = recipe.training_arguments()  # also initialises torch.distributed
+    check_launch(args, recipe)
+    set_seed(args.seed)
+
+    # 2. Model and tokenizer (same seed on every rank, so any random init agrees).
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    model = load_model(recipe.model)
+
+    # 3. Data: tokenised once on the main process, reused from the datasets cache by the others.
+    data = build_datasets(recipe.data, tokenizer, seed=args.seed, exact_match=recipe.eval.exact_match)
+    distributed.print0(f"hftrain: {len(data.train)} training examples"
+                       + (f", {len(data.eval)} held out" if data.eval is not None else ""))
+    write_recipe(recipe)
+
+    # 4. Trainer.
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+        data_collator=data.collator,
+        callbacks=[CurvesCallback()],
+    )
+
+    # 5. Train, with the held-out metrics before and after.
+    resuming = recipe.resume_from_checkpoint not in (None, False)
+    before = {} if resuming else evaluate(trainer, data, recipe)
+    train_result = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint or None)
+    after = evaluate(trainer, data, recipe)
+    metrics = {**train_result.metrics, **{f"final_{k}": v for k, v in after.items()},
+               **{f"initial_{k}": v for k, v in before.items()}}
+    trainer.log_metrics("train", train_result.metrics)
+
+    # 6. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir.
+    save_final(trainer, recipe, tokenizer, metrics)
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key, math.nan), after.get(key, math.nan)
+        distributed.print0(f"hftrain: {key}: before {b:.4f} -> after {a:.4f}")
+    distributed.print0(f"hftrain: saved to {recipe.output_dir}")
+    del trainer, model
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(sys.argv[1:])
