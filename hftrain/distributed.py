@@ -19,7 +19,10 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """This process's global rank; before the process group exists, the one the launcher exported."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def is_main_process() -> bool:

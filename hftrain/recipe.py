@@ -143,6 +143,11 @@ class Recipe:
         if "include_num_input_tokens_seen" not in kwargs:
             # With packing there is no attention_mask and pad may equal eos: count every token.
             kwargs["include_num_input_tokens_seen"] = "all" if self.data.packing else "non_padding"
+        if "eval_on_start" not in kwargs and (self.data.eval_sources or self.data.eval_fraction > 0):
+            # The "before" eval loss. It must come from inside train(): a trainer.evaluate() before train() marks
+            # the model prepared, and train() then skips the DDP wrap (transformers 5.23 / accelerate 1.15), so each
+            # rank silently trains its own copy.
+            kwargs["eval_on_start"] = True
         if "use_cpu" not in kwargs and not accelerator_available():
             # Without it a GPU-less multi-process launch silently trains world-size-1 copies (FEASIBILITY.md).
             kwargs["use_cpu"] = True
@@ -312,6 +317,14 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _yaml11_word(value: bool, allowed) -> Any:
+    """YAML 1.1 reads an unquoted `no`/`off` as false: map it back when the field wants that word."""
+    for word in (("no", "off", "false") if value is False else ("yes", "on", "true")):
+        if word in allowed:
+            return word
+    return value
+
+
 def _check(value: Any, tp, key: str, ctx: _Ctx) -> tuple[bool, Any]:
     """(ok, converted) for value against annotation tp; nested dataclasses are built and checked."""
     origin = typing.get_origin(tp)
@@ -322,6 +335,8 @@ def _check(value: Any, tp, key: str, ctx: _Ctx) -> tuple[bool, Any]:
         if value is None:
             return type(None) in args, None
         enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+        if enums and isinstance(value, bool) and not any(a is bool for a in args):
+            value = _yaml11_word(value, [m.value for e in enums for m in e])
         if enums and isinstance(value, str):  # transformers' `SchedulerType | str`: the str must still be a member
             return any(value in [m.value for m in e] for e in enums), value
         for a in args:
@@ -337,6 +352,8 @@ def _check(value: Any, tp, key: str, ctx: _Ctx) -> tuple[bool, Any]:
             return _check(value, real[0], key, ctx)
         return False, value
     if origin is Literal:
+        if isinstance(value, bool):
+            value = _yaml11_word(value, typing.get_args(tp))
         return value in typing.get_args(tp), value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):

@@ -91,6 +91,24 @@ def run_info(trainer) -> dict:
     }
 
 
+def first_eval(log_history: list[dict]) -> dict:
+    """The eval loss logged at step 0 (eval_on_start), if any."""
+    for h in log_history:
+        if "eval_loss" in h and h.get("step") == 0:
+            return {"eval_loss": h["eval_loss"]}
+    return {}
+
+
+def check_ranks_agree(info: dict) -> None:
+    """Data parallelism means every rank ends with the same weights; anything else is a silent fallback."""
+    digests = info["rank_weight_digests"]
+    if info["world_size"] > 1 and launcher_strategy() == "ddp" and len(set(digests)) != 1:
+        raise LaunchError(
+            f"the {len(digests)} ranks hold different weights after training (wrapper: {info['wrapper']}): "
+            "gradients were not synchronised, the saved model is one rank's copy. Please report this with run_info.json"
+        )
+
+
 def save_final(trainer, recipe: Recipe, tokenizer, metrics: dict) -> dict:
     """Consolidated safetensors + tokenizer in output_dir, final trainer_state.json, run_info.json, merged LoRA."""
     out = recipe.output_dir
@@ -105,4 +123,5 @@ def save_final(trainer, recipe: Recipe, tokenizer, metrics: dict) -> dict:
             save_merged(trainer.model, tokenizer, out)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()
+    check_ranks_agree(info)
     return info

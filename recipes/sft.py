@@ -18,17 +18,15 @@ from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.modeling import load_model, load_tokenizer
 from hftrain.recipe import load_from_argv
-from hftrain.run import check_launch, save_final, write_recipe
+from hftrain.run import check_launch, first_eval, save_final, write_recipe
 
 
-def evaluate(trainer, data, recipe) -> dict:
-    """Eval loss on the held-out set and, when asked, exact-match accuracy of greedy answers."""
-    out = {}
-    if data.eval is not None:
-        out["eval_loss"] = trainer.evaluate()["eval_loss"]
-    if recipe.eval.exact_match:
-        out["exact_match"] = exact_match(trainer.model, trainer.processing_class, data.eval_examples, recipe.eval.max_new_tokens)
-    return out
+def exact_match_now(trainer, data, recipe) -> dict:
+    """Exact-match accuracy of greedy answers on held-out prompts (generation with the unwrapped model)."""
+    if not recipe.eval.exact_match:
+        return {}
+    return {"exact_match": exact_match(trainer.model, trainer.processing_class, data.eval_examples,
+                                       recipe.eval.max_new_tokens)}
 
 
 def main(argv: list[str]) -> None:
@@ -40,7 +38,7 @@ def main(argv: list[str]) -> None:
 
     # 2. Model and tokenizer (same seed on every rank, so any random init agrees).
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-    model = load_model(recipe.model)
+    model = load_model(recipe.model, packing=recipe.data.packing)
 
     # 3. Data: tokenised once on the main process, reused from the datasets cache by the others.
     data = build_datasets(recipe.data, tokenizer, seed=args.seed, exact_match=recipe.eval.exact_match)
@@ -59,11 +57,12 @@ def main(argv: list[str]) -> None:
         callbacks=[CurvesCallback()],
     )
 
-    # 5. Train, with the held-out metrics before and after.
-    resuming = recipe.resume_from_checkpoint not in (None, False)
-    before = {} if resuming else evaluate(trainer, data, recipe)
+    # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments).
+    before = exact_match_now(trainer, data, recipe)
     train_result = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint or None)
-    after = evaluate(trainer, data, recipe)
+    before.update(first_eval(trainer.state.log_history))
+    after = {**exact_match_now(trainer, data, recipe),
+             **({"eval_loss": trainer.evaluate()["eval_loss"]} if data.eval is not None else {})}
     metrics = {**train_result.metrics, **{f"final_{k}": v for k, v in after.items()},
                **{f"initial_{k}": v for k, v in before.items()}}
     trainer.log_metrics("train", train_result.metrics)
