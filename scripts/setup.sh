@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install hftrain with its test extras. On a machine without an NVIDIA GPU the CPU build of
+# torch (torch==2.13.0) goes in first, so the package's torch range does not pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e ".[test]"
+.venv/bin/python -c "import hftrain, torch, transformers; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
