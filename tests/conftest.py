@@ -40,3 +40,5 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subproce
 
 
 PY = sys.executable
+# `accelerate launch` of the interpreter running the tests (the venv need not be on PATH).
+ACCELERATE_LAUNCH = [PY, "-m", "accelerate.commands.launch"]

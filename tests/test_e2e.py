@@ -10,7 +10,7 @@ import yaml
 
 from hftrain.run import weights_digest
 
-from .conftest import DEMO_EVAL, DEMO_TRAIN, PY, REPO, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, free_port, run
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_single_process_train_save_reload_resume(tmp_path, tiny_model_dir):
 
 def test_two_processes_ddp(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
-    cmd = ["accelerate", "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "recipes/sft.py", recipe_file(tmp_path, tiny_model_dir, out), "training.save_steps=100"]
     r = run(cmd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -94,7 +94,7 @@ def test_two_process_bad_data_fails_fast_on_every_rank(tmp_path, tiny_model_dir)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": oops}\n')
     rec = recipe_file(tmp_path, tiny_model_dir, tmp_path / "out")
-    cmd = ["accelerate", "launch", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
            str(free_port()), "recipes/sft.py", rec, f"data.sources.0.path={bad}"]
     r = run(cmd, timeout=120)
     assert r.returncode != 0
