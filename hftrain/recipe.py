@@ -93,6 +93,15 @@ class EvalSection:
     max_new_tokens: int = _f(32, "Generation length for exact_match.")
 
 
+# Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
+HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
+    "loss_averaging": (
+        Literal["token", "sequence"],
+        "token",
+        "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
+        "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
+    ),
+}
 # hftrain's defaults for TrainingArguments fields, overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {
     "output_dir": "runs/hftrain",
@@ -103,13 +112,15 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "save_total_limit": 2,
     # All parameters take part in every step of a causal LM; True costs an extra all-reduce per step.
     "ddp_find_unused_parameters": False,
-    "average_tokens_across_devices": True,
+    **{k: v[1] for k, v in HFTRAIN_TRAINING_KEYS.items()},
 }
 # TrainingArguments fields the recipe owns elsewhere, or must never hold.
 TRAINING_REFUSED = {
     "hub_token": "the Hub token is read from HF_TOKEN or `hf auth login`, never from a recipe (it would be saved with the run)",
     "gradient_checkpointing": "set model.gradient_checkpointing instead",
     "activation_checkpointing": "set model.gradient_checkpointing instead",
+    "average_tokens_across_devices": "hftrain always normalises the loss over the global batch (training.loss_averaging)",
+    "use_liger_kernel": "Liger's fused loss returns no logits and bypasses hftrain's loss normalisation",
 }
 
 
@@ -138,7 +149,8 @@ class Recipe:
         """TrainingArguments from the `training:` section (this also sets up torch.distributed)."""
         from transformers import TrainingArguments
 
-        kwargs = {k: v for k, v in self.training.items() if k != "resume_from_checkpoint"}
+        skip = {"resume_from_checkpoint", *HFTRAIN_TRAINING_KEYS}
+        kwargs = {k: v for k, v in self.training.items() if k not in skip}
         kwargs["activation_checkpointing"] = self.model.gradient_checkpointing
         if "include_num_input_tokens_seen" not in kwargs:
             # With packing there is no attention_mask and pad may equal eos: count every token.
@@ -450,10 +462,10 @@ def _validate_training(raw: dict, ctx: _Ctx) -> dict:
         if name in TRAINING_REFUSED:
             ctx.add(key, f"not accepted here: {TRAINING_REFUSED[name]}")
             continue
-        if name not in names:
-            _unknown(key, str(name), sorted(names - set(TRAINING_REFUSED)), ctx)
+        if name not in names and name not in HFTRAIN_TRAINING_KEYS:
+            _unknown(key, str(name), sorted((names | set(HFTRAIN_TRAINING_KEYS)) - set(TRAINING_REFUSED)), ctx)
             continue
-        tp = hints.get(name, Any)
+        tp = HFTRAIN_TRAINING_KEYS[name][0] if name in HFTRAIN_TRAINING_KEYS else hints.get(name, Any)
         if name == "resume_from_checkpoint":
             tp = str | bool | None  # true = the newest checkpoint in output_dir
         ok, conv = _check(value, tp, key, ctx)

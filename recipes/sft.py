@@ -9,7 +9,7 @@ parse -> model/tokenizer -> data -> trainer -> train -> save. The detail lives i
 import math
 import sys
 
-from transformers import Trainer, set_seed
+from transformers import set_seed
 
 from hftrain import distributed
 from hftrain.callbacks import CurvesCallback
@@ -18,6 +18,7 @@ from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.modeling import load_model, load_tokenizer
 from hftrain.recipe import load_from_argv
+from hftrain.trainer import HFTrainer
 from hftrain.run import check_launch, first_eval, save_final, write_recipe
 
 
@@ -46,8 +47,8 @@ def main(argv: list[str]) -> None:
                        + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     write_recipe(recipe)
 
-    # 4. Trainer.
-    trainer = Trainer(
+    # 4. Trainer: transformers' Trainer with hftrain's exact loss normalisation (hftrain/losses.py).
+    trainer = HFTrainer(
         model=model,
         args=args,
         train_dataset=data.train,
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> None:
         processing_class=tokenizer,
         data_collator=data.collator,
         callbacks=[CurvesCallback()],
+        loss_averaging=recipe.training["loss_averaging"],
     )
 
     # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments).

@@ -1,0 +1,92 @@
+"""The loss maths, once: exact token-level and sequence-level averaging over the global batch, and aux losses.
+
+The quantity hftrain trains on, for one optimizer step, is
+
+    token:    sum over ranks, micro-batches and target tokens of CE  /  global number of target tokens
+    sequence: sum over ranks, micro-batches and sequences of (mean CE of the sequence)  /  global number of sequences
+
+Each micro-batch contributes `loss_sum(micro-batch) / global_count * dp_size`: the data-parallel engine (DDP,
+FSDP, DeepSpeed) averages gradients over the `dp_size` ranks, which cancels the factor, and the micro-batches of
+an accumulation window add up. Nothing is divided by the accumulation steps again.
+
+A target is a label != -100 after the causal shift (labels[..., 1:]). Sequences are rows, or, in packed rows,
+the runs of position_ids that restart at 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+MODES = ("token", "sequence")
+
+
+def segment_ids(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) ids, unique over the batch, of the sequence each position belongs to."""
+    b, t = labels.shape
+    row = torch.arange(b, device=labels.device).unsqueeze(1) * (t + 1)
+    if position_ids is None:
+        return row.expand(b, t)
+    pos = position_ids.expand(b, t) if position_ids.shape[0] != b else position_ids
+    starts = (pos == 0).long()
+    starts[:, 0] = 1
+    return row + starts.cumsum(dim=1)
+
+
+def shifted(labels: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """Targets for positions 0..T-2 and the sequence each belongs to."""
+    return labels[:, 1:], segment_ids(labels, position_ids)[:, 1:]
+
+
+def count_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[int, int]:
+    """(target tokens, sequences with at least one target) in one micro-batch."""
+    targets, seg = shifted(labels, position_ids)
+    mask = targets != IGNORE_INDEX
+    return int(mask.sum()), int(torch.unique(seg[mask]).numel())
+
+
+def loss_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    mode: str = "token",
+    position_ids: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """The micro-batch's share of the numerator: sum of target CE (token) or of per-sequence mean CE (sequence)."""
+    targets, seg = shifted(labels, position_ids)
+    logits = logits[:, :-1].float()
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
+    mask = targets.reshape(-1) != IGNORE_INDEX
+    if mode == "token":
+        return ce[mask].sum()
+    if mode != "sequence":
+        raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")
+    seg = seg.reshape(-1)[mask]
+    _, inverse = torch.unique(seg, return_inverse=True)
+    n = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(n, dtype=ce.dtype, device=ce.device).index_add(0, inverse, ce[mask])
+    counts = torch.zeros(n, dtype=ce.dtype, device=ce.device).index_add(0, inverse, torch.ones_like(ce[mask]))
+    return (sums / counts).sum()
+
+
+def normalise(loss_sum_: torch.Tensor, global_count: torch.Tensor | int, dp_size: int) -> torch.Tensor:
+    """What a micro-batch returns for backward (see the module docstring)."""
+    return loss_sum_ / global_count * dp_size
+
+
+def aux_loss_term(aux: torch.Tensor, coef: float, accumulation_steps: int) -> torch.Tensor:
+    """Term to add to a micro-batch's normalised loss so that the step's gradient is
+    `coef * grad(mean of aux over every micro-batch of every rank)`, whatever the world size and accumulation.
+
+    Why: each micro-batch's term is summed over the accumulation window and averaged over the dp ranks, so
+    dividing by the accumulation steps leaves the mean over all micro-batches. (An aux loss added inside the
+    model's forward instead rides on the main loss and is multiplied by the dp size.)
+    """
+    return coef * aux / accumulation_steps

@@ -1,0 +1,89 @@
+"""hftrain's Trainer: transformers' Trainer with the loss normalisation of `losses.py`.
+
+Three small overrides, nothing else:
+- `_get_num_items_in_batch`: count the step's target tokens and sequences over all micro-batches and ranks
+  (one all-gather), instead of tokens only;
+- `compute_loss`: the model returns logits only (no labels are passed, so no model-internal loss or aux loss is
+  scaled behind our back) and the loss is `losses.loss_sum / global count * dp_size`, plus registered aux terms;
+- `log`: adds the global target-token count per step.
+Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
+nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import Trainer
+
+from . import losses
+
+
+class HFTrainer(Trainer):
+    def __init__(self, *args, loss_averaging: str = "token", **kwargs):
+        if loss_averaging not in losses.MODES:
+            raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
+        super().__init__(*args, **kwargs)
+        self.loss_averaging = loss_averaging
+        self.loss_is_scaled_for_ga = True  # our loss is already normalised over the whole accumulated batch
+        # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term
+        self.aux_losses: dict[str, tuple[Callable, float]] = {}
+        self._step_counts: list[tuple[int, int]] = []
+        self._last_counts: tuple[int, int] | None = None
+        self._aux_logged: dict[str, list[float]] = {}
+
+    # -- counting --------------------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        local = torch.zeros(2, dtype=torch.long, device=device)
+        for b in batch_samples:
+            tokens, seqs = losses.count_targets(b["labels"], b.get("position_ids"))
+            local += torch.tensor([tokens, seqs], device=device)
+        total = self.accelerator.gather(local.unsqueeze(0)).sum(0) if self.args.world_size > 1 else local
+        self._last_counts = (int(total[0]), int(total[1]))
+        count = total[0] if self.loss_averaging == "token" else total[1]
+        return count.clamp(min=1)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """One optimizer step's micro-batches (training only): remember the step's global counts for logging."""
+        self._last_counts = None
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._last_counts is not None:
+            self._step_counts.append(self._last_counts)
+        return batch_samples, num_items
+
+    # -- loss ------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
+            num_items_in_batch = max(losses.count_targets(labels, inputs.get("position_ids"))[0 if self.loss_averaging == "token" else 1], 1)
+        dp_size = self.accelerator.num_processes // self.get_tp_size()
+        total = losses.normalise(
+            losses.loss_sum(outputs.logits, labels, self.loss_averaging, inputs.get("position_ids"),
+                            self.args.label_smoothing_factor),
+            num_items_in_batch,
+            dp_size,
+        )
+        if model.training:
+            for name, (fn, coef) in self.aux_losses.items():
+                aux = fn(outputs)
+                total = total + losses.aux_loss_term(aux, coef, self.current_gradient_accumulation_steps)
+                self._aux_logged.setdefault(name, []).append(float(aux.detach()))
+        return (total, outputs) if return_outputs else total
+
+    # -- logging ---------------------------------------------------------------------------------------------
+    def log(self, logs: dict, start_time=None) -> None:
+        if "loss" in logs and self._step_counts:
+            tokens = [c[0] for c in self._step_counts]
+            logs["target_tokens_per_step"] = sum(tokens) / len(tokens)
+            if self.loss_averaging == "sequence":
+                logs["sequences_per_step"] = sum(c[1] for c in self._step_counts) / len(self._step_counts)
+            self._step_counts.clear()
+            for name, values in self._aux_logged.items():
+                logs[name] = sum(values) / len(values)
+            self._aux_logged.clear()
+        super().log(logs, start_time)
