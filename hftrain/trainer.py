@@ -59,8 +59,14 @@ class HFTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         outputs = model(**inputs)
+        if getattr(outputs, "logits", None) is None:
+            raise ValueError(
+                f"{type(self.accelerator.unwrap_model(model)).__name__} returned no logits; hftrain computes the loss "
+                "from logits so that it is exact over the global batch (a fused-loss kernel cannot be used)"
+            )
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
-            num_items_in_batch = max(losses.count_targets(labels, inputs.get("position_ids"))[0 if self.loss_averaging == "token" else 1], 1)
+            tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
+            num_items_in_batch = max(tokens if self.loss_averaging == "token" else seqs, 1)
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         total = losses.normalise(
             losses.loss_sum(outputs.logits, labels, self.loss_averaging, inputs.get("position_ids"),

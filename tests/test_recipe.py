@@ -96,9 +96,21 @@ def test_semantic_rules(tmp_path):
 
 def test_token_and_owned_fields_refused():
     with pytest.raises(RecipeError) as e:
-        load_recipe(None, ["training.hub_token=hf_secret", "training.gradient_checkpointing=true"], raw=dict(BASE))
+        load_recipe(None, ["training.hub_token=hf_secret", "training.gradient_checkpointing=true",
+                           "training.average_tokens_across_devices=false", "training.use_liger_kernel=true"],
+                    raw=dict(BASE))
     assert "training.hub_token: not accepted here" in str(e.value)
     assert "set model.gradient_checkpointing instead" in str(e.value)
+    assert "training.average_tokens_across_devices: not accepted here" in str(e.value)
+    assert "training.use_liger_kernel: not accepted here" in str(e.value)
+
+
+def test_loss_averaging_key():
+    assert load_recipe(None, [], raw=dict(BASE)).training["loss_averaging"] == "token"
+    assert load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)).training["loss_averaging"] == "sequence"
+    with pytest.raises(RecipeError, match="training.loss_averaging: expected one of 'token', 'sequence', got 'tokens'"):
+        load_recipe(None, ["training.loss_averaging=tokens"], raw=dict(BASE))
+    assert "loss_averaging" not in vars(load_recipe(None, [], raw=dict(BASE)).training_arguments())
 
 
 def test_override_syntax_errors():
