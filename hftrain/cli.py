@@ -1,4 +1,4 @@
-"""The `hftrain` command: `check` a recipe, build a `tiny-model` for demos and tests."""
+"""The `hftrain` command: `check` a recipe, render its strategy `config`, build a `tiny-model` for demos and tests."""
 
 from __future__ import annotations
 
@@ -24,6 +24,35 @@ def _tiny_model(ns) -> int:
     return 0
 
 
+def _config(ns) -> int:
+    from dataclasses import replace
+
+    from .recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
+    from .strategies import render
+
+    training = None
+    if ns.recipe:
+        recipe = load_recipe(ns.recipe, ns.overrides)
+        strategy, training = recipe.strategy, recipe.training
+        if ns.strategy:
+            strategy = replace(strategy, name=ns.strategy)
+        if strategy.name is None:
+            raise RecipeError([f"{ns.recipe}: strategy.name is unset; set it in the recipe or pass --strategy NAME"])
+        out = ns.output or recipe.output_dir
+        names = [strategy.name]
+    else:
+        if ns.overrides:
+            raise RecipeError(["command line: overrides need a recipe: hftrain config RECIPE key=value ..."])
+        if not ns.strategy and not ns.all:
+            raise RecipeError(["command line: give a recipe, --strategy NAME or --all"])
+        names = list(STRATEGIES) if ns.all else [ns.strategy]
+        strategy, out = StrategySection(), ns.output or "accelerate_configs"
+    for name in names:
+        for path in render(replace(strategy, name=name), out, training):
+            print(f"hftrain: wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -32,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("recipe", help="recipe YAML")
     c.add_argument("overrides", nargs="*", help="section.key=value overrides")
     c.set_defaults(fn=_check)
+
+    g = sub.add_parser(
+        "config", allow_abbrev=False,
+        help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, or for --strategy NAME / --all.",
+    )
+    g.add_argument("recipe", nargs="?", help="recipe YAML (optional)")
+    g.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    g.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"])
+    g.add_argument("--all", action="store_true", help="every strategy (how accelerate_configs/ is made)")
+    g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
+    g.set_defaults(fn=_config)
 
     t = sub.add_parser(
         "tiny-model", allow_abbrev=False,
@@ -49,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .errors import exit_on_user_error
 
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command in ("check", "config"):
+        ns.overrides = list(ns.overrides or []) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     with exit_on_user_error():
         return ns.fn(ns)
 

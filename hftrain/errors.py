@@ -12,7 +12,7 @@ def user_error_types() -> tuple[type, ...]:
     from .data import DataError
     from .modeling import ModelError
     from .recipe import RecipeError
-    from .run import LaunchError
+    from .engine import LaunchError
 
     return (RecipeError, DataError, ModelError, LaunchError)
 

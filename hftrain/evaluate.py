@@ -8,10 +8,12 @@ from . import distributed
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32) -> float:
+def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32, lockstep: bool = False) -> float:
     """Share of `examples` whose greedy answer equals the reference (whitespace-stripped).
 
-    Each rank generates its slice (rank::world); counts are summed over ranks. `model` is the unwrapped model.
+    Replicated models: each rank generates its slice (rank::world) and counts are summed over ranks.
+    Sharded models (`lockstep`: FSDP, ZeRO-3): every forward is a collective, so every rank generates every
+    example (greedy decoding makes the ranks agree on each answer's length) with `synced_gpus`.
     """
     if not examples:
         return float("nan")
@@ -19,7 +21,7 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32
     model.eval()
     device = next(model.parameters()).device
     correct = 0
-    mine = examples[distributed.rank() :: distributed.world_size()]
+    mine = examples if lockstep else examples[distributed.rank() :: distributed.world_size()]
     for ex in mine:
         if "messages" in ex:
             ids = tokenizer.apply_chat_template(ex["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
@@ -33,9 +35,10 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32
             do_sample=False,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            synced_gpus=lockstep and distributed.world_size() > 1,
         )
         answer = tokenizer.decode(out[0, inp.shape[1] :], skip_special_tokens=True)
         correct += int(answer.strip() == ex["reference"].strip())
     if was_training:
         model.train()
-    return distributed.all_reduce_sum(correct) / len(examples)
+    return (correct if lockstep else distributed.all_reduce_sum(correct)) / len(examples)

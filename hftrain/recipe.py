@@ -83,6 +83,20 @@ class StrategySection:
     name: Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"] | None = _f(
         None, "How to distribute. Unset: the launcher's config decides; set: it must agree with the launcher."
     )
+    num_processes: int | None = _f(None, "Processes in all (all machines); default 2.")
+    num_machines: int | None = _f(None, "Machines (nodes); default 1.")
+    machine_rank: int | None = _f(None, "This machine's rank among the machines; default 0.")
+    main_process_ip: str | None = _f(None, "Address of machine 0 (several machines).")
+    main_process_port: int | None = _f(None, "Port of the rendezvous on machine 0; default 29500.")
+    fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
+    fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
+    fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
+    pin_memory: bool | None = _f(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
+    nvme_path: str | None = _f(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
+    aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
+    aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
+    buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
+    buffer_size: int | None = _f(None, "zero_infinity: bytes per parameter swap buffer; default 1e8.")
 
 
 @dataclass
@@ -145,12 +159,15 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
-    def training_arguments(self):
-        """TrainingArguments from the `training:` section (this also sets up torch.distributed)."""
+    def training_arguments(self, **extra):
+        """TrainingArguments from the `training:` section (this also sets up torch.distributed).
+
+        `extra` are the strategy's additions (e.g. the DeepSpeed config), see hftrain.engine."""
         from transformers import TrainingArguments
 
         skip = {"resume_from_checkpoint", *HFTRAIN_TRAINING_KEYS}
         kwargs = {k: v for k, v in self.training.items() if k not in skip}
+        kwargs.update(extra)
         kwargs["activation_checkpointing"] = self.model.gradient_checkpointing
         if "include_num_input_tokens_seen" not in kwargs:
             # With packing there is no attention_mask and pad may equal eos: count every token.
@@ -503,6 +520,11 @@ def _validate_semantics(recipe: Recipe, ctx: _Ctx) -> None:
         ctx.add("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction")
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0 and not has_eval:
         ctx.add("eval.exact_match", "needs held-out data: set data.eval_sources or data.eval_fraction")
+    if isinstance(recipe.strategy, StrategySection):
+        from .strategies import option_problems
+
+        for key, msg in option_problems(recipe.strategy):
+            ctx.add(key, msg)
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         ctx.add("model.lora.r", f"must be > 0, got {lora.r}")

@@ -9,28 +9,16 @@ import os
 import torch
 
 from . import distributed
-from .recipe import Recipe
+from .fileio import atomic_write
+from .engine import SHARDED, LaunchError, describe
+from .recipe import Recipe, StrategySection
 
 RECIPE_FILE = "recipe.yaml"
 RUN_INFO_FILE = "run_info.json"
 
 
-class LaunchError(RuntimeError):
-    pass
-
-
-def launcher_strategy() -> str:
-    """The strategy family the launcher set up, from the environment accelerate's launcher exports."""
-    env = os.environ
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
-    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        return "fsdp"
-    return "ddp"
-
-
-def check_launch(args, recipe: Recipe) -> None:
-    """Stop before any model is loaded when the processes are not what the launcher and the recipe say."""
+def check_world_size(args) -> None:
+    """Stop before any model is loaded when the processes are not what the launcher says."""
     expected = distributed.launcher_world_size()
     if args.world_size != expected:
         raise LaunchError(
@@ -38,26 +26,6 @@ def check_launch(args, recipe: Recipe) -> None:
             "would train separate copies. On a machine without GPU leave training.use_cpu unset (hftrain sets it) "
             "and launch with torchrun or a MULTI_GPU accelerate config"
         )
-    wanted = recipe.strategy.name
-    have = launcher_strategy()
-    if wanted is None:
-        return
-    family = "zero" if wanted.startswith("zero") else wanted
-    if not have.startswith(family) or (family == "zero" and wanted[4:5].isdigit() and have != wanted[:5]):
-        raise LaunchError(
-            f"{recipe.source}: strategy.name is '{wanted}' but the launcher set up '{have}'. Launch with the "
-            f"accelerate config for '{wanted}', or change strategy.name to '{have}' (or remove it to let the "
-            "launcher decide)"
-        )
-
-
-def atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_recipe(recipe: Recipe) -> None:
@@ -65,6 +33,14 @@ def write_recipe(recipe: Recipe) -> None:
     if distributed.is_main_process():
         os.makedirs(recipe.output_dir, exist_ok=True)
         atomic_write(os.path.join(recipe.output_dir, RECIPE_FILE), recipe.to_yaml())
+
+
+def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> None:
+    """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
+    if distributed.is_main_process():
+        from .strategies import render
+
+        render(strategy, recipe.output_dir, recipe.training)
 
 
 def weights_digest(model) -> str:
@@ -76,17 +52,34 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def run_info(trainer) -> dict:
-    """What actually ran: world size, backend, the wrapper around the model, per-rank weight digests."""
+PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_info.json records
+
+
+@torch.no_grad()
+def probe_logits(trainer) -> list:
+    """Logits of the trained model on PROBE_IDS, through the engine that trained it (every rank takes part)."""
+    model = trainer.model_wrapped
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor(PROBE_IDS, device=trainer.args.device) % trainer.model.config.vocab_size
+    logits = model(input_ids=ids).logits.float().cpu()
+    model.train(was_training)
+    return logits.tolist()
+
+
+def run_info(trainer, strategy: StrategySection) -> dict:
+    """What actually ran: world size, backend, engine, per-rank weight digests (replicated strategies), probe logits."""
     import torch.distributed as dist
 
+    replicated = strategy.name not in SHARDED
     return {
         "world_size": trainer.args.world_size,
         "launcher_world_size": distributed.launcher_world_size(),
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "distributed_type": str(trainer.accelerator.distributed_type),
-        "wrapper": type(trainer.model_wrapped).__name__,
-        "rank_weight_digests": distributed.all_gather_object(weights_digest(trainer.model)),
+        **describe(trainer, strategy),
+        "rank_weight_digests": distributed.all_gather_object(weights_digest(trainer.model)) if replicated else None,
+        "probe_logits": probe_logits(trainer),
         "global_step": trainer.state.global_step,
     }
 
@@ -102,19 +95,22 @@ def first_eval(log_history: list[dict]) -> dict:
 def check_ranks_agree(info: dict) -> None:
     """Data parallelism means every rank ends with the same weights; anything else is a silent fallback."""
     digests = info["rank_weight_digests"]
-    if info["world_size"] > 1 and launcher_strategy() == "ddp" and len(set(digests)) != 1:
+    if digests and len(set(digests)) != 1:
         raise LaunchError(
             f"the {len(digests)} ranks hold different weights after training (wrapper: {info['wrapper']}): "
             "gradients were not synchronised, the saved model is one rank's copy. Please report this with run_info.json"
         )
 
 
-def save_final(trainer, recipe: Recipe, tokenizer, metrics: dict) -> dict:
+def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, metrics: dict) -> dict:
     """Consolidated safetensors + tokenizer in output_dir, final trainer_state.json, run_info.json, merged LoRA."""
     out = recipe.output_dir
+    if strategy.name == "fsdp":
+        # Sharded state dicts make checkpoints fast, but save_model() would write no weights with them.
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(out)  # model.safetensors (or the adapter), tokenizer and chat template
     trainer.save_state()
-    info = run_info(trainer)
+    info = run_info(trainer, strategy)
     info["metrics"] = metrics
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:

@@ -11,30 +11,33 @@ import sys
 
 from transformers import set_seed
 
-from hftrain import distributed
+from hftrain import distributed, engine
 from hftrain.callbacks import CurvesCallback
 from hftrain.data import build_datasets
 from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.modeling import load_model, load_tokenizer
 from hftrain.recipe import load_from_argv
+from hftrain.run import check_world_size, first_eval, save_final, write_recipe, write_strategy_configs
 from hftrain.trainer import HFTrainer
-from hftrain.run import check_launch, first_eval, save_final, write_recipe
 
 
-def exact_match_now(trainer, data, recipe) -> dict:
+def exact_match_now(trainer, data, recipe, sharded: bool) -> dict:
     """Exact-match accuracy of greedy answers on held-out prompts (generation with the unwrapped model)."""
     if not recipe.eval.exact_match:
         return {}
     return {"exact_match": exact_match(trainer.model, trainer.processing_class, data.eval_examples,
-                                       recipe.eval.max_new_tokens)}
+                                       recipe.eval.max_new_tokens, lockstep=sharded)}
 
 
 def main(argv: list[str]) -> None:
-    # 1. Parse: defaults < YAML < command line, every problem reported at once.
+    # 1. Parse: defaults < YAML < command line, every problem reported at once; then the launcher's strategy
+    #    with the recipe's options applied (a disagreement stops here, before any model is loaded).
     recipe = load_from_argv(argv)
-    args = recipe.training_arguments()  # also initialises torch.distributed
-    check_launch(args, recipe)
+    strategy = engine.resolve_strategy(recipe)
+    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy))  # starts torch.distributed
+    engine.after_training_arguments(strategy)
+    check_world_size(args)
     set_seed(args.seed)
 
     # 2. Model and tokenizer (same seed on every rank, so any random init agrees).
@@ -46,6 +49,7 @@ def main(argv: list[str]) -> None:
     distributed.print0(f"hftrain: {len(data.train)} training examples"
                        + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     write_recipe(recipe)
+    write_strategy_configs(recipe, strategy)
 
     # 4. Trainer: transformers' Trainer with hftrain's exact loss normalisation (hftrain/losses.py).
     trainer = HFTrainer(
@@ -59,18 +63,21 @@ def main(argv: list[str]) -> None:
         loss_averaging=recipe.training["loss_averaging"],
     )
 
-    # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments).
-    before = exact_match_now(trainer, data, recipe)
+    # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments); greedy
+    #    answers before training need the whole model on each rank (not the case under ZeRO-3's zero.Init).
+    sharded = strategy.name in engine.SHARDED
+    before = {} if strategy.name in ("zero3", "zero3_offload", "zero_infinity") else exact_match_now(
+        trainer, data, recipe, sharded=False)
     train_result = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint or None)
     before.update(first_eval(trainer.state.log_history))
-    after = {**exact_match_now(trainer, data, recipe),
+    after = {**exact_match_now(trainer, data, recipe, sharded),
              **({"eval_loss": trainer.evaluate()["eval_loss"]} if data.eval is not None else {})}
     metrics = {**train_result.metrics, **{f"final_{k}": v for k, v in after.items()},
                **{f"initial_{k}": v for k, v in before.items()}}
     trainer.log_metrics("train", train_result.metrics)
 
     # 6. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir.
-    save_final(trainer, recipe, tokenizer, metrics)
+    save_final(trainer, recipe, strategy, tokenizer, metrics)
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key, math.nan), after.get(key, math.nan)
         distributed.print0(f"hftrain: {key}: before {b:.4f} -> after {a:.4f}")

@@ -1,0 +1,113 @@
+"""The strategy at run time: what the launcher set up, agreement with the recipe, and the per-run options.
+
+The launcher (accelerate's config) decides processes and the engine family; the recipe's `strategy:` options
+are applied on top, so `strategy.nvme_path=/mnt/nvme` works with a shipped config too: for ZeRO the DeepSpeed
+config is re-rendered from the recipe and given to TrainingArguments; for FSDP the options go into the FSDP_*
+variables accelerate reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+from .recipe import Recipe, StrategySection, accelerator_available
+from .strategies import ZERO_STAGE, deepspeed_config
+
+SHARDED = {"fsdp", "zero3", "zero3_offload", "zero_infinity"}  # no rank holds all parameters
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _zero_name_from_json(cfg: dict) -> str:
+    zero = cfg.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage != 3:
+        return f"zero{stage}"
+    devices = {zero.get("offload_param", {}).get("device"), zero.get("offload_optimizer", {}).get("device")}
+    return "zero_infinity" if "nvme" in devices else "zero3_offload" if "cpu" in devices else "zero3"
+
+
+def launcher_strategy() -> str:
+    """The strategy the launcher set up, read from the environment accelerate's launcher exports."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                return _zero_name_from_json(json.load(fh))
+        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    return "ddp"
+
+
+def resolve_strategy(recipe: Recipe) -> StrategySection:
+    """The recipe's strategy section with the name the launcher runs; a disagreement stops the run."""
+    have = launcher_strategy()
+    wanted = recipe.strategy.name
+    if wanted is not None and wanted != have:
+        raise LaunchError(
+            f"{recipe.source}: strategy.name is '{wanted}' but the launcher set up '{have}'. Launch with "
+            f"`--config_file accelerate_configs/{wanted}.yaml` (or `hftrain launch`), or set strategy.name to "
+            f"'{have}', or remove strategy.name to let the launcher decide"
+        )
+    strategy = replace(recipe.strategy, name=have)
+    from .strategies import option_problems
+
+    problems = option_problems(strategy)
+    optim = str(recipe.training.get("optim", "adamw_torch"))
+    if strategy.name in ("zero3_offload", "zero_infinity") and not optim.startswith("adamw"):
+        problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
+                         "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
+    if problems:
+        raise LaunchError("; ".join(f"{recipe.source}: {k}: {m}" for k, m in problems))
+    return strategy
+
+
+def training_arguments_kwargs(strategy: StrategySection) -> dict:
+    """TrainingArguments additions for the strategy; sets the FSDP_* environment and the CPU shims it needs."""
+    if strategy.name in ZERO_STAGE:
+        # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use: keep them in a cache hftrain names
+        # rather than wherever the home directory happens to be.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))
+        return {"deepspeed": deepspeed_config(strategy)}
+    if strategy.name == "fsdp":
+        for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
+                         ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
+            value = getattr(strategy, key)
+            if value is not None:
+                os.environ[env] = str(value).lower()
+        if strategy.fsdp_wrap_class:
+            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = strategy.fsdp_wrap_class
+        if not accelerator_available():
+            from .cpu_compat import apply_fsdp_on_cpu
+
+            apply_fsdp_on_cpu()
+    return {}
+
+
+def after_training_arguments(strategy: StrategySection) -> None:
+    """DeepSpeed's comm layer must exist before the model is built (ZeRO-3's zero.Init); on CPU it runs on gloo."""
+    if strategy.name in ZERO_STAGE:
+        import deepspeed
+
+        deepspeed.init_distributed("nccl" if accelerator_available() else "gloo")
+
+
+def describe(trainer, strategy: StrategySection) -> dict:
+    """What engine actually trained: for tests and for run_info.json."""
+    wrapped = trainer.model_wrapped
+    out = {"strategy": strategy.name, "wrapper": type(wrapped).__name__}
+    if strategy.name in ZERO_STAGE:
+        out["zero_stage"] = wrapped.zero_optimization_stage()
+        out["offload_optimizer"] = str(getattr(wrapped.zero_offload_optimizer(), "device", None) or "none")
+        out["offload_param"] = str(getattr(wrapped.zero_offload_param(), "device", None) or "none")
+    if strategy.name == "fsdp":
+        from torch.distributed.fsdp import FSDPModule
+
+        out["fsdp2_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    return out

@@ -1,0 +1,205 @@
+"""Strategies: the recipe's `strategy:` section rendered into an accelerate config and a DeepSpeed config.
+
+Pure functions of the typed `StrategySection` (and, when a recipe is at hand, the mixed precision its
+`training:` section asks for). Everything TrainingArguments owns (batch sizes, accumulation, learning rate,
+clipping, bf16/fp16) is "auto" in the DeepSpeed config, so the two can never disagree. The shipped files in
+`accelerate_configs/` are this module's output (`hftrain config --strategy NAME --output accelerate_configs`),
+and a test regenerates them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields, replace
+
+import yaml
+
+from .fileio import atomic_write
+from .recipe import STRATEGIES, StrategySection
+
+ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "zero_infinity": 3}
+DEFAULT_PORT = 29500
+
+# Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
+COMMON_OPTIONS = {"name", "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"}
+OPTIONS = {
+    "ddp": COMMON_OPTIONS,
+    "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
+    "zero1": COMMON_OPTIONS,
+    "zero2": COMMON_OPTIONS,
+    "zero3": COMMON_OPTIONS,
+    "zero3_offload": COMMON_OPTIONS | {"pin_memory"},
+    "zero_infinity": COMMON_OPTIONS
+    | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth", "buffer_count", "buffer_size"},
+}
+DEFAULTS = {
+    "num_processes": 2,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_port": DEFAULT_PORT,
+    "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False,
+    "pin_memory": False,
+    "nvme_path": "/local_nvme",
+    "aio_block_size": 1048576,
+    "aio_queue_depth": 8,
+    "buffer_count": 5,
+    "buffer_size": 100_000_000,
+}
+
+
+def option_problems(s: StrategySection) -> list[tuple[str, str]]:
+    """(key, message) for every option set that the named strategy does not read."""
+    if s.name not in OPTIONS:  # unset, or a wrong name already reported by the type check
+        return []
+    out = []
+    for f in fields(s):
+        if f.name not in OPTIONS[s.name] and getattr(s, f.name) is not None:
+            users = [n for n in STRATEGIES if f.name in OPTIONS[n]]
+            out.append((f"strategy.{f.name}", f"does not apply to strategy '{s.name}' (it applies to {', '.join(users)})"))
+    return out
+
+
+def resolved(s: StrategySection) -> StrategySection:
+    """The section with every option the strategy reads filled in from DEFAULTS."""
+    if s.name is None:
+        raise ValueError("strategy.name is unset: name a strategy to render its configs")
+    values = {k: (getattr(s, k) if getattr(s, k) is not None else DEFAULTS.get(k)) for k in OPTIONS[s.name] if k != "name"}
+    return replace(s, **values)
+
+
+def deepspeed_config(s: StrategySection) -> dict | None:
+    """The DeepSpeed JSON for a ZeRO strategy (None for ddp/fsdp)."""
+    if s.name not in ZERO_STAGE:
+        return None
+    s = resolved(s)
+    stage = ZERO_STAGE[s.name]
+    zero: dict = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_max_reuse_distance": 1_000_000_000,
+                "sub_group_size": 1_000_000_000,
+                # Without it save_model() writes only shards and from_pretrained fails on the output.
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
+    else:
+        zero.update({"allgather_partitions": True, "allgather_bucket_size": 200_000_000, "reduce_scatter": True})
+    cfg: dict = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+    if s.name == "zero3_offload":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": s.pin_memory}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": s.pin_memory}
+    if s.name == "zero_infinity":
+        swap = {"device": "nvme", "nvme_path": s.nvme_path, "pin_memory": s.pin_memory,
+                "buffer_count": s.buffer_count}
+        zero["offload_param"] = {**swap, "buffer_size": s.buffer_size, "max_in_cpu": 0}
+        zero["offload_optimizer"] = {**swap, "buffer_count": max(4, s.buffer_count), "fast_init": False}
+        # Measured: a non-zero prefetch bucket with NVMe params fails "param N already assigned swap buffer id".
+        zero["stage3_prefetch_bucket_size"] = 0
+        # aio is a TOP-LEVEL key, not part of zero_optimization.
+        cfg["aio"] = {"block_size": s.aio_block_size, "queue_depth": s.aio_queue_depth, "thread_count": 1,
+                      "single_submit": False, "overlap_events": True}
+    if s.name in ("zero3_offload", "zero_infinity"):
+        # Offloaded optimizer states need DeepSpeed's own (CPU) Adam; lr/betas/eps/decay still come from
+        # TrainingArguments through "auto".
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}
+    return cfg
+
+
+def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mixed_precision: str = "no") -> dict:
+    """The accelerate launcher config. `deepspeed_file` is where the DeepSpeed JSON lies (ZeRO strategies)."""
+    s = resolved(s)
+    cfg: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": "MULTI_GPU",
+        "downcast_bf16": "no",
+        "machine_rank": s.machine_rank,
+        "main_training_function": "main",
+        "mixed_precision": mixed_precision,
+        "num_machines": s.num_machines,
+        "num_processes": s.num_processes,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if s.num_machines > 1 or s.main_process_ip:
+        cfg["main_process_ip"] = s.main_process_ip or "MAIN_NODE_ADDRESS"
+    if s.main_process_port != DEFAULT_PORT or s.num_machines > 1:
+        cfg["main_process_port"] = s.main_process_port
+    if s.name == "ddp":
+        cfg["gpu_ids"] = "all"
+    elif s.name == "fsdp":
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = {
+            "fsdp_version": 2,
+            # No class named: accelerate wraps the model's own `_no_split_modules` (its decoder layers).
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": s.fsdp_reshard_after_forward,
+            "fsdp_offload_params": s.fsdp_offload_params,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": False,
+        }
+        if s.fsdp_wrap_class:
+            cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = s.fsdp_wrap_class
+    else:
+        cfg["distributed_type"] = "DEEPSPEED"
+        # DeepSpeed takes precision from its JSON ("auto" = TrainingArguments); accelerate refuses the key here.
+        del cfg["mixed_precision"]
+        cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file or f"{s.name}.json",
+                                   "zero3_init_flag": ZERO_STAGE[s.name] == 3}
+        if s.num_machines > 1:
+            cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+    return cfg
+
+
+def mixed_precision_of(training: dict | None) -> str:
+    training = training or {}
+    return "bf16" if training.get("bf16") else "fp16" if training.get("fp16") else "no"
+
+
+HEADER = (
+    "# Generated by `hftrain config` from strategy '{name}'. Do not edit: change the recipe's strategy section\n"
+    "# (or hftrain/strategies.py) and regenerate. Launch:\n"
+    "#   accelerate launch --config_file {path} recipes/sft.py <recipe.yaml>\n"
+)
+
+
+def render(s: StrategySection, out_dir: str, training: dict | None = None, json_dir: str | None = None) -> list[str]:
+    """Write `<name>.yaml` (and `<name>.json` for ZeRO) into out_dir; return the paths written.
+
+    The YAML refers to the JSON as `json_dir/<name>.json` (default: out_dir), the path seen from where you launch.
+    """
+    json_dir = json_dir if json_dir is not None else out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    ds = deepspeed_config(s)
+    json_ref = None
+    if ds is not None:
+        json_path = os.path.join(out_dir, f"{s.name}.json")
+        json_ref = os.path.join(json_dir, f"{s.name}.json")
+        atomic_write(json_path, json.dumps(ds, indent=2) + "\n")
+        written.append(json_path)
+    acc = accelerate_config(s, json_ref, mixed_precision_of(training))
+    yaml_path = os.path.join(out_dir, f"{s.name}.yaml")
+    shown = os.path.join(json_dir, f"{s.name}.yaml")
+    atomic_write(yaml_path, HEADER.format(name=s.name, path=shown) + yaml.safe_dump(acc, sort_keys=False))
+    written.insert(0, yaml_path)
+    return written

@@ -1,0 +1,167 @@
+"""Strategies: generated configs (golden + drift), option errors, and each strategy really running on 2 ranks."""
+
+import filecmp
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from hftrain.engine import _zero_name_from_json
+from hftrain.recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
+from hftrain.strategies import accelerate_config, deepspeed_config, render
+
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, free_port, run
+
+SHIPPED = os.path.join(REPO, "accelerate_configs")
+
+
+def test_shipped_configs_equal_the_generator_output(tmp_path):
+    """accelerate_configs/ is generated: regenerate every strategy and compare byte for byte."""
+    for name in STRATEGIES:
+        render(StrategySection(name=name), str(tmp_path), json_dir="accelerate_configs")
+    generated = sorted(os.listdir(tmp_path))
+    assert generated == sorted(f for f in os.listdir(SHIPPED) if f.endswith((".yaml", ".json")))
+    _, mismatch, errors = filecmp.cmpfiles(tmp_path, SHIPPED, generated, shallow=False)
+    assert not mismatch and not errors, f"regenerate with `hftrain config --all --output accelerate_configs`: {mismatch}"
+
+
+def test_deepspeed_values_owned_by_training_arguments_are_auto():
+    for name in ("zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"):
+        cfg = deepspeed_config(StrategySection(name=name))
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                    "gradient_clipping"):
+            assert cfg[key] == "auto"
+        assert cfg["bf16"] == {"enabled": "auto"} and cfg["fp16"] == {"enabled": "auto"}
+        assert _zero_name_from_json(cfg) == name  # the launcher's JSON is classified back to the same name
+
+
+def test_zero3_golden_and_infinity_traps():
+    z3 = deepspeed_config(StrategySection(name="zero3"))["zero_optimization"]
+    assert z3["stage"] == 3 and z3["stage3_gather_16bit_weights_on_model_save"] is True
+    inf = deepspeed_config(StrategySection(name="zero_infinity", nvme_path="/mnt/nvme", aio_queue_depth=16))
+    zero = inf["zero_optimization"]
+    assert zero["offload_param"]["device"] == "nvme" and zero["offload_param"]["nvme_path"] == "/mnt/nvme"
+    assert zero["offload_optimizer"]["device"] == "nvme"
+    assert zero["stage3_prefetch_bucket_size"] == 0
+    assert "aio" not in zero and inf["aio"]["queue_depth"] == 16 and inf["aio"]["block_size"] == 1048576
+    off = deepspeed_config(StrategySection(name="zero3_offload"))
+    assert off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert off["optimizer"]["params"]["lr"] == "auto"
+    assert deepspeed_config(StrategySection(name="ddp")) is None
+
+
+def test_accelerate_config_shapes():
+    fsdp = accelerate_config(StrategySection(name="fsdp", fsdp_offload_params=True))
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["fsdp_config"]["fsdp_version"] == 2
+    assert fsdp["fsdp_config"]["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert "fsdp_transformer_layer_cls_to_wrap" not in fsdp["fsdp_config"]  # found from the model
+    assert fsdp["fsdp_config"]["fsdp_offload_params"] is True
+    multi = accelerate_config(StrategySection(name="zero2", num_machines=2, num_processes=16,
+                                              main_process_ip="10.0.0.1", machine_rank=1), "z.json")
+    assert multi["num_machines"] == 2 and multi["machine_rank"] == 1 and multi["main_process_ip"] == "10.0.0.1"
+    assert multi["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    assert "mixed_precision" not in multi  # accelerate refuses it beside a DeepSpeed JSON
+
+
+def test_options_for_another_strategy_are_errors():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "strategy.name=zero2",
+                           "strategy.nvme_path=/x", "strategy.fsdp_offload_params=true"], raw={})
+    assert "strategy.nvme_path: does not apply to strategy 'zero2' (it applies to zero_infinity)" in str(e.value)
+    assert "strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)" in str(e.value)
+
+
+def test_cli_config_for_a_recipe_writes_its_strategy(tmp_path, capsys):
+    from hftrain.cli import main
+
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "zero_infinity", "nvme_path": "/scratch"},
+                                   "training": {"bf16": True}}))
+    assert main(["config", str(rec), "--output", str(tmp_path / "out"), "strategy.buffer_count=7"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    ds = json.load(open(tmp_path / "out" / "zero_infinity.json"))
+    assert ds["zero_optimization"]["offload_param"]["nvme_path"] == "/scratch"
+    assert ds["zero_optimization"]["offload_param"]["buffer_count"] == 7
+    acc = yaml.safe_load(open(tmp_path / "out" / "zero_infinity.yaml"))
+    assert acc["deepspeed_config"]["deepspeed_config_file"] == str(tmp_path / "out" / "zero_infinity.json")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each strategy on 2 CPU ranks with the shipped config.
+
+ENGINES = {
+    "ddp": {"wrapper": "DistributedDataParallel"},
+    "fsdp": {"distributed_type": "DistributedType.FSDP"},
+    "zero1": {"wrapper": "DeepSpeedEngine", "zero_stage": 1, "offload_param": "none"},
+    "zero2": {"wrapper": "DeepSpeedEngine", "zero_stage": 2, "offload_optimizer": "none"},
+    "zero3": {"wrapper": "DeepSpeedEngine", "zero_stage": 3, "offload_param": "none"},
+    "zero3_offload": {"wrapper": "DeepSpeedEngine", "zero_stage": 3, "offload_param": "cpu",
+                      "offload_optimizer": "cpu"},
+}
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("strategies")
+    out = {}
+    for name in ENGINES:
+        od = tmp / name
+        cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{name}.yaml", "--main_process_port",
+               str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
+               f"model.name_or_path={tiny_model_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
+               "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={od}",
+               "training.max_steps=4", "training.per_device_train_batch_size=4", "training.learning_rate=1e-3",
+               "training.lr_scheduler_type=constant", "training.warmup_steps=0", "training.logging_steps=1",
+               "training.train_sampling_strategy=sequential", "training.report_to=none", f"strategy.name={name}"]
+        r = run(cmd, timeout=600, env={"TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))})
+        assert r.returncode == 0, f"{name}:\n" + r.stdout[-3000:] + r.stderr[-4000:]
+        out[name] = od
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_strategy_runs_with_the_right_engine_and_saves_a_loadable_model(strategy_runs, name):
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.run import PROBE_IDS
+
+    od = strategy_runs[name]
+    info = json.load(open(od / "run_info.json"))
+    assert info["world_size"] == 2 and info["launcher_world_size"] == 2 and info["strategy"] == name
+    for key, value in ENGINES[name].items():
+        assert info[key] == value, (key, info)
+    if name == "fsdp":
+        assert info["fsdp2_modules"] >= 3  # the model and its decoder layers are sharded units
+    # The generated configs of the run sit beside the model.
+    assert os.path.isfile(od / f"{name}.yaml")
+    model = AutoModelForCausalLM.from_pretrained(str(od), dtype=torch.float32).eval()
+    ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_loss_trajectories_agree_across_strategies(strategy_runs):
+    def losses(name):
+        state = json.load(open(strategy_runs[name] / "trainer_state.json"))
+        return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+    ref = losses("ddp")
+    assert len(ref) == 4
+    for name in ENGINES:
+        assert losses(name) == pytest.approx(ref, rel=1e-4), name
+
+
+def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_model_dir):
+    r = run([PY, "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"), "strategy.name=zero3",
+             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}"])
+    assert r.returncode == 2
+    assert "strategy.name is 'zero3' but the launcher set up 'ddp'" in r.stderr
+    assert "--config_file accelerate_configs/zero3.yaml" in r.stderr
+    assert not (tmp_path / "o").exists()
