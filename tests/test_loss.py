@@ -89,11 +89,14 @@ def test_aux_loss_term_gradient_is_mean_over_all_micro_batches():
 # ---------------------------------------------------------------------------------------------------------------
 # Real runs: 1 rank x GA4, 2 ranks x GA2, 2 ranks x GA1 (double micro-batch), same global batch of 8.
 
-CONFIGS = {
-    "1x_ga4": (1, 2, 4, False),
-    "2x_ga2": (2, 2, 2, False),
-    "2x_ga1_bs4": (2, 4, 1, False),
-    "1x_ga4_packed": (1, 2, 4, True),
+CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, modes)
+    "1x_ga4": (1, 2, 4, False, "ddp", losses.MODES),
+    "2x_ga2": (2, 2, 2, False, "ddp", losses.MODES),
+    "2x_ga1_bs4": (2, 4, 1, False, "ddp", losses.MODES),
+    "1x_ga4_packed": (1, 2, 4, True, "ddp", ("token",)),
+    "2x_ga2_fsdp": (2, 2, 2, False, "fsdp", ("token",)),
+    "2x_ga2_zero2": (2, 2, 2, False, "zero2", ("token", "sequence")),
+    "2x_ga2_zero3": (2, 2, 2, False, "zero3", ("token",)),
 }
 LR = 0.5
 
@@ -128,8 +131,8 @@ def runs(tmp_path_factory, spiky_model_dir):
     data = uneven_data(tmp / "uneven.jsonl")
     results = {}
     for mode in losses.MODES:
-        for name, (world, bs, ga, packing) in CONFIGS.items():
-            if packing and mode == "sequence":
+        for name, (world, bs, ga, packing, strategy, modes) in CONFIGS.items():
+            if mode not in modes:
                 continue
             out = tmp / f"{mode}_{name}"
             tree = {
@@ -147,19 +150,21 @@ def runs(tmp_path_factory, spiky_model_dir):
             if world == 1:
                 cmd = [PY, "recipes/sft.py", str(rec)]
             else:
-                cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-                       str(free_port()), "recipes/sft.py", str(rec)]
-            r = run(cmd)
+                cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml",
+                       "--main_process_port", str(free_port()), "recipes/sft.py", str(rec)]
+            r = run(cmd, timeout=600)
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             info = json.load(open(out / "run_info.json"))
             assert info["world_size"] == world
-            if world > 1:
+            assert info["strategy"] == strategy
+            if world > 1 and strategy == "ddp":
                 assert info["wrapper"] == "DistributedDataParallel"
+            step1 = out / "checkpoint-1" / "model.safetensors"  # FSDP's sharded checkpoints hold no such file
             state = json.load(open(out / "trainer_state.json"))
             results[(mode, name)] = {
                 "losses": [h["loss"] for h in state["log_history"] if "loss" in h],
                 "tokens": [h["target_tokens_per_step"] for h in state["log_history"] if "loss" in h],
-                "step1": load_file(str(out / "checkpoint-1" / "model.safetensors")),
+                "step1": load_file(str(step1)) if step1.exists() else None,
                 "final": load_file(str(out / "model.safetensors")),
             }
     return {"data": data, "results": results}
@@ -190,7 +195,9 @@ def reference(tiny_model_dir, tokenizer, data, mode):
 
 
 def assert_close_rel(a: dict, b: dict, rel=1e-5):
-    for k in a:
+    # Savers differ only in whether they also write the tied lm_head.weight (equal to the embedding).
+    assert {k for k in a if k != "lm_head.weight"} == {k for k in b if k != "lm_head.weight"}
+    for k in set(a) & set(b):
         err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12)
         assert err <= rel, f"{k}: relative difference {err:.2e}"
 
@@ -210,8 +217,10 @@ def test_first_step_matches_plain_pytorch_reference(runs, spiky_model_dir, token
         assert res["losses"][0] == pytest.approx(ref_loss, rel=1e-5), name
         assert abs(res["losses"][0] - naive) > 1e-3 * ref_loss
         assert res["tokens"][0] == n_tokens
-        got = {k: v for k, v in res["step1"].items() if k in expected_step1}
-        assert_close_rel(got, {k: expected_step1[k] for k in got})
+        if res["step1"] is not None:
+            got = {k: v for k, v in res["step1"].items() if k in expected_step1}
+            assert_close_rel(got, {k: expected_step1[k] for k in got})
+    assert runs["results"][(mode, "2x_ga2")]["step1"] is not None
 
 
 @pytest.mark.slow
