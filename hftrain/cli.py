@@ -1,10 +1,16 @@
-"""The `hftrain` command: `check` a recipe, render its strategy `config`, build a `tiny-model` for demos and tests."""
+"""The `hftrain` command: `check` a recipe, render its strategy `config`, `launch` it, build a `tiny-model`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from .fileio import atomic_write
+
+# recipes/sft.py of this checkout (hftrain is installed editable from the repository).
+DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
 
 
 def _check(ns) -> int:
@@ -28,7 +34,7 @@ def _config(ns) -> int:
     from dataclasses import replace
 
     from .recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
-    from .strategies import render
+    from .strategies import render, slurm_script
 
     training = None
     if ns.recipe:
@@ -48,9 +54,43 @@ def _config(ns) -> int:
         names = list(STRATEGIES) if ns.all else [ns.strategy]
         strategy, out = StrategySection(), ns.output or "accelerate_configs"
     for name in names:
-        for path in render(replace(strategy, name=name), out, training):
+        written = render(replace(strategy, name=name), out, training)
+        if ns.slurm:
+            if not ns.recipe:
+                raise RecipeError(["command line: --slurm needs a recipe: hftrain config RECIPE --slurm"])
+            path = os.path.join(out, "launch.sbatch")
+            atomic_write(path, slurm_script(replace(strategy, name=name), written[0], ns.recipe, ns.overrides))
+            written.append(path)
+        for path in written:
             print(f"hftrain: wrote {path}")
     return 0
+
+
+def _launch(ns) -> int:
+    import shlex
+    import subprocess
+    from dataclasses import replace
+
+    from .engine import LaunchError
+    from .preflight import count_parameters, strategy_problems
+    from .recipe import load_recipe
+    from .strategies import render
+
+    recipe = load_recipe(ns.recipe, ns.overrides)
+    strategy = replace(recipe.strategy, name=recipe.strategy.name or "ddp")
+    n_params = count_parameters(recipe.model.name_or_path) if strategy.name == "zero_infinity" else None
+    problems = strategy_problems(strategy, n_params)
+    if problems:
+        raise LaunchError("\n  - ".join(["preflight found problems:", *problems]))
+    config = render(strategy, recipe.output_dir, recipe.training)[0]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    if ns.max_restarts:
+        cmd += ["--max_restarts", str(ns.max_restarts)]
+    cmd += [ns.script, ns.recipe, *ns.overrides, f"strategy.name={strategy.name}"]
+    print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    if ns.dry_run:
+        return 0
+    return subprocess.call(cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"])
     g.add_argument("--all", action="store_true", help="every strategy (how accelerate_configs/ is made)")
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
+    g.add_argument("--slurm", action="store_true", help="also write launch.sbatch: one accelerate launch per node")
     g.set_defaults(fn=_config)
+
+    la = sub.add_parser("launch", allow_abbrev=False,
+                        help="Render the recipe's strategy configs into output_dir and run accelerate launch with them.")
+    la.add_argument("recipe", help="recipe YAML")
+    la.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    la.add_argument("--script", default=DEFAULT_SCRIPT, help="training script (default: recipes/sft.py)")
+    la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
+                    help="restart the workers this many times when one dies")
+    la.add_argument("--dry-run", action="store_true", help="write the configs and print the command only")
+    la.set_defaults(fn=_launch)
 
     t = sub.add_parser(
         "tiny-model", allow_abbrev=False,
@@ -92,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config"):
+    if extra and ns.command in ("check", "config", "launch"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

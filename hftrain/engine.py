@@ -63,8 +63,14 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
     if strategy.name in ("zero3_offload", "zero_infinity") and not optim.startswith("adamw"):
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
                          "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
-    if problems:
-        raise LaunchError("; ".join(f"{recipe.source}: {k}: {m}" for k, m in problems))
+    messages = [f"{recipe.source}: {k}: {m}" for k, m in problems]
+    from .preflight import count_parameters, strategy_problems
+
+    n_params = count_parameters(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
+        strategy.name == "zero_infinity") else None
+    messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, n_params)]
+    if messages:
+        raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))
     return strategy
 
 

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Create .venv and install hftrain with its test extras. On a machine without an NVIDIA GPU the CPU build of
 # torch (torch==2.13.0) goes in first, so the package's torch range does not pull a multi-GB CUDA build.
+# ZeRO-Infinity (NVMe offload) needs libaio: installed with apt-get when missing and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio.h ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null) \
+      || echo "setup: could not install libaio-dev; ZeRO-Infinity tests will be skipped"
+  else
+    echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
+  fi
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0

@@ -165,3 +165,67 @@ def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_mod
     assert "strategy.name is 'zero3' but the launcher set up 'ddp'" in r.stderr
     assert "--config_file accelerate_configs/zero3.yaml" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preflight, launch, multi-node
+
+
+def test_preflight_nvme_path_problems(tmp_path):
+    from hftrain.preflight import nvme_problems
+
+    assert "does not exist" in nvme_problems(str(tmp_path / "missing"))[0]
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "is not a folder" in nvme_problems(str(f))[0]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.geteuid() != 0:  # root writes anywhere; the permission check is then exercised by the space check
+            assert "is not writable" in nvme_problems(str(ro))[0]
+    finally:
+        ro.chmod(0o700)
+    assert "GiB free but the swap needs about" in nvme_problems(str(tmp_path), need_bytes=2**60)[0]
+    assert nvme_problems(str(tmp_path), need_bytes=1) == []
+
+
+def test_preflight_runs_before_model_load_and_lists_everything(tmp_path, tiny_model_dir):
+    r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero_infinity.yaml", "--main_process_port",
+             str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
+             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}",
+             f"strategy.nvme_path={tmp_path / 'no_such_dir'}", "training.optim=sgd"], timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.count("preflight found problems") == 1
+    assert "strategy.nvme_path: " in r.stderr and "does not exist" in r.stderr
+    assert "training.optim: 'sgd' cannot be used with 'zero_infinity'" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
+    out = tmp_path / "o"
+    r = run([PY, "-m", "hftrain.cli", "launch", os.path.join(REPO, "recipes/demo/sft.yaml"),
+             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={out}", "training.max_steps=2",
+             "eval.exact_match=0", "training.report_to=none", f"strategy.main_process_port={free_port()}"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "accelerate.commands.launch --config_file" in r.stdout
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["wrapper"] == "DistributedDataParallel"
+    acc = yaml.safe_load(open(out / "ddp.yaml"))
+    assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"
+
+
+def test_slurm_script_starts_one_launch_per_node(tmp_path):
+    from hftrain.cli import main
+
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "zero3", "num_machines": 4, "num_processes": 32}}))
+    assert main(["config", str(rec), "--slurm", "--output", str(tmp_path / "o"), "training.max_steps=5"]) == 0
+    script = (tmp_path / "o" / "launch.sbatch").read_text()
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
+    assert '--machine_rank "$SLURM_NODEID"' in script and "--num_processes $(( SLURM_NNODES * 8 ))" in script
+    assert f"--config_file {tmp_path / 'o' / 'zero3.yaml'}" in script
+    assert "training.max_steps=5 strategy.name=zero3" in script
+    acc = yaml.safe_load(open(tmp_path / "o" / "zero3.yaml"))
+    assert acc["num_machines"] == 4 and acc["main_process_ip"] == "MAIN_NODE_ADDRESS"

@@ -1,0 +1,79 @@
+"""Checks before any model is loaded: what would otherwise fail minutes (or hours) into a run.
+
+Every problem found is reported at once, with the key to change and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from .recipe import StrategySection, accelerator_available
+
+# Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: 16-bit (or fp32)
+# parameters plus fp32 master weights and Adam's two moments. Conservative: fp32 parameters.
+NVME_BYTES_PER_PARAM = 4 + 12
+
+
+def count_parameters(name_or_path: str, trust_remote_code: bool = False) -> int | None:
+    """Parameters of a model, from its config alone (built on the meta device: no weights read)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # an unreachable Hub id: the load itself will say so later
+        return None
+
+
+def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
+    """The swap folder exists, is a folder, is writable, and has room for what will be swapped."""
+    if not os.path.exists(path):
+        return [f"strategy.nvme_path: {path} does not exist; create it on a local NVMe disk (mkdir -p {path}) "
+                "or set strategy.nvme_path to one"]
+    if not os.path.isdir(path):
+        return [f"strategy.nvme_path: {path} is not a folder"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return [f"strategy.nvme_path: {path} is not writable ({e.strerror}); fix its permissions or choose another folder"]
+    if need_bytes:
+        free = shutil.disk_usage(path).free
+        if free < need_bytes:
+            return [f"strategy.nvme_path: {path} has {free / 2**30:.1f} GiB free but the swap needs about "
+                    f"{need_bytes / 2**30:.1f} GiB; free space or choose a larger disk"]
+    return []
+
+
+def async_io_problem() -> str | None:
+    """DeepSpeed's async_io op (ZeRO-Infinity's NVMe I/O) needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        return "strategy.name: zero_infinity needs deepspeed (pip install deepspeed)"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
+                "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
+    return None
+
+
+def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
+    problems = []
+    if strategy.name == "zero_infinity":
+        from .strategies import resolved
+
+        s = resolved(strategy)
+        need = num_parameters * NVME_BYTES_PER_PARAM if num_parameters else None
+        problems += nvme_problems(s.nvme_path, need)
+        p = async_io_problem()
+        if p:
+            problems.append(p)
+    if strategy.name == "fsdp" and strategy.fsdp_offload_params and not accelerator_available():
+        problems.append("strategy.fsdp_offload_params: there is no accelerator to offload from on this machine; "
+                        "remove it (parameters already live in CPU memory)")
+    return problems
