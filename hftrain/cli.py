@@ -1,4 +1,4 @@
-"""The `hftrain` command: `check` a recipe, render its strategy `config`, `launch` it, build a `tiny-model`."""
+"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `tiny-model`."""
 
 from __future__ import annotations
 
@@ -93,6 +93,22 @@ def _launch(ns) -> int:
     return subprocess.call(cmd)
 
 
+def _plan(ns) -> int:
+    from .plan import GiB, format_plan, model_facts, plan
+    from .recipe import load_recipe
+
+    recipe = load_recipe(ns.recipe, ns.overrides)
+    m, t = recipe.model, recipe.training
+    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype)
+    rows = plan(facts, ns.gpus_per_node, ns.nodes, t.get("per_device_train_batch_size", 8), recipe.data.max_length,
+                m.gradient_checkpointing, bool(t.get("bf16") or t.get("fp16")))
+    print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters, {facts.trainable / 1e6:.1f}M trained; "
+          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {t.get('per_device_train_batch_size', 8)} "
+          f"x {recipe.data.max_length} tokens")
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
     g.add_argument("--slurm", action="store_true", help="also write launch.sbatch: one accelerate launch per node")
     g.set_defaults(fn=_config)
+
+    pl = sub.add_parser("plan", allow_abbrev=False,
+                        help="Memory per GPU / node for every strategy, what fits, and a recommendation.")
+    pl.add_argument("recipe", help="recipe YAML")
+    pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    pl.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--gpu-memory", dest="gpu_memory", type=float, default=None, help="GiB per GPU")
+    pl.set_defaults(fn=_plan)
 
     la = sub.add_parser("launch", allow_abbrev=False,
                         help="Render the recipe's strategy configs into output_dir and run accelerate launch with them.")
@@ -143,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "launch"):
+    if extra and ns.command in ("check", "config", "launch", "plan"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

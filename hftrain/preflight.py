@@ -11,22 +11,19 @@ import tempfile
 
 from .recipe import StrategySection, accelerator_available
 
-# Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: 16-bit (or fp32)
-# parameters plus fp32 master weights and Adam's two moments. Conservative: fp32 parameters.
-NVME_BYTES_PER_PARAM = 4 + 12
+# Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
+# (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (hftrain.plan).
+NVME_BYTES_PER_PARAM = 4 + 16
 
 
 def count_parameters(name_or_path: str, trust_remote_code: bool = False) -> int | None:
-    """Parameters of a model, from its config alone (built on the meta device: no weights read)."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+    """Parameters of a model from its config alone (hftrain.plan); None when the config cannot be read here
+    (e.g. an unreachable Hub id: loading the model will then say so)."""
+    from .plan import model_facts
 
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        return sum(p.numel() for p in model.parameters())
-    except Exception:  # an unreachable Hub id: the load itself will say so later
+    try:
+        return model_facts(name_or_path, trust_remote_code=trust_remote_code).params
+    except Exception:
         return None
 
 

@@ -1,0 +1,147 @@
+"""Memory plan: per-GPU, per-node CPU and per-node NVMe bytes of every strategy for one recipe.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020), with Ψ parameters of which Ψt are
+trained, N GPUs in all:
+
+    engine / precision                  params   grads    optimizer (Adam)
+    PyTorch (ddp, fsdp), weights dtype p   pΨ      pΨt      2pΨt  (moments in the weights' dtype)
+    DeepSpeed, bf16/fp16 training          2Ψ      2Ψt      16Ψt  (fp32 grads + fp32 master + 2 moments)
+    DeepSpeed, fp32 training               4Ψ      4Ψt       8Ψt
+
+    ddp: P + G + O     zero1: P + G + O/N     zero2: P + (G + O)/N     zero3, fsdp: (P + G + O)/N
+    zero3_offload: P, G, O in CPU memory (per node: /nodes); the GPU holds the largest layer gathered
+    zero_infinity: P and O on NVMe (per node: /nodes), G in CPU memory; the GPU holds the largest layer
+
+Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
+recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .recipe import STRATEGIES
+
+GiB = 2**30
+
+
+@dataclass
+class ModelFacts:
+    params: int
+    trainable: int
+    largest_layer: int
+    hidden: int
+    layers: int
+    vocab: int
+    weight_bytes: int  # bytes per parameter of the loaded weights
+
+
+@dataclass
+class Row:
+    strategy: str
+    gpu_params: float
+    gpu_grads: float
+    gpu_optimizer: float
+    gpu_activations: float
+    cpu_per_node: float
+    nvme_per_node: float
+
+    @property
+    def gpu_model_states(self) -> float:
+        return self.gpu_params + self.gpu_grads + self.gpu_optimizer
+
+    @property
+    def gpu_total(self) -> float:
+        return self.gpu_model_states + self.gpu_activations
+
+
+def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of the whole model before partitioning."""
+    if strategy in ("ddp", "fsdp"):
+        p = f.weight_bytes
+        return p * f.params, p * f.trainable, 2 * p * f.trainable
+    if mixed:  # DeepSpeed keeps an fp32 copy of the gradient partition beside the optimizer states
+        return 2 * f.params, 2 * f.trainable, 16 * f.trainable
+    return 4 * f.params, 4 * f.trainable, 8 * f.trainable
+
+
+def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, act_bytes: int = 2) -> float:
+    per_layer = 34 * seq * micro_batch * f.hidden * act_bytes / 2
+    layers = (2 * seq * micro_batch * f.hidden * act_bytes / 2) * f.layers + per_layer if checkpointing else per_layer * f.layers
+    logits = 2 * 4 * micro_batch * seq * f.vocab
+    return layers + logits
+
+
+def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: int, checkpointing: bool,
+         mixed: bool) -> list[Row]:
+    n = gpus_per_node * nodes
+    act = activation_bytes(f, micro_batch, seq, checkpointing)
+    layer = 4 * f.largest_layer
+    rows = []
+    for s in STRATEGIES:
+        P, G, O = state_bytes(s, f, mixed)
+        cpu = nvme = 0.0
+        if s == "ddp":
+            gpu = (P, G, O)
+        elif s == "zero1":
+            gpu = (P, G, O / n)
+        elif s == "zero2":
+            gpu = (P, G / n, O / n)
+        elif s in ("zero3", "fsdp"):
+            gpu = (P / n + layer, G / n, O / n)
+        elif s == "zero3_offload":
+            gpu, cpu = (layer, 0.0, 0.0), (P + G + O) / nodes
+        else:  # zero_infinity
+            gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes, (P + O) / nodes
+        rows.append(Row(s, *gpu, act, cpu, nvme))
+    return rows
+
+
+def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code: bool = False,
+                dtype: str = "auto") -> ModelFacts:
+    """Parameter counts from the model's config, built on the meta device (no weights are read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = params
+    if lora_r:
+        # LoRA on every linear layer: r * (in + out) parameters each.
+        trainable = sum(lora_r * (m.in_features + m.out_features) for m in model.modules()
+                        if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings())
+    layers = [m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", []) or [])]
+    largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=params)
+    largest = max(largest, model.get_input_embeddings().weight.numel())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    wdtype = getattr(config, "dtype", None) if dtype == "auto" else dtype
+    weight_bytes = 2 if str(wdtype).replace("torch.", "") in ("bfloat16", "float16") else 4
+    return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
+                      weight_bytes)
+
+
+def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:
+    """The first strategy that fits, in order of speed: ddp, zero1, zero2, fsdp, zero3, zero3_offload, zero_infinity."""
+    if gpu_memory is None:
+        return None
+    order = ["ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "zero_infinity"]
+    by = {r.strategy: r for r in rows}
+    return next((s for s in order if by[s].gpu_total <= gpu_memory), None)
+
+
+def format_plan(rows: list[Row], gpu_memory: float | None) -> str:
+    head = f"{'strategy':<14}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'GPU total':>11}{'CPU/node':>10}{'NVMe/node':>11}  fits"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        fits = "-" if gpu_memory is None else ("yes" if r.gpu_total <= gpu_memory else "no")
+        lines.append(f"{r.strategy:<14}" + "".join(f"{v / GiB:>9.2f}" for v in (r.gpu_params, r.gpu_grads,
+                     r.gpu_optimizer, r.gpu_activations)) + f"{r.gpu_total / GiB:>11.2f}{r.cpu_per_node / GiB:>10.2f}"
+                     f"{r.nvme_per_node / GiB:>11.2f}  {fits}")
+    lines.append("GiB per GPU (params..GPU total) and per node (CPU, NVMe); activations are an estimate.")
+    best = recommend(rows, gpu_memory)
+    if gpu_memory is not None:
+        lines.append(f"recommended: {best}" if best else "nothing fits: lower the micro-batch, turn on "
+                     "model.gradient_checkpointing, or use LoRA")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""Memory plan: hand-computed ZeRO formulas, DeepSpeed's own estimators, and the command."""
+
+import pytest
+
+from hftrain.plan import ModelFacts, format_plan, model_facts, plan, recommend
+
+PSI = 1_000_000_000
+FACTS = ModelFacts(params=PSI, trainable=PSI, largest_layer=10_000_000, hidden=4096, layers=32, vocab=32000,
+                   weight_bytes=2)
+
+
+def by_name(rows):
+    return {r.strategy: r for r in rows}
+
+
+def test_hand_computed_zero_formulas():
+    rows = by_name(plan(FACTS, gpus_per_node=8, nodes=1, micro_batch=1, seq=512, checkpointing=True, mixed=True))
+    assert rows["ddp"].gpu_model_states == 2 * PSI + 2 * PSI + 4 * PSI  # bf16 weights, bf16 Adam moments
+    # DeepSpeed, bf16: 2 (16-bit params) + 2 (16-bit grads) + 16 (fp32 grads, master, two moments) bytes each
+    assert rows["zero1"].gpu_model_states == 2 * PSI + 2 * PSI + 16 * PSI / 8
+    assert rows["zero2"].gpu_model_states == 2 * PSI + 18 * PSI / 8
+    assert rows["zero3"].gpu_model_states == 20 * PSI / 8 + 4 * FACTS.largest_layer
+    assert rows["zero3_offload"].cpu_per_node == 20 * PSI and rows["zero3_offload"].gpu_params == 4e7
+    assert rows["zero_infinity"].nvme_per_node == 18 * PSI and rows["zero_infinity"].cpu_per_node == 2 * PSI
+    two_nodes = by_name(plan(FACTS, 8, 2, 1, 512, True, True))
+    assert two_nodes["zero3"].gpu_optimizer == 16 * PSI / 16 and two_nodes["zero3_offload"].cpu_per_node == 10 * PSI
+
+
+@pytest.mark.parametrize("gpus,nodes", [(2, 1), (8, 1), (8, 4)])
+def test_within_15_percent_of_deepspeed_estimators(gpus, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    rows = by_name(plan(FACTS, gpus, nodes, 1, 512, True, True))
+    _, ds_z2 = estimate_zero2_model_states_mem_needs(PSI, gpus, nodes, cpu_offload=False)
+    assert rows["zero2"].gpu_model_states == pytest.approx(ds_z2, rel=0.15)
+    _, ds_z3, _ = estimate_zero3_model_states_mem_needs(PSI, FACTS.largest_layer, gpus, nodes, cpu_offload=False)
+    assert rows["zero3"].gpu_model_states == pytest.approx(ds_z3, rel=0.15)
+    ds_cpu, _, _ = estimate_zero3_model_states_mem_needs(PSI, FACTS.largest_layer, gpus, nodes, cpu_offload=True,
+                                                         cpu_offload_params=True, additional_buffer_factor=1.0)
+    assert rows["zero3_offload"].cpu_per_node == pytest.approx(ds_cpu, rel=0.15)
+
+
+def test_recommendation_is_the_fastest_that_fits():
+    rows = plan(FACTS, 8, 1, 1, 512, True, True)
+    z2 = by_name(rows)["zero2"].gpu_total
+    assert recommend(rows, by_name(rows)["ddp"].gpu_total) == "ddp"
+    assert recommend(rows, z2) in ("zero1", "zero2")
+    assert recommend(rows, 1.0) is None and "nothing fits" in format_plan(rows, 1.0)
+
+
+def test_lora_and_checkpointing_shrink_the_plan(tiny_model_dir):
+    full = model_facts(tiny_model_dir)
+    lora = model_facts(tiny_model_dir, lora_r=4)
+    assert lora.params == full.params and 0 < lora.trainable < full.params / 4
+    with_ckpt = plan(full, 1, 1, 8, 256, True, False)[0].gpu_activations
+    without = plan(full, 1, 1, 8, 256, False, False)[0].gpu_activations
+    assert with_ckpt < without
+
+
+def test_plan_command(tiny_model_dir, capsys):
+    from hftrain.cli import main
+
+    assert main(["plan", "recipes/demo/sft.yaml", f"model.name_or_path={tiny_model_dir}", "--gpus-per-node", "2",
+                 "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: ddp" in out and "zero_infinity" in out
