@@ -1,0 +1,85 @@
+"""Per-rank memory of each strategy on a ~100M-parameter model, 2 CPU ranks, against `hftrain plan`.
+
+    python bench/memory.py [--steps 3] [--strategies ddp fsdp zero2 zero3 zero3_offload zero_infinity]
+
+For each strategy it launches recipes/sft.py's pieces (bench/memory_worker.py) under `accelerate launch` with the
+shipped config and reads, per rank, the resident set size before the model is built, after training (after a
+gc), and at peak (VmHWM). Model-state bytes per rank = RSS after training - RSS before the model; on a machine
+without GPU every byte lives in RAM, so this is what each strategy keeps per rank. Prints:
+- the ZeRO-3 / DDP model-state ratio (goal <= 0.55 with 2 ranks);
+- the share of model-state bytes that NVMe offload moves off RAM, against ZeRO-3 with CPU offload
+  (goal >= 75%);
+- the plan's error against each measurement (goal: within 15%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+         "num_key_value_heads": 12, "max_position_embeddings": 512}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    from hftrain.plan import plan
+    from hftrain.plan import model_facts
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--strategies", nargs="+",
+                    default=["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "zero_infinity"])
+    ns = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="hftrain-mem-")
+    model_dir = build_tiny_model(os.path.join(tmp, "base"), texts_of_jsonl([os.path.join(REPO, "data/demo/train.jsonl")]),
+                                 config=MODEL)
+    facts = model_facts(model_dir)
+    print(f"model: {facts.params / 1e6:.1f}M parameters (fp32), 2 ranks, {ns.steps} steps", flush=True)
+    rows = {r.strategy: r for r in plan(facts, gpus_per_node=2, nodes=1, micro_batch=2, seq=64,
+                                          checkpointing=False, mixed=False)}
+    measured = {}
+    for name in ns.strategies:
+        out = os.path.join(tmp, name)
+        nvme = os.path.join(tmp, "nvme")
+        os.makedirs(nvme, exist_ok=True)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(REPO, "accelerate_configs", f"{name}.yaml"), "--main_process_port", str(free_port()),
+               os.path.join(REPO, "bench", "memory_worker.py"), model_dir, out, str(ns.steps), nvme]
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"{name}: failed\n{r.stderr[-2000:]}", flush=True)
+            continue
+        ranks = [json.load(open(os.path.join(out, f"mem_rank{i}.json"))) for i in range(2)]
+        states = max(x["rss_after_train"] - x["rss_before_model"] for x in ranks)
+        peak = max(x["peak_rss"] for x in ranks)
+        measured[name] = states
+        if name in ("zero3_offload", "zero_infinity"):
+            expect = rows[name].cpu_per_node / 2  # per rank: the node's CPU share
+        else:
+            expect = rows[name].gpu_model_states  # on CPU, "GPU" memory is this rank's RAM
+        print(f"{name:<14} model states/rank {states / 2**20:8.0f} MiB   peak RSS/rank {peak / 2**20:8.0f} MiB   "
+              f"plan {expect / 2**20:8.0f} MiB ({(states - expect) / expect:+.0%})", flush=True)
+    if "ddp" in measured and "zero3" in measured:
+        print(f"ZeRO-3 / DDP model-state bytes: {measured['zero3'] / measured['ddp']:.2f} (goal <= 0.55)")
+    if "zero3_offload" in measured and "zero_infinity" in measured:
+        moved = 1 - measured["zero_infinity"] / measured["zero3_offload"]
+        print(f"NVMe offload moves {moved:.0%} of the model-state bytes off RAM (goal >= 75%)")
+
+
+if __name__ == "__main__":
+    main()
