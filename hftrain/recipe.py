@@ -135,6 +135,10 @@ TRAINING_REFUSED = {
     "activation_checkpointing": "set model.gradient_checkpointing instead",
     "average_tokens_across_devices": "hftrain always normalises the loss over the global batch (training.loss_averaging)",
     "use_liger_kernel": "Liger's fused loss returns no logits and bypasses hftrain's loss normalisation",
+    "deepspeed": "set strategy.name (zero1 ... zero_infinity) and its options: hftrain generates the DeepSpeed "
+    "config, with every value TrainingArguments owns as \"auto\" so that nothing rescales the loss twice",
+    "fsdp": "set strategy.name: fsdp and its options (strategy.fsdp_*)",
+    "fsdp_config": "set strategy.name: fsdp and its options (strategy.fsdp_*)",
 }
 
 

@@ -111,6 +111,9 @@ def deepspeed_config(s: StrategySection) -> dict | None:
         zero["offload_optimizer"] = {**swap, "buffer_count": max(4, s.buffer_count), "fast_init": False}
         # Measured: a non-zero prefetch bucket with NVMe params fails "param N already assigned swap buffer id".
         zero["stage3_prefetch_bucket_size"] = 0
+        # Measured: parameters kept for reuse hold their swap buffer, and once buffer_count of them are held the
+        # next fetch fails "Not enough swap in buffers"; release each parameter after use instead.
+        zero["stage3_max_reuse_distance"] = 0
         # aio is a TOP-LEVEL key, not part of zero_optimization.
         cfg["aio"] = {"block_size": s.aio_block_size, "queue_depth": s.aio_queue_depth, "thread_count": 1,
                       "single_submit": False, "overlap_events": True}

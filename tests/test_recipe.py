@@ -97,12 +97,14 @@ def test_semantic_rules(tmp_path):
 def test_token_and_owned_fields_refused():
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["training.hub_token=hf_secret", "training.gradient_checkpointing=true",
-                           "training.average_tokens_across_devices=false", "training.use_liger_kernel=true"],
+                           "training.average_tokens_across_devices=false", "training.use_liger_kernel=true",
+                           "training.deepspeed=ds.json"],
                     raw=dict(BASE))
     assert "training.hub_token: not accepted here" in str(e.value)
     assert "set model.gradient_checkpointing instead" in str(e.value)
     assert "training.average_tokens_across_devices: not accepted here" in str(e.value)
     assert "training.use_liger_kernel: not accepted here" in str(e.value)
+    assert "training.deepspeed: not accepted here: set strategy.name" in str(e.value)
 
 
 def test_loss_averaging_key():

@@ -44,7 +44,7 @@ def test_zero3_golden_and_infinity_traps():
     zero = inf["zero_optimization"]
     assert zero["offload_param"]["device"] == "nvme" and zero["offload_param"]["nvme_path"] == "/mnt/nvme"
     assert zero["offload_optimizer"]["device"] == "nvme"
-    assert zero["stage3_prefetch_bucket_size"] == 0
+    assert zero["stage3_prefetch_bucket_size"] == 0 and zero["stage3_max_reuse_distance"] == 0
     assert "aio" not in zero and inf["aio"]["queue_depth"] == 16 and inf["aio"]["block_size"] == 1048576
     off = deepspeed_config(StrategySection(name="zero3_offload"))
     assert off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
@@ -277,6 +277,7 @@ def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path):
     assert info["zero_stage"] == 3 and info["offload_param"] == "nvme" and info["offload_optimizer"] == "nvme"
     swapped = [p for p in nvme.rglob("*.swp")]
     assert any("optimizer" in str(p) for p in swapped), sorted(nvme.rglob("*"))
+    assert any("params" in str(p) for p in swapped), sorted(nvme.rglob("*"))
     assert {p.parent.name for p in swapped} >= {"rank0", "rank1"}
     model = AutoModelForCausalLM.from_pretrained(str(od), dtype=torch.float32).eval()
     ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
