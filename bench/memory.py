@@ -4,8 +4,9 @@
 
 For each strategy it launches recipes/sft.py's pieces (bench/memory_worker.py) under `accelerate launch` with the
 shipped config and reads, per rank, the resident set size before the model is built, after training (after a
-gc), and at peak (VmHWM). Model-state bytes per rank = RSS after training - RSS before the model; on a machine
-without GPU every byte lives in RAM, so this is what each strategy keeps per rank. Prints:
+gc), and at peak (VmHWM). "RSS growth" = RSS after training - RSS before the model: on a machine without GPU
+every byte lives in RAM, so this is model states plus everything the engine keeps beside them (DDP's gradient
+buckets, DeepSpeed's communication and swap buffers, allocator slack). Prints:
 - the ZeRO-3 / DDP model-state ratio (goal <= 0.55 with 2 ranks);
 - the share of model-state bytes that NVMe offload moves off RAM, against ZeRO-3 with CPU offload
   (goal >= 75%);
@@ -72,13 +73,13 @@ def main() -> None:
             expect = rows[name].cpu_per_node / 2  # per rank: the node's CPU share
         else:
             expect = rows[name].gpu_model_states  # on CPU, "GPU" memory is this rank's RAM
-        print(f"{name:<14} model states/rank {states / 2**20:8.0f} MiB   peak RSS/rank {peak / 2**20:8.0f} MiB   "
+        print(f"{name:<14} RSS growth/rank {states / 2**20:8.0f} MiB   peak RSS/rank {peak / 2**20:8.0f} MiB   "
               f"plan {expect / 2**20:8.0f} MiB ({(states - expect) / expect:+.0%})", flush=True)
     if "ddp" in measured and "zero3" in measured:
-        print(f"ZeRO-3 / DDP model-state bytes: {measured['zero3'] / measured['ddp']:.2f} (goal <= 0.55)")
+        print(f"ZeRO-3 / DDP RSS growth: {measured['zero3'] / measured['ddp']:.2f} (goal <= 0.55)")
     if "zero3_offload" in measured and "zero_infinity" in measured:
         moved = 1 - measured["zero_infinity"] / measured["zero3_offload"]
-        print(f"NVMe offload moves {moved:.0%} of the model-state bytes off RAM (goal >= 75%)")
+        print(f"NVMe offload moves {moved:.0%} of the RSS growth off RAM against CPU offload (goal >= 75%)")
 
 
 if __name__ == "__main__":

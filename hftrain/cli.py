@@ -72,14 +72,14 @@ def _launch(ns) -> int:
     from dataclasses import replace
 
     from .engine import LaunchError
-    from .preflight import count_parameters, strategy_problems
+    from .preflight import facts_or_none, strategy_problems
     from .recipe import load_recipe
     from .strategies import render
 
     recipe = load_recipe(ns.recipe, ns.overrides)
     strategy = replace(recipe.strategy, name=recipe.strategy.name or "ddp")
-    n_params = count_parameters(recipe.model.name_or_path) if strategy.name == "zero_infinity" else None
-    problems = strategy_problems(strategy, n_params)
+    facts = facts_or_none(recipe.model.name_or_path) if strategy.name == "zero_infinity" else None
+    problems = strategy_problems(strategy, facts.params if facts else None)
     if problems:
         raise LaunchError("\n  - ".join(["preflight found problems:", *problems]))
     config = render(strategy, recipe.output_dir, recipe.training)[0]

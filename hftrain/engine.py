@@ -64,11 +64,15 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
                          "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     messages = [f"{recipe.source}: {k}: {m}" for k, m in problems]
-    from .preflight import count_parameters, strategy_problems
+    from .preflight import facts_or_none, strategy_problems
 
-    n_params = count_parameters(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
+    facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
         strategy.name == "zero_infinity") else None
-    messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, n_params)]
+    if facts is not None and strategy.buffer_size is None:
+        # Each parameter swap buffer must hold the largest parameter; DeepSpeed's usual 1e8 elements x 5 buffers
+        # pins 2 GB per rank whatever the model. Size them to the model instead (rounded up to 1M elements).
+        strategy = replace(strategy, buffer_size=-(-facts.largest_tensor // 2**20) * 2**20)
+    messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
     if messages:
         raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))
     return strategy

@@ -34,6 +34,7 @@ class ModelFacts:
     layers: int
     vocab: int
     weight_bytes: int  # bytes per parameter of the loaded weights
+    largest_tensor: int = 0  # elements of the largest single parameter
 
 
 @dataclass
@@ -119,7 +120,7 @@ def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code:
     wdtype = getattr(config, "dtype", None) if dtype == "auto" else dtype
     weight_bytes = 2 if str(wdtype).replace("torch.", "") in ("bfloat16", "float16") else 4
     return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
-                      weight_bytes)
+                      weight_bytes, max(p.numel() for p in model.parameters()))
 
 
 def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:

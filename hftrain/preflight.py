@@ -16,13 +16,13 @@ from .recipe import StrategySection, accelerator_available
 NVME_BYTES_PER_PARAM = 4 + 16
 
 
-def count_parameters(name_or_path: str, trust_remote_code: bool = False) -> int | None:
-    """Parameters of a model from its config alone (hftrain.plan); None when the config cannot be read here
-    (e.g. an unreachable Hub id: loading the model will then say so)."""
+def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
+    """hftrain.plan.model_facts, or None when the config cannot be read here (e.g. an unreachable Hub id:
+    loading the model will then say so)."""
     from .plan import model_facts
 
     try:
-        return model_facts(name_or_path, trust_remote_code=trust_remote_code).params
+        return model_facts(name_or_path, trust_remote_code=trust_remote_code)
     except Exception:
         return None
 
