@@ -28,6 +28,19 @@ def check_world_size(args) -> None:
         )
 
 
+def check_batch(args, n_examples: int) -> None:
+    """One optimizer step takes world x micro-batch x accumulation examples; fewer than that trains nothing."""
+    need = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if n_examples < need and not args.dataloader_drop_last:
+        return  # a short last step still trains
+    if n_examples < need:
+        raise LaunchError(
+            f"one optimizer step needs {need} examples ({args.world_size} processes x per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} x gradient_accumulation_steps {args.gradient_accumulation_steps}) "
+            f"and dataloader_drop_last drops them all: the data has {n_examples}. Lower one of those or add data"
+        )
+
+
 def write_recipe(recipe: Recipe) -> None:
     """The resolved recipe (defaults + YAML + command line) in output_dir/recipe.yaml."""
     if distributed.is_main_process():

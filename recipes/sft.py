@@ -18,7 +18,7 @@ from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.modeling import load_model, load_tokenizer
 from hftrain.recipe import load_from_argv
-from hftrain.run import check_world_size, first_eval, save_final, write_recipe, write_strategy_configs
+from hftrain.run import check_batch, check_world_size, first_eval, save_final, write_recipe, write_strategy_configs
 from hftrain.trainer import HFTrainer
 
 
@@ -46,6 +46,7 @@ def main(argv: list[str]) -> None:
 
     # 3. Data: tokenised once on the main process, reused from the datasets cache by the others.
     data = build_datasets(recipe.data, tokenizer, seed=args.seed, exact_match=recipe.eval.exact_match)
+    check_batch(args, len(data.train))
     distributed.print0(f"hftrain: {len(data.train)} training examples"
                        + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     write_recipe(recipe)

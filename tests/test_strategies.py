@@ -284,3 +284,18 @@ def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_batch_arithmetic_preflight():
+    from types import SimpleNamespace
+
+    from hftrain.engine import LaunchError
+    from hftrain.run import check_batch
+
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                           dataloader_drop_last=True)
+    check_batch(args, 16)
+    with pytest.raises(LaunchError, match="one optimizer step needs 16 examples .* the data has 15"):
+        check_batch(args, 15)
+    args.dataloader_drop_last = False
+    check_batch(args, 3)  # a short step still trains
