@@ -1,8 +1,8 @@
 """Data: load sources, detect their format, tokenise with loss masks, mix, split, collate (optionally packed).
 
 Loss masks are computed from character spans: the trainable part of each example (assistant turns, the
-completion, or everything) is located in the rendered text, and a token is trainable when it starts inside
-such a span (fast tokenizers' offset mapping). transformers' own `return_assistant_tokens_mask` needs
+completion, or everything) is located in the rendered text, and a token is trainable when it overlaps such a
+span (fast tokenizers' offset mapping). transformers' own `return_assistant_tokens_mask` needs
 `{% generation %}` markers that most chat templates lack, so this works with any prefix-stable template.
 """
 
@@ -198,10 +198,11 @@ def tokenize_example(canon: dict, tokenizer, train_on_prompt: bool) -> dict:
     text, spans, special = render(canon, tokenizer, train_on_prompt)
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    # A token is trainable when it is non-empty and starts inside a trainable span (zero-width special tokens,
-    # e.g. an added BOS, never are).
+    # A token is trainable when its characters overlap a trainable span. Overlap, not "starts inside": a BPE token
+    # may merge the template's trailing space with the answer's first letter (" c" after "assistant:"), and
+    # that token is the answer's first. Zero-width special tokens (an added BOS) never are.
     labels = [
-        tok if b > a and any(s <= a < e for s, e in spans) else IGNORE_INDEX
+        tok if b > a and any(a < e and b > s for s, e in spans) else IGNORE_INDEX
         for tok, (a, b) in zip(ids, enc["offset_mapping"])
     ]
     return {"input_ids": ids, "labels": labels}

@@ -204,3 +204,21 @@ def test_padding_collator_masks_padding(tokenizer):
     n = len(exs[1]["input_ids"])
     assert batch["attention_mask"][1].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
     assert (batch["labels"][1, n:] == IGNORE_INDEX).all()
+
+
+def test_chat_template_override_from_string_and_file(tmp_path, tiny_model_dir):
+    from hftrain.modeling import ModelError, load_tokenizer
+    from hftrain.recipe import ModelSection
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    f = tmp_path / "t.jinja"
+    f.write_text(template)
+    for value in (template, str(f)):
+        tok = load_tokenizer(ModelSection(name_or_path=tiny_model_dir), value)
+        out = tokenize_example({"messages": CHAT}, tok, train_on_prompt=False)
+        assert tok.decode(out["input_ids"]) == "user: reverse: a b c\nassistant: c b a\n"
+        # " c" is one token straddling the prompt's trailing space: it is the answer's first token, so trained.
+        assert trainable_text(tok, out) == " c b a\n"
+    with pytest.raises(ModelError, match="data.chat_template: .*missing.jinja does not exist"):
+        load_tokenizer(ModelSection(name_or_path=tiny_model_dir), str(tmp_path / "missing.jinja"))
