@@ -191,7 +191,7 @@ def reference(tiny_model_dir, tokenizer, data, mode):
     loss.backward()
     micro = [per_example[i:i + 2] for i in range(0, 8, 2)]  # the naive bug: mean of micro-batch means
     naive = sum(sum(s for s, _ in mb) / sum(n for _, n in mb) for mb in micro) / len(micro)
-    return model, loss.item(), float(naive), sum(n for _, n in per_example)
+    return model, loss.item(), float(naive.detach()), sum(n for _, n in per_example)
 
 
 def assert_close_rel(a: dict, b: dict, rel=1e-5):
