@@ -7,15 +7,14 @@ Precedence is defaults < YAML < command line. Every problem found is collected a
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import enum
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
+
+from .schema import Ctx, build, check, type_name, unknown
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity")
 FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "text")
@@ -313,160 +312,6 @@ def load_from_argv(argv: list[str]) -> Recipe:
 # Validation
 
 
-class _Ctx:
-    def __init__(self, source: str, origins: dict[str, str]):
-        self.source, self.origins, self.problems = source, origins, []
-
-    def where(self, key: str) -> str:
-        for k, origin in self.origins.items():
-            if key == k or key.startswith(k + ".") or k.startswith(key + "."):
-                return origin
-        return self.source
-
-    def add(self, key: str, msg: str) -> None:
-        self.problems.append(f"{self.where(key)}: {key}: {msg}")
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
-        if enums:
-            return _type_name(enums[0])
-        return " or ".join(_type_name(a) for a in args if a is not type(None)) + (
-            " or null" if type(None) in typing.get_args(tp) else ""
-        )
-    if origin is list:
-        return "a list"
-    if origin is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of " + ", ".join(repr(m.value) for m in tp)
-    return getattr(tp, "__name__", str(tp))
-
-
-def _yaml11_word(value: bool, allowed) -> Any:
-    """YAML 1.1 reads an unquoted `no`/`off` as false: map it back when the field wants that word."""
-    for word in (("no", "off", "false") if value is False else ("yes", "on", "true")):
-        if word in allowed:
-            return word
-    return value
-
-
-def _check(value: Any, tp, key: str, ctx: _Ctx) -> tuple[bool, Any]:
-    """(ok, converted) for value against annotation tp; nested dataclasses are built and checked."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True, value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            return type(None) in args, None
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
-        if enums and isinstance(value, bool) and not any(a is bool for a in args):
-            value = _yaml11_word(value, [m.value for e in enums for m in e])
-        if enums and isinstance(value, str):  # transformers' `SchedulerType | str`: the str must still be a member
-            return any(value in [m.value for m in e] for e in enums), value
-        for a in args:
-            if a is type(None):
-                continue
-            sub = _Ctx(ctx.source, ctx.origins)
-            ok, conv = _check(value, a, key, sub)
-            if ok and not sub.problems:
-                return True, conv
-        # A single non-null alternative: report its precise problems.
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1 and dataclasses.is_dataclass(real[0]) and isinstance(value, dict):
-            return _check(value, real[0], key, ctx)
-        return False, value
-    if origin is Literal:
-        if isinstance(value, bool):
-            value = _yaml11_word(value, typing.get_args(tp))
-        return value in typing.get_args(tp), value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            return False, value
-        return True, _build(tp, value, key, ctx)
-    if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        out = []
-        for i, v in enumerate(value):
-            ok, conv = _check(v, item_tp, f"{key}.{i}", ctx)
-            if not ok:
-                ctx.add(f"{key}.{i}", f"expected {_type_name(item_tp)}, got {v!r}")
-            out.append(conv)
-        return True, out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            return False, value
-        args = typing.get_args(tp)
-        if args and args[1] is str and not all(isinstance(v, str) for v in value.values()):
-            return False, value
-        return True, value
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        values = [m.value for m in tp]
-        return value in values, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, bool):
-            return False, value
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value  # an annotation we do not model: let the library validate it
-
-
-def _unknown(key: str, name: str, valid: list[str], ctx: _Ctx) -> None:
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-    hint = f"did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?" if close else (
-        "valid keys: " + ", ".join(sorted(valid))
-    )
-    ctx.add(key, f"unknown key; {hint}")
-
-
-def _build(cls, raw: dict, prefix: str, ctx: _Ctx):
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    kwargs = {}
-    for name, value in raw.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            _unknown(key, str(name), list(fields), ctx)
-            continue
-        ok, conv = _check(value, hints[name], key, ctx)
-        if not ok:
-            ctx.add(key, f"expected {_type_name(hints[name])}, got {value!r}")
-        kwargs[name] = conv
-    for name, f in fields.items():
-        if name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            key = f"{prefix}.{name}" if prefix else name
-            ctx.add(key, f"required key is missing ({f.metadata.get('help', '')})")
-            kwargs[name] = None
-    try:
-        return cls(**kwargs)
-    except TypeError:
-        return None
-
-
 def _training_fields() -> tuple[dict[str, Any], set[str]]:
     from transformers import TrainingArguments
 
@@ -475,7 +320,7 @@ def _training_fields() -> tuple[dict[str, Any], set[str]]:
     return hints, names
 
 
-def _validate_training(raw: dict, ctx: _Ctx) -> dict:
+def _validate_training(raw: dict, ctx: Ctx) -> dict:
     hints, names = _training_fields()
     merged = dict(TRAINING_DEFAULTS)
     for name, value in raw.items():
@@ -484,14 +329,14 @@ def _validate_training(raw: dict, ctx: _Ctx) -> dict:
             ctx.add(key, f"not accepted here: {TRAINING_REFUSED[name]}")
             continue
         if name not in names and name not in HFTRAIN_TRAINING_KEYS:
-            _unknown(key, str(name), sorted((names | set(HFTRAIN_TRAINING_KEYS)) - set(TRAINING_REFUSED)), ctx)
+            unknown(key, str(name), sorted((names | set(HFTRAIN_TRAINING_KEYS)) - set(TRAINING_REFUSED)), ctx)
             continue
         tp = HFTRAIN_TRAINING_KEYS[name][0] if name in HFTRAIN_TRAINING_KEYS else hints.get(name, Any)
         if name == "resume_from_checkpoint":
             tp = str | bool | None  # true = the newest checkpoint in output_dir
-        ok, conv = _check(value, tp, key, ctx)
+        ok, conv = check(value, tp, key, ctx)
         if not ok:
-            ctx.add(key, f"expected {_type_name(tp)}, got {value!r}")
+            ctx.add(key, f"expected {type_name(tp)}, got {value!r}")
         merged[name] = conv
     if not isinstance(merged.get("output_dir"), str) or not merged["output_dir"]:
         ctx.add("training.output_dir", "must be a folder path")
@@ -502,7 +347,7 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _validate_semantics(recipe: Recipe, ctx: _Ctx) -> None:
+def _validate_semantics(recipe: Recipe, ctx: Ctx) -> None:
     """Cross-field rules; values that already failed their type check are skipped."""
     d = recipe.data
     has_eval = False
@@ -535,7 +380,7 @@ def _validate_semantics(recipe: Recipe, ctx: _Ctx) -> None:
 
 
 def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Recipe:
-    ctx = _Ctx(source, origins or {})
+    ctx = Ctx(source, origins or {})
     sections = {
         "model": ModelSection,
         "data": DataSection,
@@ -546,7 +391,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
     built: dict[str, Any] = {}
     for name, value in tree.items():
         if name not in sections:
-            _unknown(str(name), str(name), list(sections), ctx)
+            unknown(str(name), str(name), list(sections), ctx)
             continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")
@@ -554,7 +399,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         if name == "training":
             built[name] = _validate_training(value, ctx)
         else:
-            built[name] = _build(sections[name], value, name, ctx)
+            built[name] = build(sections[name], value, name, ctx)
     for name in ("model", "data"):
         if name not in tree:
             ctx.add(name, "required section is missing")
