@@ -68,10 +68,15 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
 
     facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
         strategy.name == "zero_infinity") else None
-    if facts is not None and strategy.buffer_size is None:
-        # Each parameter swap buffer must hold the largest parameter; DeepSpeed's usual 1e8 elements x 5 buffers
-        # pins 2 GB per rank whatever the model. Size them to the model instead (rounded up to 1M elements).
-        strategy = replace(strategy, buffer_size=-(-facts.largest_tensor // 2**20) * 2**20)
+    if facts is not None:
+        # Each parameter swap buffer must hold the largest parameter, each optimizer swap buffer one sub-group:
+        # DeepSpeed's usual 1e8 and 1e9 elements pin GBs of RAM per rank whatever the model. Size both to the
+        # model instead (rounded up to 1M elements).
+        largest = -(-facts.largest_tensor // 2**20) * 2**20
+        if strategy.buffer_size is None:
+            strategy = replace(strategy, buffer_size=largest)
+        if strategy.sub_group_size is None:
+            strategy = replace(strategy, sub_group_size=4 * largest)
     messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
     if messages:
         raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))

@@ -95,7 +95,11 @@ class StrategySection:
     aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
     aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
     buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
-    buffer_size: int | None = _f(None, "zero_infinity: bytes per parameter swap buffer; default 1e8.")
+    buffer_size: int | None = _f(None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter.")
+    sub_group_size: int | None = _f(
+        None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
+        "one); default: 4x the largest parameter."
+    )
 
 
 @dataclass

@@ -31,7 +31,8 @@ OPTIONS = {
     "zero3": COMMON_OPTIONS,
     "zero3_offload": COMMON_OPTIONS | {"pin_memory"},
     "zero_infinity": COMMON_OPTIONS
-    | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth", "buffer_count", "buffer_size"},
+    | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth", "buffer_count", "buffer_size",
+       "sub_group_size"},
 }
 DEFAULTS = {
     "num_processes": 2,
@@ -46,6 +47,7 @@ DEFAULTS = {
     "aio_queue_depth": 8,
     "buffer_count": 5,
     "buffer_size": 100_000_000,
+    "sub_group_size": 1_000_000_000,
 }
 
 
@@ -109,6 +111,8 @@ def deepspeed_config(s: StrategySection) -> dict | None:
                 "buffer_count": s.buffer_count}
         zero["offload_param"] = {**swap, "buffer_size": s.buffer_size, "max_in_cpu": 0}
         zero["offload_optimizer"] = {**swap, "buffer_count": max(4, s.buffer_count), "fast_init": False}
+        # The optimizer's swap buffers each hold one sub-group: 1e9 elements pins GBs of RAM per rank.
+        zero["sub_group_size"] = s.sub_group_size
         # Measured: a non-zero prefetch bucket with NVMe params fails "param N already assigned swap buffer id".
         zero["stage3_prefetch_bucket_size"] = 0
         # Measured: parameters kept for reuse hold their swap buffer, and once buffer_count of them are held the
