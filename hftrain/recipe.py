@@ -17,7 +17,6 @@ import yaml
 from .schema import Ctx, build, check, type_name, unknown
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity")
-FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "text")
 
 
 def _f(default=dataclasses.MISSING, help: str = "", factory=None):
