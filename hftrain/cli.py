@@ -71,17 +71,12 @@ def _launch(ns) -> int:
     import subprocess
     from dataclasses import replace
 
-    from .engine import LaunchError
-    from .preflight import facts_or_none, strategy_problems
+    from .engine import checked_strategy
     from .recipe import load_recipe
     from .strategies import render
 
     recipe = load_recipe(ns.recipe, ns.overrides)
-    strategy = replace(recipe.strategy, name=recipe.strategy.name or "ddp")
-    facts = facts_or_none(recipe.model.name_or_path) if strategy.name == "zero_infinity" else None
-    problems = strategy_problems(strategy, facts.params if facts else None)
-    if problems:
-        raise LaunchError("\n  - ".join(["preflight found problems:", *problems]))
+    strategy = checked_strategy(recipe, replace(recipe.strategy, name=recipe.strategy.name or "ddp"))
     config = render(strategy, recipe.output_dir, recipe.training)[0]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     if ns.max_restarts:

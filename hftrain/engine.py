@@ -55,7 +55,12 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
             f"`--config_file accelerate_configs/{wanted}.yaml` (or `hftrain launch`), or set strategy.name to "
             f"'{have}', or remove strategy.name to let the launcher decide"
         )
-    strategy = replace(recipe.strategy, name=have)
+    return checked_strategy(recipe, replace(recipe.strategy, name=have))
+
+
+def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySection:
+    """Preflight for a named strategy (shared by the run and `hftrain launch`): options that do not apply,
+    optimizer rules, NVMe and async_io; ZeRO-Infinity's swap buffers sized to the model. All problems at once."""
     from .strategies import option_problems
 
     problems = option_problems(strategy)

@@ -31,9 +31,7 @@ def check_world_size(args) -> None:
 def check_batch(args, n_examples: int) -> None:
     """One optimizer step takes world x micro-batch x accumulation examples; fewer than that trains nothing."""
     need = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if n_examples < need and not args.dataloader_drop_last:
-        return  # a short last step still trains
-    if n_examples < need:
+    if args.dataloader_drop_last and n_examples < need:  # without drop_last a short step still trains
         raise LaunchError(
             f"one optimizer step needs {need} examples ({args.world_size} processes x per_device_train_batch_size "
             f"{args.per_device_train_batch_size} x gradient_accumulation_steps {args.gradient_accumulation_steps}) "

@@ -299,3 +299,15 @@ def test_batch_arithmetic_preflight():
         check_batch(args, 15)
     args.dataloader_drop_last = False
     check_batch(args, 3)  # a short step still trains
+
+
+def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
+    from hftrain.cli import main
+
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "zero3_offload"}, "training": {"optim": "sgd"}}))
+    with pytest.raises(SystemExit) as e:
+        main(["launch", str(rec), "--dry-run"])
+    assert e.value.code == 2
+    assert "training.optim: 'sgd' cannot be used with 'zero3_offload'" in capsys.readouterr().err
