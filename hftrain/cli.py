@@ -36,10 +36,13 @@ def _config(ns) -> int:
     from .recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
     from .strategies import render, slurm_script
 
-    training = None
+    from .compression import zero_communication_dtype
+
+    training, comm_dtype = None, None
     if ns.recipe:
         recipe = load_recipe(ns.recipe, ns.overrides)
         strategy, training = recipe.strategy, recipe.training
+        comm_dtype = zero_communication_dtype(recipe.compression)
         if ns.strategy:
             strategy = replace(strategy, name=ns.strategy)
         if strategy.name is None:
@@ -54,7 +57,7 @@ def _config(ns) -> int:
         names = list(STRATEGIES) if ns.all else [ns.strategy]
         strategy, out = StrategySection(), ns.output or "accelerate_configs"
     for name in names:
-        written = render(replace(strategy, name=name), out, training)
+        written = render(replace(strategy, name=name), out, training, communication_data_type=comm_dtype)
         if ns.slurm:
             if not ns.recipe:
                 raise RecipeError(["command line: --slurm needs a recipe: hftrain config RECIPE --slurm"])
@@ -71,13 +74,15 @@ def _launch(ns) -> int:
     import subprocess
     from dataclasses import replace
 
+    from .compression import zero_communication_dtype
     from .engine import checked_strategy
     from .recipe import load_recipe
     from .strategies import render
 
     recipe = load_recipe(ns.recipe, ns.overrides)
     strategy = checked_strategy(recipe, replace(recipe.strategy, name=recipe.strategy.name or "ddp"))
-    config = render(strategy, recipe.output_dir, recipe.training)[0]
+    config = render(strategy, recipe.output_dir, recipe.training,
+                    communication_data_type=zero_communication_dtype(recipe.compression))[0]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     if ns.max_restarts:
         cmd += ["--max_restarts", str(ns.max_restarts)]

@@ -63,7 +63,9 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
     optimizer rules, NVMe and async_io; ZeRO-Infinity's swap buffers sized to the model. All problems at once."""
     from .strategies import option_problems
 
-    problems = option_problems(strategy)
+    from .compression import problems as compression_problems
+
+    problems = option_problems(strategy) + compression_problems(recipe.compression, strategy.name, recipe.training)
     optim = str(recipe.training.get("optim", "adamw_torch"))
     if strategy.name in ("zero3_offload", "zero_infinity") and not optim.startswith("adamw"):
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
@@ -88,13 +90,17 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
     return strategy
 
 
-def training_arguments_kwargs(strategy: StrategySection) -> dict:
-    """TrainingArguments additions for the strategy; sets the FSDP_* environment and the CPU shims it needs."""
+def training_arguments_kwargs(strategy: StrategySection, compression=None) -> dict:
+    """TrainingArguments additions for the strategy; sets the FSDP_* environment and the CPU shims it needs.
+    `compression` (the recipe's section) sets DeepSpeed's reduction dtype under ZeRO."""
     if strategy.name in ZERO_STAGE:
         # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use: keep them in a cache hftrain names
         # rather than wherever the home directory happens to be.
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))
-        return {"deepspeed": deepspeed_config(strategy)}
+        from .compression import zero_communication_dtype
+
+        dtype = zero_communication_dtype(compression) if compression is not None else None
+        return {"deepspeed": deepspeed_config(strategy, dtype)}
     if strategy.name == "fsdp":
         for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
                          ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
@@ -126,8 +132,11 @@ def describe(trainer, strategy: StrategySection) -> dict:
         out["zero_stage"] = wrapped.zero_optimization_stage()
         out["offload_optimizer"] = str(getattr(wrapped.zero_offload_optimizer(), "device", None) or "none")
         out["offload_param"] = str(getattr(wrapped.zero_offload_param(), "device", None) or "none")
+        out["communication_dtype"] = str(wrapped.communication_data_type)
     if strategy.name == "fsdp":
         from torch.distributed.fsdp import FSDPModule
 
         out["fsdp2_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+        root = trainer.model if isinstance(trainer.model, FSDPModule) else None
+        out["fsdp_reduce_dtype"] = str(root._get_fsdp_state()._mp_policy.reduce_dtype) if root is not None else None
     return out

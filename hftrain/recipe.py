@@ -109,6 +109,51 @@ class EvalSection:
     max_new_tokens: int = _f(32, "Generation length for exact_match.")
 
 
+@dataclass
+class CompressionSection:
+    method: Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"] = _f(
+        "none", "Gradient compression on the data-parallel reduction. ddp: all methods; fsdp and zero1-3: fp16/bf16."
+    )
+    start_step: int | None = _f(
+        None, "Optimizer steps with uncompressed gradients first; default 2 for powersgd (its error feedback needs "
+        "DDP's rebuilt buckets), else 0."
+    )
+    error_feedback: bool | None = _f(
+        None, "powersgd/int8/topk: add what the last step did not send to this step's gradient; default true."
+    )
+    powersgd_rank: int | None = _f(None, "powersgd: rank of the low-rank approximation; default 4.")
+    int8_granularity: Literal["chunk", "tensor"] | None = _f(
+        None, "int8: one scale per chunk of int8_chunk_size elements, or one per bucket ('tensor'); default chunk."
+    )
+    int8_chunk_size: int | None = _f(None, "int8: elements per scale with granularity chunk; default 2048.")
+    topk_ratio: float | None = _f(None, "topk: share of gradient elements sent each step; default 0.01.")
+
+    def resolved_start_step(self) -> int:
+        return self.start_step if self.start_step is not None else (2 if self.method == "powersgd" else 0)
+
+    def resolved_error_feedback(self) -> bool:
+        return True if self.error_feedback is None else self.error_feedback
+
+    def resolved_powersgd_rank(self) -> int:
+        return self.powersgd_rank or 4
+
+    def resolved_topk_ratio(self) -> float:
+        return self.topk_ratio if self.topk_ratio is not None else 0.01
+
+    def resolved_int8(self) -> tuple[str, int]:
+        return self.int8_granularity or "chunk", self.int8_chunk_size or 2048
+
+
+# Which compression options apply to which method (anything else set is an error, not ignored).
+COMPRESSION_OPTIONS = {
+    "error_feedback": ("powersgd", "int8", "topk"),
+    "powersgd_rank": ("powersgd",),
+    "int8_granularity": ("int8",),
+    "int8_chunk_size": ("int8",),
+    "topk_ratio": ("topk",),
+}
+
+
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
 HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
     "loss_averaging": (
@@ -151,6 +196,8 @@ class Recipe:
     training: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainingArguments fields."})
     strategy: StrategySection = field(default_factory=StrategySection, metadata={"help": "Distribution strategy."})
     eval: EvalSection = field(default_factory=EvalSection, metadata={"help": "Generation-based evaluation."})
+    compression: CompressionSection = field(default_factory=CompressionSection,
+                                            metadata={"help": "Gradient compression."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
 
     @property
@@ -377,9 +424,32 @@ def _validate_semantics(recipe: Recipe, ctx: Ctx) -> None:
 
         for key, msg in option_problems(recipe.strategy):
             ctx.add(key, msg)
+    if isinstance(recipe.compression, CompressionSection):
+        _validate_compression(recipe.compression, ctx)
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         ctx.add("model.lora.r", f"must be > 0, got {lora.r}")
+
+
+def _validate_compression(c: CompressionSection, ctx: Ctx) -> None:
+    for key, methods in COMPRESSION_OPTIONS.items():
+        if getattr(c, key) is not None and c.method not in methods:
+            ctx.add(f"compression.{key}", f"applies to method {' / '.join(methods)}, not '{c.method}': remove it")
+    if c.start_step is not None and c.method == "none":
+        ctx.add("compression.start_step", "applies only with a compression method: remove it")
+    if _num(c.start_step) and c.start_step < 0:
+        ctx.add("compression.start_step", f"must be >= 0, got {c.start_step}")
+    if (c.method == "powersgd" and c.resolved_error_feedback() and _num(c.start_step) and c.start_step < 2):
+        ctx.add("compression.start_step", "must be >= 2 for powersgd with error feedback: DDP rebuilds its buckets "
+                "after the first step and PyTorch's PowerSGD keys its error by bucket")
+    if _num(c.powersgd_rank) and c.powersgd_rank < 1:
+        ctx.add("compression.powersgd_rank", f"must be >= 1, got {c.powersgd_rank}")
+    if _num(c.int8_chunk_size) and c.int8_chunk_size < 1:
+        ctx.add("compression.int8_chunk_size", f"must be >= 1, got {c.int8_chunk_size}")
+    if c.int8_chunk_size is not None and c.int8_granularity == "tensor":
+        ctx.add("compression.int8_chunk_size", "applies to int8_granularity chunk, not tensor: remove it")
+    if _num(c.topk_ratio) and not 0 < c.topk_ratio <= 1:
+        ctx.add("compression.topk_ratio", f"must be in (0, 1], got {c.topk_ratio}")
 
 
 def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Recipe:
@@ -390,6 +460,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         "training": dict,
         "strategy": StrategySection,
         "eval": EvalSection,
+        "compression": CompressionSection,
     }
     built: dict[str, Any] = {}
     for name, value in tree.items():
@@ -409,12 +480,14 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
     built.setdefault("training", dict(TRAINING_DEFAULTS))
     built.setdefault("strategy", StrategySection())
     built.setdefault("eval", EvalSection())
+    built.setdefault("compression", CompressionSection())
     recipe = Recipe(
         model=built.get("model"),
         data=built.get("data"),
         training=built["training"],
         strategy=built["strategy"] or StrategySection(),
         eval=built["eval"] or EvalSection(),
+        compression=built["compression"] or CompressionSection(),
         source=source,
     )
     _validate_semantics(recipe, ctx)

@@ -49,9 +49,11 @@ def write_recipe(recipe: Recipe) -> None:
 def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> None:
     """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
     if distributed.is_main_process():
+        from .compression import zero_communication_dtype
         from .strategies import render
 
-        render(strategy, recipe.output_dir, recipe.training)
+        render(strategy, recipe.output_dir, recipe.training,
+               communication_data_type=zero_communication_dtype(recipe.compression))
 
 
 def weights_digest(model) -> str:

@@ -71,8 +71,9 @@ def resolved(s: StrategySection) -> StrategySection:
     return replace(s, **values)
 
 
-def deepspeed_config(s: StrategySection) -> dict | None:
-    """The DeepSpeed JSON for a ZeRO strategy (None for ddp/fsdp)."""
+def deepspeed_config(s: StrategySection, communication_data_type: str | None = None) -> dict | None:
+    """The DeepSpeed JSON for a ZeRO strategy (None for ddp/fsdp); `communication_data_type` (fp16/bf16) is
+    gradient compression's reduction dtype (compression.zero_communication_dtype)."""
     if s.name not in ZERO_STAGE:
         return None
     s = resolved(s)
@@ -103,6 +104,8 @@ def deepspeed_config(s: StrategySection) -> dict | None:
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
     }
+    if communication_data_type is not None:
+        cfg["communication_data_type"] = communication_data_type
     if s.name == "zero3_offload":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": s.pin_memory}
         zero["offload_param"] = {"device": "cpu", "pin_memory": s.pin_memory}
@@ -189,7 +192,8 @@ HEADER = (
 )
 
 
-def render(s: StrategySection, out_dir: str, training: dict | None = None, json_dir: str | None = None) -> list[str]:
+def render(s: StrategySection, out_dir: str, training: dict | None = None, json_dir: str | None = None,
+           communication_data_type: str | None = None) -> list[str]:
     """Write `<name>.yaml` (and `<name>.json` for ZeRO) into out_dir; return the paths written.
 
     The YAML refers to the JSON as `json_dir/<name>.json` (default: out_dir), the path seen from where you launch.
@@ -197,7 +201,7 @@ def render(s: StrategySection, out_dir: str, training: dict | None = None, json_
     json_dir = json_dir if json_dir is not None else out_dir
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    ds = deepspeed_config(s)
+    ds = deepspeed_config(s, communication_data_type)
     json_ref = None
     if ds is not None:
         json_path = os.path.join(out_dir, f"{s.name}.json")

@@ -1,11 +1,13 @@
 """hftrain's Trainer: transformers' Trainer with the loss normalisation of `losses.py`.
 
-Three small overrides, nothing else:
+Three small overrides for the loss:
 - `_get_num_items_in_batch`: count the step's target tokens and sequences over all micro-batches and ranks
   (one all-gather), instead of tokens only;
 - `compute_loss`: the model returns logits only (no labels are passed, so no model-internal loss or aux loss is
   scaled behind our back) and the loss is `losses.loss_sum / global count * dp_size`, plus registered aux terms;
 - `log`: adds the global target-token count per step.
+and, for gradient compression (compression.py), the DDP options get hftrain's comm hook and FSDP2 its reduce
+dtype; callbacks with a `pop_logs()` add their metrics to each log.
 Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
 nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
 """
@@ -17,13 +19,18 @@ from typing import Callable
 import torch
 from transformers import Trainer
 
+from . import compression as comp
 from . import losses
 
 
 class HFTrainer(Trainer):
-    def __init__(self, *args, loss_averaging: str = "token", **kwargs):
+    def __init__(self, *args, loss_averaging: str = "token", compression=None, **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
+        self.compression = compression if compression is not None and compression.method != "none" else None
+        if self.compression is not None:
+            self.comm_metrics = comp.CommMetricsCallback(self.compression)
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.comm_metrics]
         super().__init__(*args, **kwargs)
         self.loss_averaging = loss_averaging
         self.loss_is_scaled_for_ga = True  # our loss is already normalised over the whole accumulated batch
@@ -32,6 +39,22 @@ class HFTrainer(Trainer):
         self._step_counts: list[tuple[int, int]] = []
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
+
+    # -- gradient compression ----------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if self.compression is not None and self.accelerator.ddp_handler is not None:
+            self.accelerator.ddp_handler = comp.ddp_kwargs_with_hook(
+                self.accelerator.ddp_handler, self.compression, self.comm_metrics.on_hook_registered)
+        reduce_dtype = comp.fsdp_reduce_dtype(self.compression) if self.compression is not None else None
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and reduce_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            old = plugin.mixed_precision_policy
+            plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                param_dtype=getattr(old, "param_dtype", None), reduce_dtype=reduce_dtype,
+                output_dtype=getattr(old, "output_dtype", None))
 
     # -- counting --------------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
@@ -92,4 +115,7 @@ class HFTrainer(Trainer):
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()
+            for cb in self.callback_handler.callbacks:
+                if hasattr(cb, "pop_logs"):
+                    logs.update(cb.pop_logs())
         super().log(logs, start_time)

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> None:
     #    with the recipe's options applied (a disagreement stops here, before any model is loaded).
     recipe = load_from_argv(argv)
     strategy = engine.resolve_strategy(recipe)
-    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy))  # starts torch.distributed
+    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy, recipe.compression))  # starts torch.distributed
     engine.after_training_arguments(strategy)
     check_world_size(args)
     set_seed(args.seed)
@@ -62,6 +62,7 @@ def main(argv: list[str]) -> None:
         data_collator=data.collator,
         callbacks=[CurvesCallback()],
         loss_averaging=recipe.training["loss_averaging"],
+        compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
     )
 
     # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments); greedy

@@ -1,0 +1,391 @@
+"""Gradient compression on the data-parallel gradient reduction, and what it costs and saves.
+
+Where each method runs (see `problems` for the refusals):
+- DDP: a communication hook on the wrapped model. fp16 and PowerSGD are PyTorch's own hooks
+  (`default_hooks.fp16_compress_hook`, `powerSGD_hook.powerSGD_hook`). Written here, because PyTorch has none
+  that works: bf16 (PyTorch's refuses anything but CUDA/NCCL or XPU, so it cannot run on gloo), and int8 and
+  top-k with error feedback (PyTorch's `quantization_pertensor_hook` has no error feedback and breaks on gloo).
+- FSDP2: fp16/bf16 as the reduce dtype of its MixedPrecisionPolicy (parameters stay in their own dtype).
+- DeepSpeed ZeRO-1/2/3: fp16/bf16 as DeepSpeed's `communication_data_type`.
+
+Every hook written here issues exactly one collective, from the hook itself (the autograd thread), and does
+only local work in its future callback: a collective issued from a callback can race the all-reduce DDP issues
+for unused parameters (PowerSGD does that, so it runs with `find_unused_parameters=False`). Every hook returns
+the MEAN gradient: hftrain's loss normalisation (losses.py) assumes DDP's averaging.
+
+Bytes are counted as a ring algorithm puts them on the wire per rank: an all-reduce of B bytes sends
+2(W-1)/W * B, an all-gather of B bytes per rank sends (W-1) * B. int8 and top-k payloads are all-gathered
+(their sum cannot be formed in the compressed format), so their advantage shrinks as W grows; PowerSGD, fp16
+and bf16 are all-reduced and keep theirs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+METHODS = ("none", "fp16", "bf16", "powersgd", "int8", "topk")
+ERROR_FEEDBACK_METHODS = ("powersgd", "int8", "topk")
+DDP_ONLY = ("powersgd", "int8", "topk")
+
+
+# -- pure maths (tested single-process) -------------------------------------------------------------------------
+def quantize_int8(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one float32 scale per `chunk` elements (chunk <= 0: one scale for the tensor).
+    |x - dequantize(q, s)| <= s / 2 elementwise, s = max|x| of the chunk / 127."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    size = n if chunk <= 0 else chunk
+    pad = (-n) % size if n else 0
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, size) if n else flat.view(0, 1)
+    scales = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(-1)[:n], scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
+    n = q.numel()
+    size = n if chunk <= 0 else chunk
+    pad = (-n) % size if n else 0
+    blocks = torch.nn.functional.pad(q.float(), (0, pad)).view(-1, size) if n else q.float().view(0, 1)
+    return (blocks * scales[:, None]).reshape(-1)[:n]
+
+
+def topk_select(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (int32) and values of the ceil(ratio * n) largest magnitudes of a flat tensor."""
+    k = max(1, math.ceil(ratio * x.numel()))
+    idx = torch.topk(x.abs(), k, sorted=False).indices
+    return idx.to(torch.int32), x[idx]
+
+
+def wire_bytes(kind: str, payload_bytes: int, world: int) -> float:
+    """Bytes one rank sends for a collective over `payload_bytes` (its own contribution), ring algorithms."""
+    if world <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world * payload_bytes
+    if kind == "all_gather":
+        return (world - 1) * payload_bytes
+    raise ValueError(kind)
+
+
+# -- measurement -------------------------------------------------------------------------------------------------
+class CommMeter:
+    """Bytes and in-flight time of the gradient collectives. Hooks call `record`; the callback reads `step_end`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes_raw = 0.0
+        self.bytes_sent = 0.0
+        self._intervals: list[list[float]] = []
+
+    def record(self, raw: float, sent: float, start: float | None = None) -> list[float]:
+        """Count one bucket's bytes; returns the [start, end] interval that the caller closes on completion."""
+        interval = [time.perf_counter() if start is None else start, math.inf]
+        with self._lock:
+            self.bytes_raw += raw
+            self.bytes_sent += sent
+            self._intervals.append(interval)
+        return interval
+
+    def close(self, interval: list[float]) -> None:
+        interval[1] = time.perf_counter()
+
+    def step_end(self, step_start: float) -> dict:
+        """This step's totals; the time share is the union of in-flight intervals over the step's wall time."""
+        now = time.perf_counter()
+        with self._lock:
+            raw, sent, intervals = self.bytes_raw, self.bytes_sent, self._intervals
+            self.bytes_raw, self.bytes_sent, self._intervals = 0.0, 0.0, []
+        busy, cursor = 0.0, step_start
+        for a, b in sorted((max(a, step_start), min(b, now)) for a, b in intervals):
+            if b > cursor:
+                busy += b - max(a, cursor)
+                cursor = b
+        return {"bytes_raw": raw, "bytes_sent": sent, "time_share": busy / max(now - step_start, 1e-9)}
+
+
+def _timed(meter: CommMeter, fut: torch.futures.Future, raw: float, sent: float,
+           start: float | None = None) -> torch.futures.Future:
+    interval = meter.record(raw, sent, start)
+
+    def done(f):
+        meter.close(interval)
+        return f.value()
+
+    return fut.then(done)
+
+
+# -- DDP hooks ---------------------------------------------------------------------------------------------------
+@dataclass
+class HookState:
+    method: str
+    world: int
+    start_step: int = 0
+    error_feedback: bool = True
+    topk_ratio: float = 0.01
+    int8_chunk: int = 2048
+    meter: CommMeter = field(default_factory=CommMeter)
+    group: object = None
+    iter: int = 0  # optimizer steps seen (bucket.is_last() ends one, as in PyTorch's PowerSGD state)
+    residuals: dict = field(default_factory=dict)  # bucket index -> local error not yet sent
+    powersgd: object = None  # PyTorch's PowerSGDState for method "powersgd"
+
+    def residual(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        r = self.residuals.get(index)
+        if r is None or r.numel() != like.numel():  # first use, or DDP rebuilt its buckets after step 0
+            r = torch.zeros_like(like)
+            self.residuals[index] = r
+        return r
+
+
+def _raw(bucket) -> int:
+    buf = bucket.buffer()
+    return buf.numel() * buf.element_size()
+
+
+def _allreduce_mean(state: HookState, bucket, dtype: torch.dtype | None) -> torch.futures.Future:
+    """fp32 (dtype None) or a 16-bit all-reduce of the bucket, divided by the world size before summing."""
+    buf = bucket.buffer()
+    send = (buf if dtype is None else buf.to(dtype)).div_(state.world)  # buf.to(dtype) is a copy
+    fut = dist.all_reduce(send, group=state.group, async_op=True).get_future()
+
+    def decompress(f):
+        if dtype is not None:
+            buf.copy_(f.value()[0])
+        return buf
+
+    sent = wire_bytes("all_reduce", send.numel() * send.element_size(), state.world)
+    return _timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
+
+
+def _gather_mean(state: HookState, bucket, payload: torch.Tensor, decode) -> torch.futures.Future:
+    """All-gather each rank's uint8 payload once; the mean of the decoded tensors becomes the bucket's gradient."""
+    buf = bucket.buffer()
+    out = torch.empty(state.world * payload.numel(), dtype=torch.uint8, device=payload.device)
+    fut = dist.all_gather_single(out, payload, group=state.group, async_op=True).get_future()
+
+    def decompress(f):
+        rows = out.view(state.world, -1)
+        total = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+        for r in range(state.world):
+            total += decode(rows[r])
+        buf.copy_(total.div_(state.world).view_as(buf))
+        return buf
+
+    sent = wire_bytes("all_gather", payload.numel(), state.world)
+    return _timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
+
+
+def _with_feedback(state: HookState, bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bucket plus the error carried from the last step (flat float32), and the residual slot to update."""
+    x = bucket.buffer().detach().float()
+    if not state.error_feedback:
+        return x, None
+    r = state.residual(bucket.index(), x)
+    return x + r, r
+
+
+def int8_hook(state: HookState, bucket) -> torch.futures.Future:
+    x, r = _with_feedback(state, bucket)
+    q, scales = quantize_int8(x, state.int8_chunk)
+    if r is not None:
+        r.copy_(x - dequantize_int8(q, scales, state.int8_chunk))  # exactly what this rank did not send
+    n = q.numel()
+    payload = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
+
+    def decode(row):
+        return dequantize_int8(row[:n].view(torch.int8), row[n:].view(torch.float32), state.int8_chunk)
+
+    return _gather_mean(state, bucket, payload, decode)
+
+
+def topk_hook(state: HookState, bucket) -> torch.futures.Future:
+    x, r = _with_feedback(state, bucket)
+    idx, vals = topk_select(x, state.topk_ratio)
+    if r is not None:
+        r.copy_(x)
+        r[idx.long()] = 0  # everything but the sent values stays for the next step
+    k = idx.numel()
+    payload = torch.cat([idx.view(torch.uint8), vals.view(torch.uint8)])
+
+    def decode(row):
+        dense = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        dense[row[: 4 * k].view(torch.int32).long()] = row[4 * k:].view(torch.float32)
+        return dense
+
+    return _gather_mean(state, bucket, payload, decode)
+
+
+def _powersgd_hook(state: HookState, bucket) -> torch.futures.Future:
+    """PyTorch's PowerSGD; its own element counters say how much it sent (all of it in all-reduces).
+
+    It issues its P and Q all-reduces from future callbacks. On NCCL a future completes when the work is enqueued,
+    so the callbacks run inline and every rank issues collectives in the same order. On gloo they run later on
+    gloo's thread while the autograd thread issues the next bucket's all-reduce: with two or more buckets the
+    ranks' orders differ and gloo aborts (measured on the demo model, 2 buckets). So on gloo the whole chain is
+    waited for inside the hook: the same maths, no overlap of communication with backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    ps = state.powersgd
+    start = time.perf_counter()
+    before = ps.total_numel_after_compression
+    fut = powerSGD_hook.powerSGD_hook(ps, bucket)
+    if dist.get_backend(state.group) == "gloo":
+        done = torch.futures.Future()
+        done.set_result(fut.wait())
+        fut = done
+    elements = ps.total_numel_after_compression - before  # 0 while it still runs vanilla all-reduce
+    size = bucket.buffer().element_size()
+    sent = elements * size if elements else _raw(bucket)
+    return _timed(state.meter, fut, wire_bytes("all_reduce", _raw(bucket), state.world),
+                  wire_bytes("all_reduce", sent, state.world), start)
+
+
+def _fp16_hook(state: HookState, bucket) -> torch.futures.Future:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buf = bucket.buffer()
+    raw = wire_bytes("all_reduce", _raw(bucket), state.world)
+    return _timed(state.meter, default_hooks.fp16_compress_hook(state.group, bucket), raw,
+                  wire_bytes("all_reduce", buf.numel() * 2, state.world))
+
+
+def ddp_hook(state: HookState, bucket):  # no annotations: DDP checks them, and they are strings here
+    """The hook registered on DDP: uncompressed before `start_step`, then the method's."""
+    method = state.method
+    if method == "powersgd":
+        fut = _powersgd_hook(state, bucket)  # PowerSGD keeps its own step count and warm-up
+    elif method == "none" or state.iter < state.start_step:
+        fut = _allreduce_mean(state, bucket, None)
+    elif method == "fp16":
+        fut = _fp16_hook(state, bucket)
+    elif method == "bf16":
+        fut = _allreduce_mean(state, bucket, torch.bfloat16)
+    elif method == "int8":
+        fut = int8_hook(state, bucket)
+    elif method == "topk":
+        fut = topk_hook(state, bucket)
+    else:
+        raise ValueError(method)
+    if bucket.is_last():
+        state.iter += 1
+    return fut
+
+
+def make_hook_state(cfg, world: int) -> HookState:
+    """HookState from a resolved CompressionSection (see recipe.py)."""
+    granularity, chunk = cfg.resolved_int8()
+    state = HookState(method=cfg.method, world=world, start_step=cfg.resolved_start_step(),
+                      error_feedback=cfg.resolved_error_feedback(), topk_ratio=cfg.resolved_topk_ratio(),
+                      int8_chunk=chunk if granularity == "chunk" else 0)
+    if cfg.method == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state.powersgd = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=cfg.resolved_powersgd_rank(),
+            start_powerSGD_iter=state.start_step, use_error_feedback=state.error_feedback, warm_start=True,
+        )
+    return state
+
+
+# -- what runs where ---------------------------------------------------------------------------------------------
+def problems(cfg, strategy: str, training: dict) -> list[tuple[str, str]]:
+    """Combinations that cannot run, each with what works instead. `strategy` is the resolved strategy name."""
+    out = []
+    m = cfg.method
+    if m == "none":
+        return out
+    if m in DDP_ONLY and strategy != "ddp":
+        out.append(("compression.method", f"'{m}' runs only as a DDP communication hook, not under '{strategy}'; "
+                    f"use strategy ddp, or compression.method fp16/bf16 (reduce dtype) with '{strategy}'"))
+    if m == "powersgd" and training.get("ddp_find_unused_parameters") is True:
+        out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "
+                    "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
+                    "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
+    return out
+
+
+def zero_communication_dtype(cfg) -> str | None:
+    """DeepSpeed's `communication_data_type` for fp16/bf16 compression under ZeRO."""
+    return cfg.method if cfg.method in ("fp16", "bf16") else None
+
+
+def fsdp_reduce_dtype(cfg) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.method)
+
+
+# -- wiring into transformers' Trainer ---------------------------------------------------------------------------
+def ddp_kwargs_with_hook(ddp_kwargs, cfg, on_register):
+    """The Trainer's DistributedDataParallelKwargs (every DDP option kept) registering hftrain's hook instead.
+
+    accelerate calls `ddp_handler.register_comm_hook(model)` right after it wraps the model in DDP, exactly where
+    the hook must go; its own hook types cover only fp16, bf16 on NCCL and PowerSGD, without metering. Install the
+    result as `accelerator.ddp_handler` (accelerate maps handlers by exact class, so it cannot be passed in)."""
+    from dataclasses import dataclass as _dc, fields as _fields
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    @_dc
+    class HFTrainDDPKwargs(DistributedDataParallelKwargs):
+        def register_comm_hook(self, model):
+            state = make_hook_state(cfg, dist.get_world_size())
+            model.register_comm_hook(state, ddp_hook)
+            on_register(state)
+
+    return HFTrainDDPKwargs(**{f.name: getattr(ddp_kwargs, f.name) for f in _fields(ddp_kwargs)})
+
+
+class CommMetricsCallback(TrainerCallback):
+    """comm/bytes_raw, comm/bytes_sent, comm/compression_ratio, comm/time_share per optimizer step, averaged over
+    the logging window. HFTrainer.log merges `pop_logs()` into the Trainer's logs (trainer_state.json, TensorBoard).
+
+    DDP: measured by the hook (bytes of the collectives it issued, time any of them was in flight). FSDP and ZeRO:
+    the bytes their reduction is configured to send (reduce dtype vs the gradients' dtype); no time share."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.state: HookState | None = None  # set when DDP registers the hook
+        self.static: tuple[float, float] | None = None  # (raw, sent) per step for FSDP / ZeRO
+        self._t0 = 0.0
+        self._steps: list[dict] = []
+
+    def on_hook_registered(self, state: HookState) -> None:
+        self.state = state
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.state is None and model is not None and args.world_size > 1 and self.cfg.method in ("fp16", "bf16"):
+            params = [p for p in model.parameters() if p.requires_grad]
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 partitions hold ds_numel
+            size = params[0].element_size() if params else 4
+            # Reduce-scatter: (W-1)/W of the bytes, the same factor for both, so the ratio is the dtype ratio.
+            w = args.world_size
+            self.static = ((w - 1) / w * n * size, (w - 1) / w * n * 2)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.state is not None:
+            self._steps.append(self.state.meter.step_end(self._t0))
+        elif self.static is not None:
+            self._steps.append({"bytes_raw": self.static[0], "bytes_sent": self.static[1]})
+
+    def pop_logs(self) -> dict:
+        steps, self._steps = self._steps, []
+        if not steps:
+            return {}
+        raw = sum(s["bytes_raw"] for s in steps)
+        sent = sum(s["bytes_sent"] for s in steps)
+        out = {"comm/bytes_raw": raw / len(steps), "comm/bytes_sent": sent / len(steps),
+               "comm/compression_ratio": raw / sent if sent else float("nan")}
+        if "time_share" in steps[0]:
+            out["comm/time_share"] = sum(s["time_share"] for s in steps) / len(steps)
+        return out

@@ -1,0 +1,200 @@
+"""Gradient compression: the compressors' maths (single process), then every method on 2 CPU ranks."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hftrain import compression as comp
+from hftrain.recipe import RecipeError, load_recipe
+
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, free_port, run
+
+BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single process: error bounds, error feedback, top-k, bytes.
+
+@pytest.mark.parametrize("chunk", [0, 7, 2048])
+def test_int8_error_is_at_most_half_a_step_of_its_chunk(chunk):
+    torch.manual_seed(0)
+    x = torch.randn(5000) * torch.logspace(-3, 2, 5000)  # magnitudes over 5 decades: chunking matters
+    q, scales = comp.quantize_int8(x, chunk)
+    assert q.dtype == torch.int8 and q.numel() == x.numel()
+    assert scales.numel() == (1 if chunk == 0 else math.ceil(5000 / chunk))
+    err = (x - comp.dequantize_int8(q, scales, chunk)).abs()
+    per_elem_scale = scales.repeat_interleave(5000 if chunk == 0 else chunk)[:5000]
+    assert torch.all(err <= per_elem_scale / 2 + 1e-7)
+    if chunk == 7:  # finer scales: far smaller error than one scale for all
+        q0, s0 = comp.quantize_int8(x, 0)
+        assert err.mean() < (x - comp.dequantize_int8(q0, s0, 0)).abs().mean() / 10
+
+
+def test_topk_keeps_the_k_largest_magnitudes():
+    torch.manual_seed(1)
+    x = torch.randn(1000)
+    idx, vals = comp.topk_select(x, 0.013)
+    assert idx.numel() == 13 and idx.dtype == torch.int32
+    assert set(idx.tolist()) == set(torch.argsort(x.abs(), descending=True)[:13].tolist())
+    assert torch.equal(vals, x[idx.long()])
+
+
+class FakeBucket:
+    """What DDP hands a hook: a flat buffer, its index, whether it is the step's last bucket."""
+
+    def __init__(self, buf, index=0):
+        self._buf, self._index = buf, index
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return True
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["int8", "topk"])
+def test_error_feedback_carries_exactly_the_residual(one_rank_group, method):
+    """With one rank the hook's result is what this rank sent; sent + new residual == gradient + old residual."""
+    state = comp.HookState(method=method, world=1, topk_ratio=0.05, int8_chunk=64)
+    torch.manual_seed(2)
+    residual = torch.zeros(3000)
+    for _ in range(3):
+        g = torch.randn(3000)
+        want = g + residual
+        sent = comp.ddp_hook(state, FakeBucket(g.clone())).wait()
+        residual = state.residuals[0].clone()
+        assert torch.allclose(sent + residual, want, atol=1e-6)
+        assert residual.abs().sum() > 0  # something was held back
+        if method == "topk":
+            assert (sent != 0).sum() == 150 and torch.all(residual[sent != 0] == 0)
+    # Without error feedback nothing is carried.
+    state = comp.HookState(method=method, world=1, error_feedback=False, topk_ratio=0.05)
+    comp.ddp_hook(state, FakeBucket(torch.randn(3000))).wait()
+    assert state.residuals == {}
+
+
+def test_wire_bytes_and_time_share(monkeypatch):
+    assert comp.wire_bytes("all_reduce", 1000, 2) == 1000 and comp.wire_bytes("all_reduce", 1000, 8) == 1750
+    assert comp.wire_bytes("all_gather", 1000, 2) == 1000 and comp.wire_bytes("all_gather", 1000, 8) == 7000
+    # Time share: the union of in-flight intervals, not their sum.
+    m = comp.CommMeter()
+    t0 = 100.0
+    a, b = m.record(1, 1, start=t0 + 1), m.record(1, 1, start=t0 + 2)
+    a[1], b[1] = t0 + 4, t0 + 3  # [1,4] and [2,3] overlap: 3 s busy
+    monkeypatch.setattr(comp.time, "perf_counter", lambda: t0 + 10)  # the step ends 10 s after it began
+    stats = m.step_end(t0)
+    assert stats["time_share"] == pytest.approx(0.3) and stats["bytes_raw"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recipe rules: nothing accepted and ignored, impossible combinations refused before launch.
+
+def test_options_that_do_not_apply_are_errors():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, raw={**BASE, "compression": {"method": "int8", "topk_ratio": 0.1, "powersgd_rank": 2}})
+    assert "compression.topk_ratio: applies to method topk, not 'int8'" in str(e.value)
+    assert "compression.powersgd_rank" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, raw={**BASE, "compression": {"method": "powersgd", "start_step": 1}})
+    assert "must be >= 2 for powersgd" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, raw={**BASE, "compression": {"method": "topk", "topk_ratio": 0}})
+    assert "must be in (0, 1]" in str(e.value)
+    r = load_recipe(None, raw={**BASE, "compression": {"method": "powersgd"}})
+    assert r.compression.resolved_start_step() == 2 and r.compression.resolved_powersgd_rank() == 4
+
+
+@pytest.mark.parametrize("method,strategy,overrides,message", [
+    ("powersgd", "zero3", [], "'powersgd' runs only as a DDP communication hook, not under 'zero3'"),
+    ("int8", "fsdp", [], "use strategy ddp, or compression.method fp16/bf16"),
+    ("powersgd", "ddp", ["training.ddp_find_unused_parameters=true"], "races DDP's unused-parameter all-reduce"),
+])
+def test_impossible_combinations_are_refused_before_launch(tmp_path, tiny_model_dir, method, strategy, overrides,
+                                                           message):
+    r = run([PY, "-m", "hftrain.cli", "launch", os.path.join(REPO, "recipes/demo/sft.yaml"), "--dry-run",
+             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}",
+             f"compression.method={method}", f"strategy.name={strategy}", *overrides])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+
+
+def test_zero_and_fsdp_get_the_reduction_dtype():
+    from hftrain.recipe import StrategySection
+    from hftrain.strategies import deepspeed_config
+
+    r = load_recipe(None, raw={**BASE, "compression": {"method": "bf16"}})
+    assert comp.zero_communication_dtype(r.compression) == "bf16"
+    assert deepspeed_config(StrategySection(name="zero2"), "bf16")["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in deepspeed_config(StrategySection(name="zero2"))
+    assert comp.fsdp_reduce_dtype(r.compression) == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2 CPU ranks, each method: no hang, equal weights after every step, loss falls, logged bytes == bytes sent.
+
+def launch(tmp_path, tiny_model_dir, config, overrides, name):
+    out = tmp_path / f"{name}.json"
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{config}.yaml", "--main_process_port",
+           str(free_port()), "tests/compression_worker.py", os.path.join(REPO, "recipes/demo/sft.yaml"), str(out),
+           f"model.name_or_path={tiny_model_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
+           "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={tmp_path / name}",
+           "training.max_steps=8", "training.per_device_train_batch_size=8", "training.learning_rate=3e-3",
+           "training.warmup_steps=0", "training.logging_steps=1", "training.save_strategy=no",
+           "training.report_to=none", *overrides]
+    r = run(cmd, timeout=300, env={"TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.load(open(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,extra", [
+    ("fp16", []), ("bf16", []), ("powersgd", ["compression.powersgd_rank=2"]), ("int8", []),
+    ("topk", ["compression.topk_ratio=0.05"]),
+    # Our hooks issue one collective from the hook itself, so DDP's unused-parameter all-reduce cannot race them.
+    ("int8", ["training.ddp_find_unused_parameters=true"]),
+])
+def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
+    res = launch(tmp_path, tiny_model_dir, "ddp", [f"compression.method={method}", *extra], method)
+    assert res["world_size"] == 2 and res["wrapper"] == "DistributedDataParallel"
+    steps = res["steps"]
+    assert len(steps) == 8 and all(s["ranks_equal"] for s in steps), steps
+    logs = [h for h in res["log_history"] if "loss" in h]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    # Logged bytes (per step, world 2: wire bytes == each rank's payload) equal what the collectives carried.
+    for s, h in zip(steps, logs):
+        assert h["comm/bytes_sent"] == pytest.approx(s["counted_bytes"], rel=1e-9), (s, h)
+        assert h["comm/compression_ratio"] == pytest.approx(h["comm/bytes_raw"] / h["comm/bytes_sent"])
+        assert 0 <= h["comm/time_share"] <= 1
+    ratio = logs[-1]["comm/compression_ratio"]
+    expected = {"fp16": (2, 2), "bf16": (2, 2), "powersgd": (4, 100), "int8": (3.9, 4), "topk": (9.9, 10)}[method]
+    assert expected[0] <= ratio <= expected[1], ratio
+    if method == "powersgd":  # vanilla all-reduce for the first start_step (2) steps
+        assert logs[0]["comm/compression_ratio"] == 1 and logs[2]["comm/compression_ratio"] > 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,field,value", [("fsdp", "fsdp_reduce_dtype", "torch.bfloat16"),
+                                                  ("zero2", "communication_dtype", "torch.bfloat16")])
+def test_bf16_reduction_under_fsdp_and_zero(tmp_path, tiny_model_dir, strategy, field, value):
+    res = launch(tmp_path, tiny_model_dir, strategy, ["compression.method=bf16", f"strategy.name={strategy}"],
+                 strategy)
+    assert res["world_size"] == 2 and res[field] == value
+    logs = [h for h in res["log_history"] if "loss" in h]
+    assert logs[-1]["loss"] < logs[0]["loss"] and logs[0]["comm/compression_ratio"] == 2
