@@ -522,6 +522,8 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
             print(f"hftrain: pushed {len(files)} files to {hub.repo_id}"
                   + (f" (branch {hub.revision})" if hub.revision else "") + f": {info.commit_url}", flush=True)
             return info.commit_url
+        except ValueError as e:  # huggingface_hub's answer to a card the Hub refuses (not worth retrying)
+            raise HubError(f"the Hub refused the upload to {hub.repo_id}: {e}") from None
         except retryable as e:
             if _status(e) in (401, 403):
                 raise HubError(f"the Hub refused the token for {hub.repo_id} ({_one_line(e)}): use a token with write "
