@@ -552,6 +552,11 @@ def push_after_training(recipe) -> str | None:
     """recipes/sft.py's last step when hub.push is set: the main process validates and uploads output_dir."""
     if not recipe.hub.push or not distributed.is_main_process():
         return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # The run's ZeRO-3 config stays registered with transformers while its TrainingArguments live; validation
+    # loads the saved folder as a plain CPU model, not under zero.Init.
+    unset_hf_deepspeed_config()
     return push(recipe.output_dir, recipe.hub, trust_remote_code=recipe.model.trust_remote_code)
 
 
