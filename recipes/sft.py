@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py recipes/demo/sft.yaml [key=value ...]
     python recipes/sft.py recipes/demo/sft.yaml training.max_steps=10
 
-parse -> model/tokenizer -> data -> trainer -> train -> save. The detail lives in the hftrain package.
+parse -> model/tokenizer -> data -> trainer -> train -> save (-> Hub push). The detail lives in the hftrain package.
 """
 
 import math
