@@ -105,9 +105,9 @@ def _plan(ns) -> int:
 
 
 def _push(ns) -> int:
-    from .hub import hub_section_for, push
+    from .hub import settings_for_run, push
 
-    hub, recipe = hub_section_for(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
+    hub, recipe = settings_for_run(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
                                   revision=ns.revision, commit_message=ns.commit_message,
                                   merge_lora=ns.merge_lora or None, license=ns.license)
     push(ns.output_dir, hub, dry_run=ns.dry_run, stage_dir=ns.stage_dir, trust_remote_code=recipe.model.trust_remote_code)

@@ -536,8 +536,20 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
                 time.sleep(wait)
     raise HubError(
         f"pushing to {hub.repo_id} failed {attempts} times; last error: {_one_line(last)}. Nothing local changed: "
-        f"{output_dir} is complete and the validated upload is in {stage}. Run `hftrain push {output_dir} "
-        f"--repo-id {hub.repo_id}` again once the Hub is reachable") from None
+        f"{output_dir} is complete and the validated upload is in {stage}. Run `{rerun_command(output_dir, hub)}` "
+        "again once the Hub is reachable") from None
+
+
+def rerun_command(output_dir: str, hub) -> str:
+    import shlex
+
+    cmd = ["hftrain", "push", output_dir, "--repo-id", hub.repo_id]
+    cmd += ["--private"] if hub.private else []
+    cmd += ["--revision", hub.revision] if hub.revision else []
+    cmd += ["--commit-message", hub.commit_message] if hub.commit_message else []
+    cmd += ["--merge-lora"] if hub.merge_lora else []
+    cmd += ["--license", hub.license] if hub.license else []
+    return " ".join(shlex.quote(c) for c in cmd)
 
 
 def check_token(hub) -> None:
@@ -560,7 +572,7 @@ def push_after_training(recipe) -> str | None:
     return push(recipe.output_dir, recipe.hub, trust_remote_code=recipe.model.trust_remote_code)
 
 
-def hub_section_for(output_dir: str, **overrides):
+def settings_for_run(output_dir: str, **overrides):
     """The run's own `hub:` settings (from output_dir/recipe.yaml) with the command line's values on top."""
     from .recipe import HubSection, load_recipe
 

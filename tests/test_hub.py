@@ -48,7 +48,7 @@ class FakeHub:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with hub.lock:
                     hub.requests.append(("POST", self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-                    status, payload = hub.handle(urlparse(self.path).path, body)
+                    status, payload = hub.handle(urlparse(self.path).path, body, self.headers.get("Authorization"))
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -65,7 +65,9 @@ class FakeHub:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def handle(self, path: str, body: bytes):
+    def handle(self, path: str, body: bytes, auth: str | None):
+        if path != "/api/validate-yaml" and auth != f"Bearer {TOKEN}":
+            return 401, {"error": "Invalid credentials in Authorization header"}
         if path == "/api/repos/create":
             req = json.loads(body)
             repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
@@ -258,26 +260,35 @@ def test_server_error_mid_upload_retries_then_fails_clearly_and_a_rerun_succeeds
     before = tree_digest(out)
     hub.fail_commits = float("inf")
     commits = hub.count("commit")
-    target = HubSection(repo_id="me/flaky")
+    target = HubSection(repo_id="me/flaky", revision="v1")
     with pytest.raises(HubError) as e:
         push(str(out), target, endpoint=hub.url, attempts=2, backoff_s=0.1)
     msg = str(e.value)
     assert "pushing to me/flaky failed 2 times" in msg and "500" in msg
-    assert f"Run `hftrain push {out} --repo-id me/flaky` again" in msg
+    assert f"Run `hftrain push {out} --repo-id me/flaky --revision v1` again" in msg
     # Each attempt is one upload_folder, whose commit POST huggingface_hub itself retries 5 times on a 5xx.
     assert hub.count("commit") - commits == 2 * 6
-    assert hub.files("me/flaky") == {}  # the repository exists, nothing was committed
+    assert hub.files("me/flaky", "v1") == {}  # the repository and branch exist, nothing was committed
     assert tree_digest(out) == before  # local artifacts unchanged
     assert sorted(os.listdir(out / STAGE_DIR))  # the validated upload is still there
 
     hub.fail_commits = 0  # the server recovers: the same call again succeeds
     url = push(str(out), target, endpoint=hub.url, attempts=2, backoff_s=0.1)
     assert url.startswith(f"{hub.url}/me/flaky/commit/")
-    assert_received_equals_staged(hub.files("me/flaky"), out / STAGE_DIR)
+    assert_received_equals_staged(hub.files("me/flaky", "v1"), out / STAGE_DIR)
     assert tree_digest(out) == before
     captured = capsys.readouterr()
     assert "push attempt 1/2 failed" in captured.out
     assert TOKEN not in captured.out + captured.err + msg
+
+
+def test_a_refused_token_is_not_retried(pushed_run, hub, monkeypatch):
+    out, _ = pushed_run
+    monkeypatch.setenv("HF_TOKEN", "hf_WrongTokenAbcdefghijklmnopqrstuvwxyz")
+    n = len(hub.requests)
+    with pytest.raises(HubError, match="the Hub refused the token for me/denied .*401.*write access"):
+        push(str(out), HubSection(repo_id="me/denied"), endpoint=hub.url, backoff_s=0.05)
+    assert [r[1] for r in hub.requests[n:]] == ["/api/repos/create"]  # one try, then the clear error
 
 
 def test_unreachable_hub_fails_after_bounded_retries(pushed_run, monkeypatch):
