@@ -1,4 +1,4 @@
-"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `tiny-model`."""
+"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `push`, `tiny-model`."""
 
 from __future__ import annotations
 
@@ -109,6 +109,16 @@ def _plan(ns) -> int:
     return 0
 
 
+def _push(ns) -> int:
+    from .hub import settings_for_run, push
+
+    hub, recipe = settings_for_run(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
+                                  revision=ns.revision, commit_message=ns.commit_message,
+                                  merge_lora=ns.merge_lora or None, license=ns.license)
+    push(ns.output_dir, hub, dry_run=ns.dry_run, stage_dir=ns.stage_dir, trust_remote_code=recipe.model.trust_remote_code)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -148,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restart the workers this many times when one dies")
     la.add_argument("--dry-run", action="store_true", help="write the configs and print the command only")
     la.set_defaults(fn=_launch)
+
+    pu = sub.add_parser("push", allow_abbrev=False,
+                        help="Validate a finished run's output_dir, write its model card and upload it to the Hub.")
+    pu.add_argument("output_dir", help="the run's training.output_dir")
+    pu.add_argument("--repo-id", dest="repo_id", help="your-name/model-name (default: the run's hub.repo_id)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
+    pu.add_argument("--revision", help="branch to push to, created if missing (default: main)")
+    pu.add_argument("--commit-message", dest="commit_message")
+    pu.add_argument("--merge-lora", dest="merge_lora", action="store_true",
+                    help="LoRA runs: push output_dir/merged (model.lora.merge) instead of the adapter")
+    pu.add_argument("--license", help="license id for the card's metadata, e.g. apache-2.0")
+    pu.add_argument("--stage-dir", dest="stage_dir", help="where to write the upload (default: OUTPUT_DIR/hub_upload)")
+    pu.add_argument("--dry-run", action="store_true",
+                    help="validate and write the exact folder that would be uploaded, print its files; needs no token")
+    pu.set_defaults(fn=_push)
 
     t = sub.add_parser(
         "tiny-model", allow_abbrev=False,

@@ -13,8 +13,9 @@ def user_error_types() -> tuple[type, ...]:
     from .modeling import ModelError
     from .recipe import RecipeError
     from .engine import LaunchError
+    from .hub import HubError
 
-    return (RecipeError, DataError, ModelError, LaunchError)
+    return (RecipeError, DataError, ModelError, LaunchError, HubError)
 
 
 @contextlib.contextmanager

@@ -152,6 +152,16 @@ COMPRESSION_OPTIONS = {
     "int8_chunk_size": ("int8",),
     "topk_ratio": ("topk",),
 }
+class HubSection:
+    push: bool = _f(False, "After training, validate output_dir and upload it to the Hub (main process; `hftrain push` "
+                    "does the same for a finished run). The token comes from HF_TOKEN or `hf auth login`.")
+    repo_id: str | None = _f(None, "Target repository, e.g. your-name/model-name (created if missing).")
+    private: bool = _f(False, "Create the repository private (an existing repository keeps its visibility).")
+    revision: str | None = _f(None, "Branch to push to, created if missing; default: main.")
+    commit_message: str | None = _f(None, "Commit message; default: 'hftrain: upload <output_dir>'.")
+    merge_lora: bool = _f(False, "LoRA runs: push base + adapter merged into a full model (needs model.lora.merge) "
+                          "instead of the adapter alone.")
+    license: str | None = _f(None, "License id for the model card, e.g. apache-2.0 (the base model's terms apply).")
 
 
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
@@ -177,6 +187,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
 }
 # TrainingArguments fields the recipe owns elsewhere, or must never hold.
 TRAINING_REFUSED = {
+    "push_to_hub": "set hub.push: true and hub.repo_id: hftrain validates the folder before it uploads it",
     "hub_token": "the Hub token is read from HF_TOKEN or `hf auth login`, never from a recipe (it would be saved with the run)",
     "gradient_checkpointing": "set model.gradient_checkpointing instead",
     "activation_checkpointing": "set model.gradient_checkpointing instead",
@@ -198,6 +209,7 @@ class Recipe:
     eval: EvalSection = field(default_factory=EvalSection, metadata={"help": "Generation-based evaluation."})
     compression: CompressionSection = field(default_factory=CompressionSection,
                                             metadata={"help": "Gradient compression."})
+    hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
 
     @property
@@ -429,6 +441,18 @@ def _validate_semantics(recipe: Recipe, ctx: Ctx) -> None:
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         ctx.add("model.lora.r", f"must be > 0, got {lora.r}")
+    if isinstance(recipe.hub, HubSection):
+        from .hub import option_problems as hub_problems
+
+        for key, msg in hub_problems(recipe.hub, lora):
+            ctx.add(key, msg)
+
+
+def _refuse_hub_token(raw: dict, ctx: Ctx) -> dict:
+    for name in ("token", "hub_token"):
+        if name in raw:
+            ctx.add(f"hub.{name}", "not accepted here: " + TRAINING_REFUSED["hub_token"])
+    return {k: v for k, v in raw.items() if k not in ("token", "hub_token")}
 
 
 def _validate_compression(c: CompressionSection, ctx: Ctx) -> None:
@@ -461,6 +485,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         "strategy": StrategySection,
         "eval": EvalSection,
         "compression": CompressionSection,
+        "hub": HubSection,
     }
     built: dict[str, Any] = {}
     for name, value in tree.items():
@@ -472,6 +497,8 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
             continue
         if name == "training":
             built[name] = _validate_training(value, ctx)
+        elif name == "hub":
+            built[name] = build(HubSection, _refuse_hub_token(value, ctx), name, ctx)
         else:
             built[name] = build(sections[name], value, name, ctx)
     for name in ("model", "data"):
@@ -481,6 +508,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
     built.setdefault("strategy", StrategySection())
     built.setdefault("eval", EvalSection())
     built.setdefault("compression", CompressionSection())
+    built.setdefault("hub", HubSection())
     recipe = Recipe(
         model=built.get("model"),
         data=built.get("data"),
@@ -488,6 +516,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         strategy=built["strategy"] or StrategySection(),
         eval=built["eval"] or EvalSection(),
         compression=built["compression"] or CompressionSection(),
+        hub=built["hub"] or HubSection(),
         source=source,
     )
     _validate_semantics(recipe, ctx)

@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py recipes/demo/sft.yaml [key=value ...]
     python recipes/sft.py recipes/demo/sft.yaml training.max_steps=10
 
-parse -> model/tokenizer -> data -> trainer -> train -> save. The detail lives in the hftrain package.
+parse -> model/tokenizer -> data -> trainer -> train -> save (-> Hub push). The detail lives in the hftrain package.
 """
 
 import math
@@ -16,6 +16,7 @@ from hftrain.callbacks import CurvesCallback
 from hftrain.data import build_datasets
 from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
+from hftrain.hub import check_token, push_after_training
 from hftrain.modeling import load_model, load_tokenizer
 from hftrain.recipe import load_from_argv
 from hftrain.run import check_batch, check_world_size, first_eval, save_final, write_recipe, write_strategy_configs
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> None:
     # 1. Parse: defaults < YAML < command line, every problem reported at once; then the launcher's strategy
     #    with the recipe's options applied (a disagreement stops here, before any model is loaded).
     recipe = load_from_argv(argv)
+    check_token(recipe.hub)  # hub.push: the token must be there before training, not after
     strategy = engine.resolve_strategy(recipe)
     args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy, recipe.compression))  # starts torch.distributed
     engine.after_training_arguments(strategy)
@@ -86,6 +88,7 @@ def main(argv: list[str]) -> None:
     distributed.print0(f"hftrain: saved to {recipe.output_dir}")
     del trainer, model
     distributed.shutdown()
+    push_after_training(recipe)  # hub.push: validate output_dir, then upload it (main process, no collective)
 
 
 if __name__ == "__main__":
