@@ -109,6 +109,25 @@ class EvalSection:
     max_new_tokens: int = _f(32, "Generation length for exact_match.")
 
 
+@dataclass
+class UpcycleSection:
+    num_experts: int = _f(8, "Experts per upcycled layer (copies of the dense MLP).")
+    top_k: int = _f(2, "Experts each token is routed to.")
+    layers: list[int] | None = _f(None, "Decoder layers to upcycle (0-based); default all. Mixtral needs all.")
+    router_init_std: float | None = _f(None, "Std of the routers' random init; default the model's initializer_range.")
+
+
+@dataclass
+class MoeSection:
+    upcycle: UpcycleSection | None = _f(
+        None, "Turn the dense model into its native MoE counterpart (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE) "
+        "before training; outputs are unchanged at step 0."
+    )
+    aux_loss_coef: float = _f(0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation.")
+    router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
+    router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
+
+
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
 HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
     "loss_averaging": (
@@ -151,6 +170,7 @@ class Recipe:
     training: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainingArguments fields."})
     strategy: StrategySection = field(default_factory=StrategySection, metadata={"help": "Distribution strategy."})
     eval: EvalSection = field(default_factory=EvalSection, metadata={"help": "Generation-based evaluation."})
+    moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
 
     @property
@@ -377,9 +397,28 @@ def _validate_semantics(recipe: Recipe, ctx: Ctx) -> None:
 
         for key, msg in option_problems(recipe.strategy):
             ctx.add(key, msg)
+    if isinstance(recipe.moe, MoeSection):
+        _validate_moe(recipe, ctx)
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         ctx.add("model.lora.r", f"must be > 0, got {lora.r}")
+
+
+def _validate_moe(recipe: Recipe, ctx: Ctx) -> None:
+    m = recipe.moe
+    for key in ("aux_loss_coef", "router_z_loss_coef"):
+        v = getattr(m, key)
+        if _num(v) and v < 0:
+            ctx.add(f"moe.{key}", f"must be >= 0, got {v}")
+    u = m.upcycle
+    if isinstance(u, UpcycleSection):
+        if isinstance(u.num_experts, int) and u.num_experts < 2:
+            ctx.add("moe.upcycle.num_experts", f"must be >= 2, got {u.num_experts}")
+        if isinstance(u.top_k, int) and isinstance(u.num_experts, int) and not 1 <= u.top_k <= u.num_experts:
+            ctx.add("moe.upcycle.top_k", f"must be in 1..num_experts ({u.num_experts}), got {u.top_k}")
+        if recipe.model is not None and recipe.model.lora is not None:
+            ctx.add("moe.upcycle", "cannot be combined with model.lora: the copied experts would stay frozen and "
+                    "identical; train all weights, or upcycle with `hftrain moe upcycle` and put LoRA on the result")
 
 
 def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Recipe:
@@ -390,6 +429,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         "training": dict,
         "strategy": StrategySection,
         "eval": EvalSection,
+        "moe": MoeSection,
     }
     built: dict[str, Any] = {}
     for name, value in tree.items():
@@ -415,6 +455,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         training=built["training"],
         strategy=built["strategy"] or StrategySection(),
         eval=built["eval"] or EvalSection(),
+        moe=built.get("moe"),
         source=source,
     )
     _validate_semantics(recipe, ctx)

@@ -32,6 +32,8 @@ class HFTrainer(Trainer):
         self._step_counts: list[tuple[int, int]] = []
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
+        # callables returning extra values for each training log (e.g. MoE router health); called on every rank
+        self.log_extras: list[Callable[[], dict]] = []
 
     # -- counting --------------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
@@ -92,4 +94,6 @@ class HFTrainer(Trainer):
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()
+            for extra in self.log_extras:
+                logs.update(extra())
         super().log(logs, start_time)

@@ -1,0 +1,185 @@
+"""MoE: upcycling with native export, the aux loss's exactness over ranks and accumulation, router health, ZeRO-3."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from hftrain import moe
+
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, free_port, run
+
+IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]])
+
+
+def dense(kind: str, seed=0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    torch.manual_seed(seed)
+    cfg = cls(vocab_size=300, **SMALL, initializer_range=0.3)  # large weights: logits differ a lot between tokens
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind,layers,target", [("llama", None, "MixtralForCausalLM"),
+                                                ("mistral", None, "MixtralForCausalLM"),
+                                                ("qwen2", None, "Qwen2MoeForCausalLM"),
+                                                ("qwen2", [1], "Qwen2MoeForCausalLM")])
+def test_upcycled_logits_equal_dense(kind, layers, target):
+    d = dense(kind)
+    m = moe.upcycle(d, num_experts=4, top_k=2, layers=layers).eval()
+    assert type(m).__name__ == target
+    assert len(moe.moe_blocks(m)) == (len(layers) if layers else d.config.num_hidden_layers)
+    if layers:  # the other layers keep the dense MLP (Qwen2-MoE's mlp_only_layers)
+        assert type(m.model.layers[0].mlp).__name__ == "Qwen2MoeMLP"
+    with torch.no_grad():
+        a, b = d(input_ids=IDS).logits, m(input_ids=IDS).logits
+        # the routers really route: different tokens go to different experts
+        idx = moe.routers(m)[0](m.model.embed_tokens(IDS))[2]
+    assert a.abs().max() > 1.0
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert idx.unique().numel() == 4
+
+
+def test_unsupported_families_and_partial_mixtral_are_refused():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(moe.MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe"):
+        moe.upcycle(gpt2, 4, 2)
+    with pytest.raises(moe.MoeError, match="every layer must be upcycled"):
+        moe.upcycle(dense("llama"), 4, 2, layers=[0])
+    with pytest.raises(moe.MoeError, match="top_k: must be in 1..4"):
+        moe.upcycle(dense("llama"), 4, 5)
+
+
+EXPORT_CHECK = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import save_file
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+ids = torch.tensor({ids})
+with torch.no_grad():
+    logits = m(input_ids=ids).logits
+assert 'hftrain' not in sys.modules, [k for k in sys.modules if k.startswith('hftrain')]
+save_file({{"logits": logits.contiguous()}}, sys.argv[2])
+print(type(m).__name__, m.config.model_type)
+"""
+
+
+def reload_without_hftrain(folder, tmp_path):
+    out = tmp_path / "logits.safetensors"
+    script = tmp_path / "check.py"
+    script.write_text(EXPORT_CHECK.format(ids=IDS.tolist()))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of hftrain is importable
+    import subprocess
+
+    r = subprocess.run([PY, "-I", str(script), str(folder), str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path), env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout.split()[:2], load_file(str(out))["logits"]
+
+
+def test_cli_upcycle_exports_a_native_mixtral_that_reloads_without_hftrain(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "mixtral"
+    r = run([PY, "-m", "hftrain.cli", "moe", "upcycle", "--model", tiny_model_dir, "--num-experts", "4",
+             "--top-k", "2", "--output", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.load(open(out / "config.json"))["architectures"] == ["MixtralForCausalLM"]
+    assert os.path.isfile(out / "tokenizer.json")
+    (cls, model_type), logits = reload_without_hftrain(out, tmp_path)
+    assert (cls, model_type) == ("MixtralForCausalLM", "mixtral")
+    d = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
+    # refused family / partial Mixtral: exit status 2 and the reason
+    r = run([PY, "-m", "hftrain.cli", "moe", "upcycle", "--model", tiny_model_dir, "--num-experts", "4",
+             "--top-k", "2", "--layers", "0", "--output", str(tmp_path / "x")])
+    assert r.returncode == 2 and "every layer must be upcycled" in r.stderr
+
+
+def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
+    d = dense("qwen2")
+    m = moe.upcycle(d, 4, 2, layers=[0])
+    m.save_pretrained(tmp_path / "qmoe")
+    (cls, model_type), logits = reload_without_hftrain(tmp_path / "qmoe", tmp_path)
+    assert (cls, model_type) == ("Qwen2MoeForCausalLM", "qwen2_moe")
+    assert json.load(open(tmp_path / "qmoe" / "config.json"))["mlp_only_layers"] == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_moe_model_returns_aux_loss_but_no_loss_of_its_own():
+    """hftrain passes no labels: the model must not fold its aux loss into a loss (which the Trainer would scale by
+    the world size); hftrain adds it itself, once, through aux_losses."""
+    m = moe.upcycle(dense("llama"), 4, 2, router_init_std=1.0).train()
+    m.config.output_router_logits = True
+    out = m(input_ids=IDS)
+    assert out.loss is None and out.aux_loss.ndim == 0 and out.aux_loss > 0
+    assert len(out.router_logits) == 2
+    z = moe.z_loss(out.router_logits, None)
+    mask = torch.ones(IDS.numel())
+    mask[:5] = 0
+    assert moe.z_loss(out.router_logits, mask) != z  # padding rows are left out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: a recipe run that upcycles, trains with the aux and z losses, logs router health
+
+
+def recipe_tree(model_dir, out, **training):
+    return {
+        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 64, "eval_fraction": 0.05},
+        "training": {"output_dir": str(out), "max_steps": 6, "per_device_train_batch_size": 4,
+                     "learning_rate": 3e-3, "lr_scheduler_type": "constant", "logging_steps": 2,
+                     "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
+                     "report_to": "none", "disable_tqdm": True, "eval_strategy": "no", **training},
+        "moe": {"upcycle": {"num_experts": 4, "top_k": 2}, "aux_loss_coef": 0.01, "router_z_loss_coef": 0.001},
+    }
+
+
+def test_recipe_upcycles_trains_and_experts_specialise(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(recipe_tree(tiny_model_dir, out)))
+    r = run([PY, "recipes/sft.py", str(rec)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "'aux_losses': ['moe_aux_loss', 'moe_z_loss']" in r.stdout
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 4
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for layer in m.model.layers:
+        w = layer.mlp.experts.gate_up_proj.detach()  # (E, 2I, H), identical copies at step 0
+        for i in range(4):
+            for j in range(i + 1, 4):
+                rel = (w[i] - w[j]).abs().max() / w[i].abs().max()
+                assert rel > 1e-3, f"experts {i} and {j} did not specialise ({rel:.1e})"
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert len(logs) == 3
+    for h in logs:
+        assert h["moe_aux_loss"] > 0 and h["moe_z_loss"] > 0
+        for layer in range(2):
+            load = [h[f"moe/layer{layer}/load_e{e}"] for e in range(4)]
+            assert sum(load) == pytest.approx(1.0) and min(load) > 0
+            assert 0 < h[f"moe/layer{layer}/entropy"] <= 1 and h[f"moe/layer{layer}/max_load"] >= 1
+        assert h["moe/dropped_tokens"] == 0
+    assert os.path.getsize(out / "expert_load.png") > 1000
+
+
+def test_recipe_moe_section_is_validated():
+    from hftrain.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.upcycle.num_experts=1",
+                           "moe.aux_loss_coef=-1", "model.lora.r=8", "moe.upcycle.top_kk=2"], raw={})
+    msg = str(e.value)
+    assert "moe.upcycle.num_experts: must be >= 2" in msg and "moe.aux_loss_coef: must be >= 0" in msg
+    assert "moe.upcycle: cannot be combined with model.lora" in msg and "top_kk" in msg
