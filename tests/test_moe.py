@@ -183,3 +183,94 @@ def test_recipe_moe_section_is_validated():
     msg = str(e.value)
     assert "moe.upcycle.num_experts: must be >= 2" in msg and "moe.aux_loss_coef: must be >= 0" in msg
     assert "moe.upcycle: cannot be combined with model.lora" in msg and "top_kk" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aux-loss exactness on real runs: 1 rank x GA4 and 2 ranks x GA2 (same global batch of 8), with a negative control
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_dir(tmp_path_factory):
+    """A tiny Mixtral (upcycled from a tiny Llama with large weights, routers with large weights so that the routing
+    and hence the aux loss differ a lot between micro-batches)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    tmp = tmp_path_factory.mktemp("mixtral")
+    base = build_tiny_model(str(tmp / "dense"), texts_of_jsonl([DEMO_TRAIN]),
+                            config={**SMALL, "initializer_range": 0.3}, vocab_size=300, seed=0)
+    m = moe.upcycle(AutoModelForCausalLM.from_pretrained(base), 4, 2, router_init_std=1.0)
+    # experts made different, as in a trained MoE (identical experts give the router no gradient from the LM loss)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(torch.linspace(0.5, 1.5, 4).view(4, 1, 1))
+    m.save_pretrained(tmp / "mixtral")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp / "mixtral")
+    return str(tmp / "mixtral")
+
+
+AUX_RUNS = {  # name: (processes, accumulation, script)
+    "1x_ga4": (1, 4, "recipes/sft.py"),
+    "2x_ga2": (2, 2, "recipes/sft.py"),
+    "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py"),
+    "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py"),
+}
+
+
+@pytest.fixture(scope="module")
+def aux_runs(tmp_path_factory, tiny_mixtral_dir):
+    from .test_loss import uneven_data
+
+    tmp = tmp_path_factory.mktemp("aux")
+    data = uneven_data(tmp / "uneven.jsonl")
+    res = {}
+    for name, (world, ga, script) in AUX_RUNS.items():
+        out = tmp / name
+        tree = {
+            "model": {"name_or_path": tiny_mixtral_dir, "dtype": "float32"},
+            "data": {"sources": [{"path": data}], "max_length": 64},
+            "training": {"output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2,
+                         "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.5,
+                         "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
+                         "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
+                         "seed": 0, "report_to": "none", "disable_tqdm": True},
+            "moe": {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01},
+        }
+        rec = tmp / f"{name}.yaml"
+        rec.write_text(yaml.safe_dump(tree))
+        cmd = [PY, script, str(rec)] if world == 1 else [
+            *ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+            str(free_port()), script, str(rec)]
+        r = run(cmd, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        info = json.load(open(out / "run_info.json"))
+        assert info["world_size"] == world
+        if world > 1:
+            assert info["wrapper"] == "DistributedDataParallel"
+        logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+        res[name] = {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
+                     "final": load_file(str(out / "model.safetensors"))}
+    return res
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12))
+               for k in b)
+
+
+@pytest.mark.slow
+def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
+    base, other = aux_runs["1x_ga4"], aux_runs["2x_ga2"]
+    for name, r in aux_runs.items():
+        print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4", max_rel(r["final"], base["final"]))
+    assert len(base["losses"]) == 3 and min(base["aux"]) > 1.0  # the aux term is a sizeable part of the loss
+    assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(other["final"], base["final"]) <= 1e-5
+    # Negative control: coef * aux on each micro-batch's loss (no / accumulation) is not invariant, and the
+    # difference is far above the tolerance used above (per-step loss and weights).
+    bad1, bad2 = aux_runs["1x_ga4_unscaled"], aux_runs["2x_ga2_unscaled"]
+    for a, b in zip(bad1["losses"], bad2["losses"]):
+        assert abs(a - b) > 1e-2 * abs(b)
+    assert max_rel(bad1["final"], bad2["final"]) > 1e-3
+    assert max_rel(bad2["final"], base["final"]) > 1e-3
