@@ -203,11 +203,12 @@ def register_zero3_leaf_modules(model) -> list[str]:
     skip an expert does not wait for a gather the other ranks never issue. Same call as accelerate's
     `DeepSpeedPlugin.set_moe_leaf_modules`, with the classes found in the model instead of named in an env var."""
     from deepspeed.utils import set_z3_leaf_modules
+    from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
 
     classes = sorted({type(b) for b in moe_blocks(model)}, key=lambda t: t.__name__)
     if classes:
         set_z3_leaf_modules(model, classes)
-    return [c.__name__ for c in classes]
+    return [f"{c.__name__} x{sum(type(m) is c for m in get_z3_leaf_modules(model))}" for c in classes]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,7 +310,8 @@ class RouterStats:
 
     def __init__(self, model):
         self.layers = routers(model)
-        self.num_experts = [int(r.weight.shape[0]) for r in self.layers]
+        # ZeRO-3 partitions weights as the model loads (weight.shape is [0]): ds_shape is the real one
+        self.num_experts = [int(getattr(r.weight, "ds_shape", r.weight.shape)[0]) for r in self.layers]
         self.tap = _MaskTap(model)
         self.dropped = 0.0
         self.reset()

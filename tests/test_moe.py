@@ -274,3 +274,37 @@ def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
         assert abs(a - b) > 1e-2 * abs(b)
     assert max_rel(bad1["final"], bad2["final"]) > 1e-3
     assert max_rel(bad2["final"], base["final"]) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO-3: MoE blocks registered as leaf modules automatically; the run finishes and its saved model reloads
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.run import PROBE_IDS
+
+    out = tmp_path / "z3"
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero3.yaml", "--main_process_port",
+           str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
+           f"model.name_or_path={tiny_mixtral_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
+           "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={out}", "training.max_steps=3",
+           "training.per_device_train_batch_size=4", "training.logging_steps=1", "training.report_to=none",
+           "strategy.name=zero3", "moe.aux_loss_coef=0.01"]
+    # a hang (the failure this guards against) ends as a timeout, not a stuck suite
+    r = run(cmd, timeout=420, env={"TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    assert "'zero3_leaf_modules': ['MixtralSparseMoeBlock x2']" in r.stdout
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["wrapper"] == "DeepSpeedEngine" and info["zero_stage"] == 3
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert len(logs) == 3 and all(h["moe_aux_loss"] > 0 for h in logs)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
+                                   rtol=1e-5, atol=1e-5)
