@@ -285,11 +285,41 @@ def _attach_section(trainer, model, cfg, done: dict) -> None:
                 lambda out: z_loss(out.router_logits, tap.flat(out.router_logits[0].shape[0])),
                 float(cfg.router_z_loss_coef))
         done["aux_losses"] = sorted(k for k in trainer.aux_losses if k.startswith("moe_"))
+    if cfg.expert_parallel_size > 1 or cfg.capacity_factor:
+        done["expert_parallel"] = _expert_parallel(trainer, base, cfg)
     if cfg.router_health and routers(base):
         cb = RouterHealthCallback(base)
         trainer.add_callback(cb)
         trainer.log_extras.append(cb.collect)
         done["router_health"] = len(cb.layers)
+
+
+def _expert_parallel(trainer, model, cfg) -> str:
+    import torch.distributed as dist
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from . import expert_parallel as ep
+
+    n = cfg.expert_parallel_size
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        if n > 1:
+            raise MoeError("moe.expert_parallel_size: runs under strategy ddp only (ZeRO and FSDP would shard or "
+                           "average the per-rank experts); launch with accelerate_configs/ddp.yaml, or set "
+                           "expert_parallel_size: 1 and keep every expert on every rank")
+        if is_deepspeed_zero3_enabled() or trainer.is_fsdp_enabled:
+            raise MoeError("moe.capacity_factor: needs the whole MoE block on each rank; not with ZeRO-3 / FSDP")
+    world = trainer.args.world_size
+    if n > 1 and n != world:
+        raise MoeError(f"moe.expert_parallel_size: must equal the number of processes ({world}), got {n} "
+                       "(expert-parallel groups inside data parallelism are not supported)")
+    _check_moe_model(model, "moe.expert_parallel_size / moe.capacity_factor")
+    group = dist.group.WORLD if n > 1 else None
+    try:
+        swapped = ep.parallelize(model, group, cfg.capacity_factor)
+    except ValueError as e:
+        raise MoeError(str(e)) from None
+    trainer.add_callback(ep.ExpertParallelCallback(model))
+    return f"{swapped} blocks over {n} rank(s), capacity_factor {cfg.capacity_factor}"
 
 
 def _model_aux_loss(outputs) -> torch.Tensor:
@@ -316,6 +346,8 @@ class RouterStats:
         self.dropped = 0.0
         self.reset()
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.layers)]
+        self.handles += [b.register_forward_hook(self._dropped_hook) for b in moe_blocks(model)
+                         if hasattr(b, "last_dropped")]  # hftrain's expert-parallel / capacity layer
 
     def reset(self):
         self.counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
@@ -337,8 +369,11 @@ class RouterStats:
                 self.tokens[i] += float(w.sum())
                 self.counts[i].index_add_(0, indices.reshape(-1).cpu(),
                                           w.repeat_interleave(indices.shape[-1]).double())
-                self.dropped += float(getattr(module, "last_dropped", 0.0))
         return hook
+
+    def _dropped_hook(self, module, args, output):
+        if module.training:
+            self.dropped += float(module.last_dropped)
 
     def collect(self) -> dict:
         """Stats since the last call, summed over ranks (every rank logs at the same step)."""

@@ -126,6 +126,14 @@ class MoeSection:
     aux_loss_coef: float = _f(0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation.")
     router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
     router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
+    expert_parallel_size: int = _f(
+        1, "Place the experts across this many ranks (all_to_all dispatch); must equal the number of processes; "
+        "DDP only, Mixtral-style blocks."
+    )
+    capacity_factor: float | None = _f(
+        None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "
+        "are dropped (logged as moe/dropped_tokens). Unset: no dropping."
+    )
 
 
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
@@ -410,6 +418,27 @@ def _validate_moe(recipe: Recipe, ctx: Ctx) -> None:
         v = getattr(m, key)
         if _num(v) and v < 0:
             ctx.add(f"moe.{key}", f"must be >= 0, got {v}")
+    if _num(m.capacity_factor) and m.capacity_factor <= 0:
+        ctx.add("moe.capacity_factor", f"must be > 0, got {m.capacity_factor}")
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
+        ctx.add("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}")
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
+        why = "with moe.expert_parallel_size > 1 (each rank holds different experts)"
+        if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name not in (None, "ddp"):
+            ctx.add("moe.expert_parallel_size", f"runs under strategy ddp only, not {recipe.strategy.name!r}: ZeRO and "
+                    "FSDP would shard or average the per-rank experts. Use strategy.name: ddp, or keep every expert "
+                    "on every rank (expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)")
+        if recipe.training.get("max_grad_norm", 1.0) not in (0, 0.0, None):
+            ctx.add("training.max_grad_norm", f"set it to 0 {why}: the clipping norm would differ between ranks "
+                    "and the replicated weights would drift apart")
+        if recipe.training.get("resume_from_checkpoint"):
+            ctx.add("training.resume_from_checkpoint", f"cannot resume {why}: checkpoints hold the optimizer "
+                    "state of rank 0's experts only")
+        if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
+            ctx.add("eval.exact_match", f"set it to 0 {why}: generation lengths differ between ranks and the "
+                    "expert all_to_all needs every rank in every forward")
+        if recipe.model is not None and recipe.model.lora is not None:
+            ctx.add("model.lora", f"cannot be combined {why}; train all weights")
     u = m.upcycle
     if isinstance(u, UpcycleSection):
         if isinstance(u.num_experts, int) and u.num_experts < 2:

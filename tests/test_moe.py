@@ -210,11 +210,13 @@ def tiny_mixtral_dir(tmp_path_factory):
     return str(tmp / "mixtral")
 
 
-AUX_RUNS = {  # name: (processes, accumulation, script)
-    "1x_ga4": (1, 4, "recipes/sft.py"),
-    "2x_ga2": (2, 2, "recipes/sft.py"),
-    "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py"),
-    "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py"),
+AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
+    "1x_ga4": (1, 4, "recipes/sft.py", {}),
+    "2x_ga2": (2, 2, "recipes/sft.py", {}),
+    # the experts split over the 2 ranks (all_to_all dispatch), under DDP: same training as 1 rank with all experts
+    "2x_ga2_ep": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2}),
+    "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py", {}),
+    "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
 }
 
 
@@ -225,7 +227,7 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
     tmp = tmp_path_factory.mktemp("aux")
     data = uneven_data(tmp / "uneven.jsonl")
     res = {}
-    for name, (world, ga, script) in AUX_RUNS.items():
+    for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
         tree = {
             "model": {"name_or_path": tiny_mixtral_dir, "dtype": "float32"},
@@ -235,7 +237,7 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
                          "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
                          "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
                          "seed": 0, "report_to": "none", "disable_tqdm": True},
-            "moe": {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01},
+            "moe": {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01, **extra},
         }
         rec = tmp / f"{name}.yaml"
         rec.write_text(yaml.safe_dump(tree))
@@ -250,7 +252,7 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
             assert info["wrapper"] == "DistributedDataParallel"
         logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
         res[name] = {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
-                     "final": load_file(str(out / "model.safetensors"))}
+                     "final": load_file(str(out / "model.safetensors")), "stdout": r.stdout, "info": info}
     return res
 
 
@@ -274,6 +276,18 @@ def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
         assert abs(a - b) > 1e-2 * abs(b)
     assert max_rel(bad1["final"], bad2["final"]) > 1e-3
     assert max_rel(bad2["final"], base["final"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux_runs):
+    """Experts split over 2 ranks, excluded from DDP's all-reduce and divided by the world size; the router and the
+    rest averaged by DDP: the per-step losses and the saved (gathered, native Mixtral) weights equal 1 rank's."""
+    base, ep = aux_runs["1x_ga4"], aux_runs["2x_ga2_ep"]
+    assert "'expert_parallel': '2 blocks over 2 rank(s), capacity_factor None'" in ep["stdout"]
+    assert len(set(ep["info"]["rank_weight_digests"])) == 1  # every rank saves the same full model
+    assert ep["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert set(ep["final"]) == set(base["final"])  # all experts, native names
+    assert max_rel(ep["final"], base["final"]) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,3 +322,24 @@ def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
                                    rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism
+
+
+@pytest.mark.slow
+def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
+    r = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+             "tests/moe_ep_worker.py", str(tmp_path)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in range(2):
+        rep = json.load(open(tmp_path / f"rank{rank}.json"))
+        for cf in ("None", "1.0", "0.5"):
+            e = rep[cf]
+            assert e["out"] <= 1e-6 * e["out_scale"] * 10 and e["out_scale"] > 1, (rank, cf, e)
+            assert e["grad_input"] <= 1e-5 * e["grad_input_scale"], (rank, cf, e)
+            assert e["grad_router"] <= 2e-5, (rank, cf, e)
+            assert max(e["grad_gate_up"], e["grad_down"]) <= 1e-6 * e["grad_scale"], (rank, cf, e)
+            assert e["dropped"] == e["ref_dropped"] and e["saved_full"]
+        assert rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"]
