@@ -343,3 +343,37 @@ def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
             assert max(e["grad_gate_up"], e["grad_down"]) <= 1e-6 * e["grad_scale"], (rank, cf, e)
             assert e["dropped"] == e["ref_dropped"] and e["saved_full"]
         assert rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"]
+
+
+def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "cap"
+    tree = recipe_tree(tiny_model_dir, out, max_steps=2, logging_steps=1)
+    tree["moe"] = {"upcycle": {"num_experts": 4, "top_k": 2, "router_init_std": 1.0}, "capacity_factor": 0.5}
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(tree))
+    r = run([PY, "recipes/sft.py", str(rec)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    # capacity 0.5: at most half of the assignments fit; at least that many are dropped
+    assert all(h["moe/dropped_tokens"] > 0 for h in logs)
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(m).__name__ == "MixtralForCausalLM" and m.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_expert_parallel_options_are_validated():
+    from hftrain.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
+                           "strategy.name=zero2", "training.resume_from_checkpoint=true", "data.eval_fraction=0.1",
+                           "eval.exact_match=4", "moe.capacity_factor=0"], raw={})
+    msg = str(e.value)
+    for part in ("moe.expert_parallel_size: runs under strategy ddp only, not 'zero2'",
+                 "training.max_grad_norm: set it to 0", "training.resume_from_checkpoint: cannot resume",
+                 "eval.exact_match: set it to 0", "moe.capacity_factor: must be > 0"):
+        assert part in msg, msg
+    ok = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
+                            "training.max_grad_norm=0"], raw={})
+    assert ok.moe.expert_parallel_size == 2
