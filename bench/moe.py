@@ -1,11 +1,12 @@
 """MoE benchmarks: the upcycled model against the dense one on the demo task, and the expert-parallel layer.
 
-    python bench/moe.py train [--steps 60] [--experts 4 8] [--top-k 2]
+    python bench/moe.py train [--steps 60] [--experts 4 8] [--top-k 2] [--repeats 3]
     flock /tmp/hftrain-mp.lock python bench/moe.py ep [--tokens 2048] [--iters 20]
 
 1. train: the demo task (recipes/demo/sft.yaml, tiny Llama of hftrain.tiny.TINY_LLAMA) trained for --steps steps,
    dense and upcycled to E experts (top-k), each in its own process (recipes/sft.py): training tokens/s (the
-   Trainer's train_tokens_per_second), peak RSS of the process, parameters, final train loss.
+   Trainer's train_tokens_per_second, median over --repeats alternated runs), peak RSS of the process,
+   parameters, last logged train loss. transformers' default experts kernel (grouped_mm) runs the experts.
 2. ep: 2 ranks (torchrun); per rank a batch of --tokens tokens through one Mixtral-style block, forward + backward:
    the native block holding all experts on each rank vs hftrain's ExpertParallelMoE holding half of them and
    dispatching with all_to_all. Median milliseconds per iteration (rank 0).
@@ -43,9 +44,9 @@ def train(ns) -> None:
 
     tmp = tempfile.mkdtemp(prefix="hftrain-moe-bench-")
     base = build_tiny_model(os.path.join(tmp, "base"), texts_of_jsonl([DEMO]), seed=0)
-    rows = []
-    for experts in [0, *ns.experts]:
-        out = os.path.join(tmp, f"e{experts}")
+    runs: dict[int, list] = {}
+    for rep, experts in [(r, e) for r in range(ns.repeats) for e in [0, *ns.experts]]:  # alternated: fair under noise
+        out = os.path.join(tmp, f"e{experts}_r{rep}")
         args = [os.path.join(REPO, "recipes", "demo", "sft.yaml"), f"model.name_or_path={base}",
                 "data.eval_sources=[]", "training.eval_strategy=no", "eval.exact_match=0",
                 f"training.output_dir={out}", f"training.max_steps={ns.steps}", "training.logging_steps=10",
@@ -68,9 +69,12 @@ def train(ns) -> None:
 
         with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
             params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-        rows.append((f"{cfg['model_type']} " + (f"E={experts} top-{ns.top_k}" if experts else "(dense)"), params, tps,
-                     rss / 1024, loss))
-    print(f"demo task, {ns.steps} steps, batch 32 x <=64 tokens, {ns.threads} thread(s), 1 process")
+        runs.setdefault(experts, []).append((f"{cfg['model_type']} " + (f"E={experts} top-{ns.top_k}" if experts
+                                             else "(dense)"), params, tps, rss / 1024, loss))
+    rows = [(r[0][0], r[0][1], statistics.median(x[2] for x in r), max(x[3] for x in r), r[0][4])
+            for r in runs.values()]
+    print(f"demo task, {ns.steps} steps, batch 32 x <=64 tokens, {ns.threads} thread(s), 1 process; "
+          f"median tokens/s of {ns.repeats} alternated runs")
     print(f"{'model':<26}{'params':>10}{'tokens/s':>11}{'peak RSS MiB':>14}{'last loss':>11}")
     for name, params, tps, rss, loss in rows:
         print(f"{name:<26}{params / 1e6:>9.2f}M{tps:>11.0f}{rss:>14.0f}{loss:>11.3f}")
@@ -149,6 +153,7 @@ def main() -> None:
     t.add_argument("--experts", type=int, nargs="+", default=[4, 8])
     t.add_argument("--top-k", dest="top_k", type=int, default=2)
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--repeats", type=int, default=3)
     for name in ("ep", "_ep_worker"):
         e = sub.add_parser(name)
         e.add_argument("--tokens", type=int, default=2048)

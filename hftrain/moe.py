@@ -143,7 +143,8 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
     from transformers import initialization as init
 
     with init.no_init_weights():  # every weight is set below; skip the random init
-        moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype)
+        moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype,
+                                               attn_implementation=c._attn_implementation)
     missing, unexpected = moe.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:  # a transformers change in parameter names: never save a half-initialised model
@@ -336,54 +337,60 @@ def _model_aux_loss(outputs) -> torch.Tensor:
 
 
 class RouterStats:
-    """Per-layer top-k selection counts and router entropy, accumulated by forward hooks between two logs."""
+    """Per-layer top-k selection counts and router entropy, accumulated by forward hooks between two logs (on the
+    routers' device: no host sync per forward)."""
 
     def __init__(self, model):
         self.layers = routers(model)
         # ZeRO-3 partitions weights as the model loads (weight.shape is [0]): ds_shape is the real one
         self.num_experts = [int(getattr(r.weight, "ds_shape", r.weight.shape)[0]) for r in self.layers]
+        self.device = self.layers[0].weight.device
         self.tap = _MaskTap(model)
-        self.dropped = 0.0
         self.reset()
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.layers)]
         self.handles += [b.register_forward_hook(self._dropped_hook) for b in moe_blocks(model)
                          if hasattr(b, "last_dropped")]  # hftrain's expert-parallel / capacity layer
 
     def reset(self):
-        self.counts = [torch.zeros(e, dtype=torch.float64) for e in self.num_experts]
-        self.entropy = [0.0] * len(self.layers)
-        self.tokens = [0.0] * len(self.layers)
-        self.dropped = 0.0
+        n = len(self.layers)
+        self.counts = [torch.zeros(e, dtype=torch.float64, device=self.device) for e in self.num_experts]
+        self.sums = torch.zeros(2 * n + 1, dtype=torch.float64, device=self.device)  # entropy, tokens, dropped
 
     def _hook(self, i):
+        n = len(self.layers)
+
         def hook(module, args, output):
             if not module.training:
                 return
             with torch.no_grad():
                 logits, indices = output[0], output[2]
+                if self.counts[i].device != logits.device:  # moved after construction (Trainer's .to(device))
+                    self.device = logits.device
+                    self.counts = [c.to(logits.device) for c in self.counts]
+                    self.sums = self.sums.to(logits.device)
                 mask = self.tap.flat(logits.shape[0])
-                w = torch.ones(logits.shape[0]) if mask is None else mask.cpu()
+                w = torch.ones(logits.shape[0], device=logits.device) if mask is None else mask.to(logits.device)
                 probs = torch.softmax(logits.float(), dim=-1)
-                ent = -(probs * torch.log(probs.clamp(min=1e-20))).sum(-1).cpu()
-                self.entropy[i] += float((ent * w).sum())
-                self.tokens[i] += float(w.sum())
-                self.counts[i].index_add_(0, indices.reshape(-1).cpu(),
-                                          w.repeat_interleave(indices.shape[-1]).double())
+                ent = -(probs * torch.log(probs.clamp(min=1e-20))).sum(-1)
+                self.sums[i] += (ent * w).sum().double()
+                self.sums[n + i] += w.sum().double()
+                self.counts[i].index_add_(0, indices.reshape(-1), w.repeat_interleave(indices.shape[-1]).double())
         return hook
 
     def _dropped_hook(self, module, args, output):
         if module.training:
-            self.dropped += float(module.last_dropped)
+            self.sums[-1] += float(module.last_dropped)
 
     def collect(self) -> dict:
         """Stats since the last call, summed over ranks (every rank logs at the same step)."""
         import torch.distributed as dist
 
-        flat = torch.cat([*self.counts, torch.tensor(self.entropy + self.tokens + [self.dropped], dtype=torch.float64)])
+        flat = torch.cat([*self.counts, self.sums])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
-        n = len(self.layers)
-        counts, rest = flat[: sum(self.num_experts)].split(self.num_experts), flat[sum(self.num_experts):]
+        flat = flat.cpu()
+        n, total = len(self.layers), sum(self.num_experts)
+        counts, rest = flat[:total].split(self.num_experts), flat[total:]
         ent, tok, dropped = rest[:n], rest[n:2 * n], float(rest[-1])
         out = {}
         for i, c in enumerate(counts):
