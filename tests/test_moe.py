@@ -377,3 +377,44 @@ def test_expert_parallel_options_are_validated():
     ok = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
                             "training.max_grad_norm=0"], raw={})
     assert ok.moe.expert_parallel_size == 2
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(model_type, tmp_path):
+    """What HFTrainer.compute_loss returns = CE / targets + coef * aux / GA + z_coef * z / GA, with aux the family's
+    own load-balancing loss on the same router logits and padding mask (and no model-internal loss)."""
+    import importlib
+
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+
+    from hftrain import losses
+    from hftrain.recipe import MoeSection
+    from hftrain.trainer import HFTrainer
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                               initializer_range=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = HFTrainer(model=model, args=args)
+    done = moe.attach(trainer, MoeSection(aux_loss_coef=0.1, router_z_loss_coef=0.01))
+    assert done["aux_losses"] == ["moe_aux_loss", "moe_z_loss"]
+    mask = torch.ones_like(IDS)
+    mask[1, 7:] = 0  # padding
+    labels = IDS.masked_fill(mask == 0, -100)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    got = trainer.compute_loss(model, {"input_ids": IDS, "attention_mask": mask, "labels": labels})
+
+    out = model(input_ids=IDS, attention_mask=mask, output_router_logits=True)
+    assert out.loss is None
+    lb = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}").load_balancing_loss_func
+    aux = lb(out.router_logits, 4, 2, mask)
+    flat = mask.reshape(-1).float()
+    z = torch.stack([(torch.logsumexp(r, -1) ** 2 * flat).sum() / flat.sum() for r in out.router_logits]).mean()
+    n = losses.count_targets(labels)[0]
+    expected = losses.loss_sum(out.logits, labels) / n + 0.1 * aux / 2 + 0.01 * z / 2
+    assert aux > 0.5 and z > 0
+    torch.testing.assert_close(got, expected)
