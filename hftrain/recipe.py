@@ -465,6 +465,8 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         if name not in sections:
             unknown(str(name), str(name), list(sections), ctx)
             continue
+        if value is None and name == "moe":  # an optional section, written as `moe: null` by to_yaml
+            continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")
             continue
