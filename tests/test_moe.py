@@ -316,6 +316,8 @@ def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp
     assert info["world_size"] == 2 and info["wrapper"] == "DeepSpeedEngine" and info["zero_stage"] == 3
     logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
     assert len(logs) == 3 and all(h["moe_aux_loss"] > 0 for h in logs)
+    # router health under ZeRO-3 (partitioned router weights): loads over both ranks' tokens
+    assert all(sum(h[f"moe/layer1/load_e{e}"] for e in range(4)) == pytest.approx(1.0) for h in logs)
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(model).__name__ == "MixtralForCausalLM"
     ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
