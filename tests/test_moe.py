@@ -215,6 +215,7 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "2x_ga2": (2, 2, "recipes/sft.py", {}),
     # the experts split over the 2 ranks (all_to_all dispatch), under DDP: same training as 1 rank with all experts
     "2x_ga2_ep": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2}),
+    "2x_ga2_ep_unscaled": (2, 2, "tests/moe_ep_unscaled.py", {"expert_parallel_size": 2}),
     "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py", {}),
     "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
 }
@@ -288,6 +289,9 @@ def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux
     assert ep["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert set(ep["final"]) == set(base["final"])  # all experts, native names
     assert max_rel(ep["final"], base["final"]) <= 1e-5
+    # Negative control: without dividing the expert gradients by the world size, the experts move twice as far
+    bad = aux_runs["2x_ga2_ep_unscaled"]
+    assert max_rel(bad["final"], base["final"]) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------
