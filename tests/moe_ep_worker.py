@@ -68,6 +68,12 @@ for cf in (None, 1.0, 0.5):
     ep.gather_for_save()
     sd = ep.state_dict()
     report[str(cf)]["saved_full"] = bool(torch.equal(sd["experts.gate_up_proj"], block.experts.gate_up_proj.detach()))
+    # loading a full (native) state dict keeps this rank's slice
+    fresh = ExpertParallelMoE(block, dist.group.WORLD, capacity_factor=cf)
+    with torch.no_grad():
+        fresh.experts.down_proj.zero_()
+    fresh.load_state_dict({k: v.clone() for k, v in sd.items()})
+    report[str(cf)]["loaded_slice"] = bool(torch.equal(fresh.experts.down_proj, block.experts.down_proj.detach()[lo:hi]))
 
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
     json.dump(report, fh)

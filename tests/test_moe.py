@@ -347,7 +347,7 @@ def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
             assert e["grad_input"] <= 1e-5 * e["grad_input_scale"], (rank, cf, e)
             assert e["grad_router"] <= 2e-5, (rank, cf, e)
             assert max(e["grad_gate_up"], e["grad_down"]) <= 1e-6 * e["grad_scale"], (rank, cf, e)
-            assert e["dropped"] == e["ref_dropped"] and e["saved_full"]
+            assert e["dropped"] == e["ref_dropped"] and e["saved_full"] and e["loaded_slice"]
         assert rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"]
 
 
