@@ -1,4 +1,5 @@
-"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `push`, `tiny-model`."""
+"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `push`,
+`tiny-model`, `moe upcycle`."""
 
 from __future__ import annotations
 
@@ -119,6 +120,14 @@ def _push(ns) -> int:
     return 0
 
 
+def _moe_upcycle(ns) -> int:
+    from .moe import upcycle_folder
+
+    out = upcycle_folder(ns.model, ns.output, ns.num_experts, ns.top_k, ns.layers, ns.router_init_std, ns.seed)
+    print(f"hftrain: upcycled {ns.model} to {ns.num_experts} experts (top-{ns.top_k}) in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -184,6 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_tiny_model)
+
+    mo = sub.add_parser("moe", allow_abbrev=False, help="Mixture-of-experts tools.")
+    mosub = mo.add_subparsers(dest="moe_command", required=True)
+    up = mosub.add_parser(
+        "upcycle", allow_abbrev=False,
+        help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE: each chosen MLP becomes E copies + a router; "
+        "outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM alone).",
+    )
+    up.add_argument("--model", required=True, help="dense model folder (safetensors)")
+    up.add_argument("--num-experts", dest="num_experts", type=int, required=True)
+    up.add_argument("--top-k", dest="top_k", type=int, required=True)
+    up.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices to upcycle (default: all)")
+    up.add_argument("--router-init-std", dest="router_init_std", type=float, default=None)
+    up.add_argument("--seed", type=int, default=0, help="seed of the routers' random init")
+    up.add_argument("--output", required=True, help="folder to write the MoE model (and the tokenizer) to")
+    up.set_defaults(fn=_moe_upcycle)
     return p
 
 

@@ -39,7 +39,7 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     return tok
 
 
-def load_model(cfg: ModelSection, packing: bool = False):
+def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +50,11 @@ def load_model(cfg: ModelSection, packing: bool = False):
         kwargs["attn_implementation"] = cfg.attn_implementation
     # Weights are read from safetensors only: a pickle checkpoint could run code on load.
     model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, use_safetensors=True, **kwargs)
+    if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain/moe.py)
+        from .moe import upcycle
+
+        u = moe.upcycle
+        model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
     if packing:
         # transformers 5 builds the block-diagonal mask of packed rows from position_ids only when no KV cache is
         # passed, and with config.use_cache=True the forward creates one even in training: packed examples would

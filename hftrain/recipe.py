@@ -152,6 +152,9 @@ COMPRESSION_OPTIONS = {
     "int8_chunk_size": ("int8",),
     "topk_ratio": ("topk",),
 }
+
+
+@dataclass
 class HubSection:
     push: bool = _f(False, "After training, validate output_dir and upload it to the Hub (main process; `hftrain push` "
                     "does the same for a finished run). The token comes from HF_TOKEN or `hf auth login`.")
@@ -162,6 +165,33 @@ class HubSection:
     merge_lora: bool = _f(False, "LoRA runs: push base + adapter merged into a full model (needs model.lora.merge) "
                           "instead of the adapter alone.")
     license: str | None = _f(None, "License id for the model card, e.g. apache-2.0 (the base model's terms apply).")
+
+
+@dataclass
+class UpcycleSection:
+    num_experts: int = _f(8, "Experts per upcycled layer (copies of the dense MLP).")
+    top_k: int = _f(2, "Experts each token is routed to.")
+    layers: list[int] | None = _f(None, "Decoder layers to upcycle (0-based); default all. Mixtral needs all.")
+    router_init_std: float | None = _f(None, "Std of the routers' random init; default the model's initializer_range.")
+
+
+@dataclass
+class MoeSection:
+    upcycle: UpcycleSection | None = _f(
+        None, "Turn the dense model into its native MoE counterpart (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE) "
+        "before training; outputs are unchanged at step 0."
+    )
+    aux_loss_coef: float = _f(0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation.")
+    router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
+    router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
+    expert_parallel_size: int = _f(
+        1, "Place the experts across this many ranks (all_to_all dispatch); must equal the number of processes; "
+        "DDP only, Mixtral-style blocks."
+    )
+    capacity_factor: float | None = _f(
+        None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "
+        "are dropped (logged as moe/dropped_tokens). Unset: no dropping."
+    )
 
 
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
@@ -210,6 +240,7 @@ class Recipe:
     compression: CompressionSection = field(default_factory=CompressionSection,
                                             metadata={"help": "Gradient compression."})
     hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
+    moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
 
     @property
@@ -438,6 +469,8 @@ def _validate_semantics(recipe: Recipe, ctx: Ctx) -> None:
             ctx.add(key, msg)
     if isinstance(recipe.compression, CompressionSection):
         _validate_compression(recipe.compression, ctx)
+    if isinstance(recipe.moe, MoeSection):
+        _validate_moe(recipe, ctx)
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         ctx.add("model.lora.r", f"must be > 0, got {lora.r}")
@@ -476,6 +509,44 @@ def _validate_compression(c: CompressionSection, ctx: Ctx) -> None:
         ctx.add("compression.topk_ratio", f"must be in (0, 1], got {c.topk_ratio}")
 
 
+def _validate_moe(recipe: Recipe, ctx: Ctx) -> None:
+    m = recipe.moe
+    for key in ("aux_loss_coef", "router_z_loss_coef"):
+        v = getattr(m, key)
+        if _num(v) and v < 0:
+            ctx.add(f"moe.{key}", f"must be >= 0, got {v}")
+    if _num(m.capacity_factor) and m.capacity_factor <= 0:
+        ctx.add("moe.capacity_factor", f"must be > 0, got {m.capacity_factor}")
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
+        ctx.add("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}")
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
+        why = "with moe.expert_parallel_size > 1 (each rank holds different experts)"
+        if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name not in (None, "ddp"):
+            ctx.add("moe.expert_parallel_size", f"runs under strategy ddp only, not {recipe.strategy.name!r}: ZeRO and "
+                    "FSDP would shard or average the per-rank experts. Use strategy.name: ddp, or keep every expert "
+                    "on every rank (expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)")
+        if recipe.training.get("max_grad_norm", 1.0) not in (0, 0.0, None):
+            ctx.add("training.max_grad_norm", f"set it to 0 {why}: the clipping norm would differ between ranks "
+                    "and the replicated weights would drift apart")
+        if recipe.training.get("resume_from_checkpoint"):
+            ctx.add("training.resume_from_checkpoint", f"cannot resume {why}: checkpoints hold the optimizer "
+                    "state of rank 0's experts only")
+        if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
+            ctx.add("eval.exact_match", f"set it to 0 {why}: generation lengths differ between ranks and the "
+                    "expert all_to_all needs every rank in every forward")
+        if recipe.model is not None and recipe.model.lora is not None:
+            ctx.add("model.lora", f"cannot be combined {why}; train all weights")
+    u = m.upcycle
+    if isinstance(u, UpcycleSection):
+        if isinstance(u.num_experts, int) and u.num_experts < 2:
+            ctx.add("moe.upcycle.num_experts", f"must be >= 2, got {u.num_experts}")
+        if isinstance(u.top_k, int) and isinstance(u.num_experts, int) and not 1 <= u.top_k <= u.num_experts:
+            ctx.add("moe.upcycle.top_k", f"must be in 1..num_experts ({u.num_experts}), got {u.top_k}")
+        if recipe.model is not None and recipe.model.lora is not None:
+            ctx.add("moe.upcycle", "cannot be combined with model.lora: the copied experts would stay frozen and "
+                    "identical; train all weights, or upcycle with `hftrain moe upcycle` and put LoRA on the result")
+
+
 def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None) -> Recipe:
     ctx = Ctx(source, origins or {})
     sections = {
@@ -486,11 +557,14 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         "eval": EvalSection,
         "compression": CompressionSection,
         "hub": HubSection,
+        "moe": MoeSection,
     }
     built: dict[str, Any] = {}
     for name, value in tree.items():
         if name not in sections:
             unknown(str(name), str(name), list(sections), ctx)
+            continue
+        if value is None and name == "moe":  # an optional section, written as `moe: null` by to_yaml
             continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")
@@ -517,6 +591,7 @@ def validate(tree: dict, source: str = "<dict>", origins: dict[str, str] | None 
         eval=built["eval"] or EvalSection(),
         compression=built["compression"] or CompressionSection(),
         hub=built["hub"] or HubSection(),
+        moe=built.get("moe"),
         source=source,
     )
     _validate_semantics(recipe, ctx)

@@ -115,7 +115,7 @@ class HFTrainer(Trainer):
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()
-            for cb in self.callback_handler.callbacks:
-                if hasattr(cb, "pop_logs"):
+            for cb in self.callback_handler.callbacks:  # comm/* (compression), moe/* (router health), ...
+                if hasattr(cb, "pop_logs"):  # called on every rank: it may run a collective
                     logs.update(cb.pop_logs())
         super().log(logs, start_time)

@@ -11,7 +11,7 @@ import sys
 
 from transformers import set_seed
 
-from hftrain import distributed, engine
+from hftrain import distributed, engine, moe
 from hftrain.callbacks import CurvesCallback
 from hftrain.data import build_datasets
 from hftrain.errors import exit_on_user_error
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
 
     # 2. Model and tokenizer (same seed on every rank, so any random init agrees).
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-    model = load_model(recipe.model, packing=recipe.data.packing)
+    model = load_model(recipe.model, packing=recipe.data.packing, moe=recipe.moe)
 
     # 3. Data: tokenised once on the main process, reused from the datasets cache by the others.
     data = build_datasets(recipe.data, tokenizer, seed=args.seed, exact_match=recipe.eval.exact_match)
@@ -66,6 +66,7 @@ def main(argv: list[str]) -> None:
         loss_averaging=recipe.training["loss_averaging"],
         compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
     )
+    moe.attach(trainer, recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules for any MoE block
 
     # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments); greedy
     #    answers before training need the whole model on each rank (not the case under ZeRO-3's zero.Init).

@@ -1,0 +1,206 @@
+"""Expert parallelism for transformers' fused MoE blocks (Mixtral-style: `gate` router + `experts` with 3-D
+`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I), top-k weights renormalised by the router).
+
+Each of the N ranks of the expert-parallel group holds E/N experts; the router stays replicated. A forward:
+route locally -> drop assignments over capacity -> `all_to_all_single` the kept tokens to the ranks holding their
+experts (uneven splits; the counts go first in a small all_to_all) -> run the local experts -> send the results
+back -> combine with the router weights. Autograd goes through `torch.distributed.nn.functional.all_to_all_single`.
+
+Why hand-written: transformers' `ep_plan` dispatch needs its distributed/tensor-parallel loading path (GPU, a device
+mesh at from_pretrained), and DeepSpeed's MoE layer is its own module class (not the native Mixtral block, so the
+model would no longer export as Mixtral) and refuses ZeRO-3. This layer keeps the native parameter names, so the
+model still saves as the native class (the experts are gathered for saving).
+
+Capacity: with `capacity_factor` c, each source rank keeps at most ceil(c * tokens * k / E) assignments per expert
+(first come, first kept, in token order); a dropped assignment contributes nothing (the token keeps its other
+experts and the residual). Counting on the source rank makes the result independent of the other ranks: the same
+layer with N = 1 gives the same output, which the test checks. `last_dropped` holds the assignments dropped by the
+last forward (the router-health callback logs them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import TrainerCallback
+
+
+class ExpertParallelMoE(nn.Module):
+    """Replaces a native sparse MoE block; `gate` is the block's own router module, `experts` holds the local slice."""
+
+    def __init__(self, block: nn.Module, group=None, capacity_factor: float | None = None):
+        super().__init__()
+        self.group = group
+        self.ep_size = dist.get_world_size(group) if group is not None else 1
+        self.ep_rank = dist.get_rank(group) if group is not None else 0
+        experts = block.experts
+        e = experts.gate_up_proj.shape[0]
+        if e % self.ep_size:
+            raise ValueError(f"moe.expert_parallel_size: {self.ep_size} does not divide the {e} experts")
+        self.num_experts, self.local = e, e // self.ep_size
+        self.capacity_factor = capacity_factor
+        self.gate = block.gate  # the native router: same routing, and router hooks keep working
+        lo, hi = self.ep_rank * self.local, (self.ep_rank + 1) * self.local
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[lo:hi].clone())
+        self.experts.down_proj = nn.Parameter(experts.down_proj.detach()[lo:hi].clone())
+        self.act_fn = experts.act_fn
+        self.jitter_noise = getattr(block, "jitter_noise", 0.0)
+        self.last_dropped = 0
+        self._full: dict[str, torch.Tensor] | None = None  # gathered experts for saving (see gather_for_save)
+        self._full_versions: tuple | None = None
+        self._register_state_dict_hook(ExpertParallelMoE._full_state_dict)
+        self._register_load_state_dict_pre_hook(self._slice_on_load)
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, t, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        _, weights, experts = self.gate(x)  # (T, k) renormalised top-k weights and expert ids
+        k = experts.shape[1]
+        flat_e = experts.reshape(-1)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+        order = torch.argsort(flat_e, stable=True)  # by expert, then token order: grouped by destination rank
+        e_sorted = flat_e[order]
+        counts = torch.bincount(e_sorted, minlength=self.num_experts)
+        if self.capacity_factor:
+            cap = math.ceil(self.capacity_factor * x.shape[0] * k / self.num_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(e_sorted.numel(), device=x.device) - starts[e_sorted]
+            keep = pos < cap
+            order, e_sorted = order[keep], e_sorted[keep]
+            counts = torch.bincount(e_sorted, minlength=self.num_experts)
+            self.last_dropped = int((~keep).sum())
+        else:
+            self.last_dropped = 0
+        send = x[token[order]]
+        send_splits = counts.view(self.ep_size, self.local).sum(1)
+        if self.ep_size > 1:
+            recv_splits = torch.empty_like(send_splits)
+            dist.all_to_all_single(recv_splits, send_splits, group=self.group)
+            s, r = send_splits.tolist(), recv_splits.tolist()
+            recv_e = torch.empty(sum(r), dtype=e_sorted.dtype, device=x.device)
+            dist.all_to_all_single(recv_e, e_sorted, r, s, group=self.group)
+            recv = _all_to_all(send, r, s, self.group)
+        else:
+            recv, recv_e = send, e_sorted
+        out = torch.zeros_like(recv)
+        local_e = recv_e - self.ep_rank * self.local
+        for i in range(self.local):
+            idx = (local_e == i).nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            gate, up = F.linear(recv[idx], self.experts.gate_up_proj[i]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.experts.down_proj[i])
+            out = out.index_copy(0, idx, y.to(out.dtype))
+        back = _all_to_all(out, s, r, self.group) if self.ep_size > 1 else out
+        w = weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+        result = torch.zeros_like(x).index_add(0, token[order], back * w)
+        return result.reshape(b, t, h)
+
+    # -- saving: the native layout ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather_for_save(self) -> None:
+        """Collective (every rank of the group): the full (E, ...) expert tensors, kept for the next state_dict."""
+        full = {}
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(self.experts, name).detach()
+            if self.ep_size == 1:
+                full[name] = p.clone()
+                continue
+            out = torch.empty((self.ep_size * p.shape[0], *p.shape[1:]), dtype=p.dtype, device=p.device)
+            dist.all_gather_into_tensor(out, p.contiguous(), group=self.group)
+            full[name] = out
+        self._full = full
+        self._full_versions = self._versions()
+
+    def _versions(self):
+        return (self.experts.gate_up_proj._version, self.experts.down_proj._version)
+
+    @staticmethod
+    def _full_state_dict(module, state_dict, prefix, local_metadata):
+        if module.ep_size > 1:
+            if module._full is None or module._full_versions != module._versions():
+                raise RuntimeError("expert-parallel weights changed since the last gather: call "
+                                   "expert_parallel.gather_for_save(model) on every rank before state_dict()")
+            for name, t in module._full.items():
+                state_dict[f"{prefix}experts.{name}"] = t
+        return state_dict
+
+    def _slice_on_load(self, state_dict, prefix, *args):
+        lo, hi = self.ep_rank * self.local, (self.ep_rank + 1) * self.local
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"{prefix}experts.{name}"
+            if key in state_dict and state_dict[key].shape[0] == self.num_experts != self.local:
+                state_dict[key] = state_dict[key][lo:hi]
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty((sum(out_splits), x.shape[1]))
+    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    return [f"{n}.experts.{p}" for n, m in model.named_modules() if isinstance(m, ExpertParallelMoE)
+            for p in ("gate_up_proj", "down_proj")]
+
+
+def parallelize(model: nn.Module, group=None, capacity_factor: float | None = None) -> int:
+    """Swap every native sparse MoE block of `model` for an ExpertParallelMoE over `group` (None: local experts,
+    e.g. for a capacity factor without parallelism).
+
+    Under DDP: the expert parameters differ between ranks, so they are excluded from DDP's all-reduce
+    (`_ddp_params_and_buffers_to_ignore`, read by DDP's constructor) and their gradients divided by the world size:
+    a local expert's gradient already sums every rank's tokens (the backward all_to_all brings them), and hftrain's
+    per-rank loss is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
+    from .moe import moe_blocks
+
+    world = dist.get_world_size(group) if group is not None else 1
+    blocks = {id(b) for b in moe_blocks(model) if not isinstance(b, ExpertParallelMoE)}
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                if not hasattr(child.experts, "gate_up_proj") or not hasattr(child.gate, "top_k"):
+                    raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} is not a fused Mixtral-style "
+                                     "block (gate_up_proj / down_proj experts and a top-k router)")
+                if hasattr(child, "shared_expert"):
+                    raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} has a shared expert, which "
+                                     "this layer does not run; expert parallelism supports Mixtral-style blocks")
+                ep = ExpertParallelMoE(child, group, capacity_factor)
+                if world > 1:
+                    for p in (ep.experts.gate_up_proj, ep.experts.down_proj):
+                        p.register_hook(lambda g, w=world: g / w)
+                setattr(parent, name, ep)
+                swapped += 1
+    model._ddp_params_and_buffers_to_ignore = expert_param_names(model)
+    return swapped
+
+
+def gather_for_save(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            m.gather_for_save()
+
+
+class ExpertParallelCallback(TrainerCallback):
+    """Gathers the experts on every rank right before the Trainer saves (checkpoints and the final save), so the
+    saved model holds all experts in the native layout."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:  # set by DefaultFlowCallback, which runs first
+            gather_for_save(self.model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        gather_for_save(self.model)

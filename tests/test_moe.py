@@ -1,0 +1,426 @@
+"""MoE: upcycling with native export, the aux loss's exactness over ranks and accumulation, router health, ZeRO-3."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from hftrain import moe
+
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, free_port, run
+
+IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]])
+
+
+def dense(kind: str, seed=0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    torch.manual_seed(seed)
+    cfg = cls(vocab_size=300, **SMALL, initializer_range=0.3)  # large weights: logits differ a lot between tokens
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("kind,layers,target", [("llama", None, "MixtralForCausalLM"),
+                                                ("mistral", None, "MixtralForCausalLM"),
+                                                ("qwen2", None, "Qwen2MoeForCausalLM"),
+                                                ("qwen2", [1], "Qwen2MoeForCausalLM")])
+def test_upcycled_logits_equal_dense(kind, layers, target):
+    d = dense(kind)
+    m = moe.upcycle(d, num_experts=4, top_k=2, layers=layers).eval()
+    assert type(m).__name__ == target
+    assert len(moe.moe_blocks(m)) == (len(layers) if layers else d.config.num_hidden_layers)
+    if layers:  # the other layers keep the dense MLP (Qwen2-MoE's mlp_only_layers)
+        assert type(m.model.layers[0].mlp).__name__ == "Qwen2MoeMLP"
+    with torch.no_grad():
+        a, b = d(input_ids=IDS).logits, m(input_ids=IDS).logits
+        # the routers really route: different tokens go to different experts
+        idx = moe.routers(m)[0](m.model.embed_tokens(IDS))[2]
+    assert a.abs().max() > 1.0
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert idx.unique().numel() == 4
+
+
+def test_unsupported_families_and_partial_mixtral_are_refused():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(moe.MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe"):
+        moe.upcycle(gpt2, 4, 2)
+    with pytest.raises(moe.MoeError, match="every layer must be upcycled"):
+        moe.upcycle(dense("llama"), 4, 2, layers=[0])
+    with pytest.raises(moe.MoeError, match="top_k: must be in 1..4"):
+        moe.upcycle(dense("llama"), 4, 5)
+
+
+EXPORT_CHECK = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+from safetensors.torch import save_file
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+ids = torch.tensor({ids})
+with torch.no_grad():
+    logits = m(input_ids=ids).logits
+assert 'hftrain' not in sys.modules, [k for k in sys.modules if k.startswith('hftrain')]
+save_file({{"logits": logits.contiguous()}}, sys.argv[2])
+print(type(m).__name__, m.config.model_type)
+"""
+
+
+def reload_without_hftrain(folder, tmp_path):
+    out = tmp_path / "logits.safetensors"
+    script = tmp_path / "check.py"
+    script.write_text(EXPORT_CHECK.format(ids=IDS.tolist()))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of hftrain is importable
+    import subprocess
+
+    r = subprocess.run([PY, "-I", str(script), str(folder), str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path), env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout.split()[:2], load_file(str(out))["logits"]
+
+
+def test_cli_upcycle_exports_a_native_mixtral_that_reloads_without_hftrain(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "mixtral"
+    r = run([PY, "-m", "hftrain.cli", "moe", "upcycle", "--model", tiny_model_dir, "--num-experts", "4",
+             "--top-k", "2", "--output", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.load(open(out / "config.json"))["architectures"] == ["MixtralForCausalLM"]
+    assert os.path.isfile(out / "tokenizer.json")
+    (cls, model_type), logits = reload_without_hftrain(out, tmp_path)
+    assert (cls, model_type) == ("MixtralForCausalLM", "mixtral")
+    d = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
+    # refused family / partial Mixtral: exit status 2 and the reason
+    r = run([PY, "-m", "hftrain.cli", "moe", "upcycle", "--model", tiny_model_dir, "--num-experts", "4",
+             "--top-k", "2", "--layers", "0", "--output", str(tmp_path / "x")])
+    assert r.returncode == 2 and "every layer must be upcycled" in r.stderr
+
+
+def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
+    d = dense("qwen2")
+    m = moe.upcycle(d, 4, 2, layers=[0])
+    m.save_pretrained(tmp_path / "qmoe")
+    (cls, model_type), logits = reload_without_hftrain(tmp_path / "qmoe", tmp_path)
+    assert (cls, model_type) == ("Qwen2MoeForCausalLM", "qwen2_moe")
+    assert json.load(open(tmp_path / "qmoe" / "config.json"))["mlp_only_layers"] == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_moe_model_returns_aux_loss_but_no_loss_of_its_own():
+    """hftrain passes no labels: the model must not fold its aux loss into a loss (which the Trainer would scale by
+    the world size); hftrain adds it itself, once, through aux_losses."""
+    m = moe.upcycle(dense("llama"), 4, 2, router_init_std=1.0).train()
+    m.config.output_router_logits = True
+    out = m(input_ids=IDS)
+    assert out.loss is None and out.aux_loss.ndim == 0 and out.aux_loss > 0
+    assert len(out.router_logits) == 2
+    z = moe.z_loss(out.router_logits, None)
+    mask = torch.ones(IDS.numel())
+    mask[:5] = 0
+    assert moe.z_loss(out.router_logits, mask) != z  # padding rows are left out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: a recipe run that upcycles, trains with the aux and z losses, logs router health
+
+
+def recipe_tree(model_dir, out, **training):
+    return {
+        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 64, "eval_fraction": 0.05},
+        "training": {"output_dir": str(out), "max_steps": 6, "per_device_train_batch_size": 4,
+                     "learning_rate": 3e-3, "lr_scheduler_type": "constant", "logging_steps": 2,
+                     "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
+                     "report_to": "none", "disable_tqdm": True, "eval_strategy": "no", **training},
+        "moe": {"upcycle": {"num_experts": 4, "top_k": 2}, "aux_loss_coef": 0.01, "router_z_loss_coef": 0.001},
+    }
+
+
+def test_recipe_upcycles_trains_and_experts_specialise(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(recipe_tree(tiny_model_dir, out)))
+    r = run([PY, "recipes/sft.py", str(rec)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "'aux_losses': ['moe_aux_loss', 'moe_z_loss']" in r.stdout
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 4
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for layer in m.model.layers:
+        w = layer.mlp.experts.gate_up_proj.detach()  # (E, 2I, H), identical copies at step 0
+        for i in range(4):
+            for j in range(i + 1, 4):
+                rel = (w[i] - w[j]).abs().max() / w[i].abs().max()
+                assert rel > 1e-3, f"experts {i} and {j} did not specialise ({rel:.1e})"
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert len(logs) == 3
+    for h in logs:
+        assert h["moe_aux_loss"] > 0 and h["moe_z_loss"] > 0
+        for layer in range(2):
+            load = [h[f"moe/layer{layer}/load_e{e}"] for e in range(4)]
+            assert sum(load) == pytest.approx(1.0) and min(load) > 0
+            assert 0 < h[f"moe/layer{layer}/entropy"] <= 1 and h[f"moe/layer{layer}/max_load"] >= 1
+        assert h["moe/dropped_tokens"] == 0
+    assert os.path.getsize(out / "expert_load.png") > 1000
+
+
+def test_recipe_moe_section_is_validated():
+    from hftrain.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.upcycle.num_experts=1",
+                           "moe.aux_loss_coef=-1", "model.lora.r=8", "moe.upcycle.top_kk=2"], raw={})
+    msg = str(e.value)
+    assert "moe.upcycle.num_experts: must be >= 2" in msg and "moe.aux_loss_coef: must be >= 0" in msg
+    assert "moe.upcycle: cannot be combined with model.lora" in msg and "top_kk" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aux-loss exactness on real runs: 1 rank x GA4 and 2 ranks x GA2 (same global batch of 8), with a negative control
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_dir(tmp_path_factory):
+    """A tiny Mixtral (upcycled from a tiny Llama with large weights, routers with large weights so that the routing
+    and hence the aux loss differ a lot between micro-batches)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    tmp = tmp_path_factory.mktemp("mixtral")
+    base = build_tiny_model(str(tmp / "dense"), texts_of_jsonl([DEMO_TRAIN]),
+                            config={**SMALL, "initializer_range": 0.3}, vocab_size=300, seed=0)
+    m = moe.upcycle(AutoModelForCausalLM.from_pretrained(base), 4, 2, router_init_std=1.0)
+    # experts made different, as in a trained MoE (identical experts give the router no gradient from the LM loss)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(torch.linspace(0.5, 1.5, 4).view(4, 1, 1))
+    m.save_pretrained(tmp / "mixtral")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp / "mixtral")
+    return str(tmp / "mixtral")
+
+
+AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
+    "1x_ga4": (1, 4, "recipes/sft.py", {}),
+    "2x_ga2": (2, 2, "recipes/sft.py", {}),
+    # the experts split over the 2 ranks (all_to_all dispatch), under DDP: same training as 1 rank with all experts
+    "2x_ga2_ep": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2}),
+    "2x_ga2_ep_unscaled": (2, 2, "tests/moe_ep_unscaled.py", {"expert_parallel_size": 2}),
+    "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py", {}),
+    "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def aux_runs(tmp_path_factory, tiny_mixtral_dir):
+    from .test_loss import uneven_data
+
+    tmp = tmp_path_factory.mktemp("aux")
+    data = uneven_data(tmp / "uneven.jsonl")
+    res = {}
+    for name, (world, ga, script, extra) in AUX_RUNS.items():
+        out = tmp / name
+        tree = {
+            "model": {"name_or_path": tiny_mixtral_dir, "dtype": "float32"},
+            "data": {"sources": [{"path": data}], "max_length": 64},
+            "training": {"output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2,
+                         "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.5,
+                         "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
+                         "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
+                         "seed": 0, "report_to": "none", "disable_tqdm": True},
+            "moe": {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01, **extra},
+        }
+        rec = tmp / f"{name}.yaml"
+        rec.write_text(yaml.safe_dump(tree))
+        cmd = [PY, script, str(rec)] if world == 1 else [
+            *ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+            str(free_port()), script, str(rec)]
+        r = run(cmd, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        info = json.load(open(out / "run_info.json"))
+        assert info["world_size"] == world
+        if world > 1:
+            assert info["wrapper"] == "DistributedDataParallel"
+        logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+        res[name] = {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
+                     "final": load_file(str(out / "model.safetensors")), "stdout": r.stdout, "info": info}
+    return res
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12))
+               for k in b)
+
+
+@pytest.mark.slow
+def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
+    base, other = aux_runs["1x_ga4"], aux_runs["2x_ga2"]
+    for name, r in aux_runs.items():
+        print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4", max_rel(r["final"], base["final"]))
+    assert len(base["losses"]) == 3 and min(base["aux"]) > 1.0  # the aux term is a sizeable part of the loss
+    assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(other["final"], base["final"]) <= 1e-5
+    # Negative control: coef * aux on each micro-batch's loss (no / accumulation) is not invariant, and the
+    # difference is far above the tolerance used above (per-step loss and weights).
+    bad1, bad2 = aux_runs["1x_ga4_unscaled"], aux_runs["2x_ga2_unscaled"]
+    for a, b in zip(bad1["losses"], bad2["losses"]):
+        assert abs(a - b) > 1e-2 * abs(b)
+    assert max_rel(bad1["final"], bad2["final"]) > 1e-3
+    assert max_rel(bad2["final"], base["final"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux_runs):
+    """Experts split over 2 ranks, excluded from DDP's all-reduce and divided by the world size; the router and the
+    rest averaged by DDP: the per-step losses and the saved (gathered, native Mixtral) weights equal 1 rank's."""
+    base, ep = aux_runs["1x_ga4"], aux_runs["2x_ga2_ep"]
+    assert "'expert_parallel': '2 blocks over 2 rank(s), capacity_factor None'" in ep["stdout"]
+    assert len(set(ep["info"]["rank_weight_digests"])) == 1  # every rank saves the same full model
+    assert ep["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert set(ep["final"]) == set(base["final"])  # all experts, native names
+    assert max_rel(ep["final"], base["final"]) <= 1e-5
+    # Negative control: without dividing the expert gradients by the world size, the experts move twice as far
+    bad = aux_runs["2x_ga2_ep_unscaled"]
+    assert max_rel(bad["final"], base["final"]) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ZeRO-3: MoE blocks registered as leaf modules automatically; the run finishes and its saved model reloads
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.run import PROBE_IDS
+
+    out = tmp_path / "z3"
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero3.yaml", "--main_process_port",
+           str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
+           f"model.name_or_path={tiny_mixtral_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
+           "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={out}", "training.max_steps=3",
+           "training.per_device_train_batch_size=4", "training.logging_steps=1", "training.report_to=none",
+           "strategy.name=zero3", "moe.aux_loss_coef=0.01"]
+    # a hang (the failure this guards against) ends as a timeout, not a stuck suite
+    r = run(cmd, timeout=420, env={"TORCH_EXTENSIONS_DIR": os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    assert "'zero3_leaf_modules': ['MixtralSparseMoeBlock x2']" in r.stdout
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["wrapper"] == "DeepSpeedEngine" and info["zero_stage"] == 3
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert len(logs) == 3 and all(h["moe_aux_loss"] > 0 for h in logs)
+    # router health under ZeRO-3 (partitioned router weights): loads over both ranks' tokens
+    assert all(sum(h[f"moe/layer1/load_e{e}"] for e in range(4)) == pytest.approx(1.0) for h in logs)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism
+
+
+@pytest.mark.slow
+def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
+    r = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+             "tests/moe_ep_worker.py", str(tmp_path)], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in range(2):
+        rep = json.load(open(tmp_path / f"rank{rank}.json"))
+        for cf in ("None", "1.0", "0.5"):
+            e = rep[cf]
+            assert e["out"] <= 1e-6 * e["out_scale"] * 10 and e["out_scale"] > 1, (rank, cf, e)
+            assert e["grad_input"] <= 1e-5 * e["grad_input_scale"], (rank, cf, e)
+            assert e["grad_router"] <= 2e-5, (rank, cf, e)
+            assert max(e["grad_gate_up"], e["grad_down"]) <= 1e-6 * e["grad_scale"], (rank, cf, e)
+            assert e["dropped"] == e["ref_dropped"] and e["saved_full"] and e["loaded_slice"]
+        assert rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"]
+
+
+def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "cap"
+    tree = recipe_tree(tiny_model_dir, out, max_steps=2, logging_steps=1)
+    tree["moe"] = {"upcycle": {"num_experts": 4, "top_k": 2, "router_init_std": 1.0}, "capacity_factor": 0.5}
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(tree))
+    r = run([PY, "recipes/sft.py", str(rec)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    # capacity 0.5: at most half of the assignments fit; at least that many are dropped
+    assert all(h["moe/dropped_tokens"] > 0 for h in logs)
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out))
+    assert type(m).__name__ == "MixtralForCausalLM" and m.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_expert_parallel_options_are_validated():
+    from hftrain.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
+                           "strategy.name=zero2", "training.resume_from_checkpoint=true", "data.eval_fraction=0.1",
+                           "eval.exact_match=4", "moe.capacity_factor=0"], raw={})
+    msg = str(e.value)
+    for part in ("moe.expert_parallel_size: runs under strategy ddp only, not 'zero2'",
+                 "training.max_grad_norm: set it to 0", "training.resume_from_checkpoint: cannot resume",
+                 "eval.exact_match: set it to 0", "moe.capacity_factor: must be > 0"):
+        assert part in msg, msg
+    ok = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
+                            "training.max_grad_norm=0"], raw={})
+    assert ok.moe.expert_parallel_size == 2
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(model_type, tmp_path):
+    """What HFTrainer.compute_loss returns = CE / targets + coef * aux / GA + z_coef * z / GA, with aux the family's
+    own load-balancing loss on the same router logits and padding mask (and no model-internal loss)."""
+    import importlib
+
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+
+    from hftrain import losses
+    from hftrain.recipe import MoeSection
+    from hftrain.trainer import HFTrainer
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                               initializer_range=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = HFTrainer(model=model, args=args)
+    done = moe.attach(trainer, MoeSection(aux_loss_coef=0.1, router_z_loss_coef=0.01))
+    assert done["aux_losses"] == ["moe_aux_loss", "moe_z_loss"]
+    mask = torch.ones_like(IDS)
+    mask[1, 7:] = 0  # padding
+    labels = IDS.masked_fill(mask == 0, -100)
+    model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    got = trainer.compute_loss(model, {"input_ids": IDS, "attention_mask": mask, "labels": labels})
+
+    out = model(input_ids=IDS, attention_mask=mask, output_router_logits=True)
+    assert out.loss is None
+    lb = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}").load_balancing_loss_func
+    aux = lb(out.router_logits, 4, 2, mask)
+    flat = mask.reshape(-1).float()
+    z = torch.stack([(torch.logsumexp(r, -1) ** 2 * flat).sum() / flat.sum() for r in out.router_logits]).mean()
+    n = losses.count_targets(labels)[0]
+    expected = losses.loss_sum(out.logits, labels) / n + 0.1 * aux / 2 + 0.01 * z / 2
+    assert aux > 0.5 and z > 0
+    torch.testing.assert_close(got, expected)
