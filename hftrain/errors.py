@@ -9,12 +9,13 @@ from . import distributed
 
 
 def user_error_types() -> tuple[type, ...]:
+    from .checkpoints import CheckpointError
     from .data import DataError
     from .modeling import ModelError
     from .recipe import RecipeError
     from .engine import LaunchError
 
-    return (RecipeError, DataError, ModelError, LaunchError)
+    return (RecipeError, DataError, ModelError, LaunchError, CheckpointError)
 
 
 @contextlib.contextmanager

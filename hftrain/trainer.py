@@ -1,23 +1,27 @@
 """hftrain's Trainer: transformers' Trainer with the loss normalisation of `losses.py`.
 
-Three small overrides, nothing else:
+Small overrides, nothing else:
 - `_get_num_items_in_batch`: count the step's target tokens and sequences over all micro-batches and ranks
   (one all-gather), instead of tokens only;
 - `compute_loss`: the model returns logits only (no labels are passed, so no model-internal loss or aux loss is
   scaled behind our back) and the loss is `losses.loss_sum / global count * dp_size`, plus registered aux terms;
-- `log`: adds the global target-token count per step.
+- `log`: adds the global target-token count per step;
+- `_save_checkpoint`: writes into a staging folder and publishes it by rename once every rank is done, and
+  `train` resumes from the newest *complete* checkpoint (hftrain/checkpoints.py says why).
 Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
 nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import losses
+from . import checkpoints, distributed, losses
 
 
 class HFTrainer(Trainer):
@@ -93,3 +97,50 @@ class HFTrainer(Trainer):
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()
         super().log(logs, start_time)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """`resume_from_checkpoint=True` means the newest complete checkpoint (incomplete ones are skipped with a
+        warning); after an elastic restart (torchrun --max-restarts) the newest complete one, if any."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
+                                          warn=distributed.print0)
+        if restarted and path and resume_from_checkpoint in (None, False):
+            distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        root = checkpoints.staging_root(run_dir)
+        staged, final = os.path.join(root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.lexists(staged):
+            checkpoints.shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
+        distributed.barrier()
+        self._get_output_dir = lambda trial=None: root  # super() writes (and rotates) under the staging root
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as e:
+            error = checkpoints.save_failure(e, staged, run_dir)
+            if self.args.should_save:
+                checkpoints.shutil.rmtree(staged, ignore_errors=True)
+                checkpoints.remove_staging_root(root)
+            raise error from e
+        finally:
+            del self._get_output_dir
+        distributed.barrier()  # every rank has written its part (sharded strategies: its shards)
+        if self.args.should_save:
+            if self.state.best_global_step:  # super() looked for the best checkpoint under the staging root
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if best == final or os.path.isdir(best):
+                    self.state.best_model_checkpoint = best
+                    self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
+            try:
+                checkpoints.publish(staged, final)
+            except OSError as e:
+                error = checkpoints.save_failure(e, staged, run_dir)
+                checkpoints.shutil.rmtree(staged, ignore_errors=True)
+                checkpoints.remove_staging_root(root)
+                raise error from e
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        distributed.barrier()
