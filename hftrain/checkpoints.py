@@ -109,11 +109,13 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
     """What to resume from: `training.resume_from_checkpoint` (true = the newest complete checkpoint, a path =
     that checkpoint, checked), or after an elastic restart (`restarted`) the newest complete one if any."""
     if value is True or (restarted and value in (None, False)):
-        path = newest_complete(output_dir, warn)
+        skipped: list[str] = []
+        path = newest_complete(output_dir, lambda m: (skipped.append(m), warn(m)))
         if path is None and value is True:
+            seen = "".join(f" ({m.removeprefix('hftrain: ')})" for m in skipped if "skipping" in m)
             raise CheckpointError(
-                f"training.resume_from_checkpoint is true but {output_dir} holds no complete checkpoint-N folder; "
-                "set it to false to start from scratch, or to the path of a checkpoint")
+                f"training.resume_from_checkpoint is true but {output_dir} holds no complete checkpoint-N folder"
+                f"{seen}; set it to false to start from scratch, or to the path of a checkpoint")
         return path
     if value in (None, False, ""):
         return None

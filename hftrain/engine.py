@@ -69,7 +69,7 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
                          "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     messages = [f"{recipe.source}: {k}: {m}" for k, m in problems]
-    from .preflight import facts_or_none, strategy_problems
+    from .preflight import facts_or_none, output_dir_problems, resume_problems, strategy_problems
 
     facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
         strategy.name == "zero_infinity") else None
@@ -83,6 +83,8 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
         if strategy.sub_group_size is None:
             strategy = replace(strategy, sub_group_size=4 * largest)
     messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
+    messages += [f"{recipe.source}: {m}" for m in output_dir_problems(recipe.output_dir)]
+    messages += [f"{recipe.source}: {m}" for m in resume_problems(recipe.resume_from_checkpoint, recipe.output_dir)]
     if messages:
         raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))
     return strategy

@@ -29,7 +29,8 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     if chat_template:
         if chat_template.endswith(".jinja"):
             if not os.path.isfile(chat_template):
-                raise ModelError(f"data.chat_template: {chat_template} does not exist")
+                raise ModelError(f"data.chat_template: {chat_template} does not exist; give an existing .jinja file "
+                                 "or the template itself as a string")
             with open(chat_template, encoding="utf-8") as fh:
                 chat_template = fh.read()
         tok.chat_template = chat_template
