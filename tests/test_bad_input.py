@@ -62,6 +62,13 @@ class W:
         path = self.file(name, content)
         return self.recipe(lambda t: t["data"].update(sources=[{"path": path, **source}]))
 
+    def pickled_model(self) -> str:
+        d = os.path.join(self.tmp, "pickled")
+        shutil.copytree(self.model, d)
+        os.remove(os.path.join(d, "model.safetensors"))
+        self.file("pickled/pytorch_model.bin", b"not loaded")
+        return d
+
     def checkpoint(self, corrupt=None) -> str:
         """A real checkpoint-1 in output_dir (from the shared one-step run), optionally damaged."""
         ck = os.path.join(self.out, "checkpoint-1")
@@ -175,6 +182,8 @@ CASES = [
     # -- the model ---------------------------------------------------------------------------------------------
     ("model_path_missing", lambda w: [w.recipe(set_("model.name_or_path", "./no/such/model"))],
      ["model.name_or_path: ./no/such/model does not exist", "check the spelling or build it first"]),
+    ("pickle_only_weights", lambda w: [w.recipe(set_("model.name_or_path", w.pickled_model()))],
+     ["model.name_or_path:", "holds pickle weights only (pytorch_model.bin)", "convert it once"]),
     ("tokenizer_path_missing", lambda w: [w.recipe(set_("model.tokenizer_name_or_path", "/no/tok"))],
      ["model.tokenizer_name_or_path: /no/tok does not exist"]),
     ("chat_template_file_missing", lambda w: [w.recipe(set_("data.chat_template", "/no/t.jinja"))],
