@@ -126,6 +126,62 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
     return value
 
 
+# -- another world size -------------------------------------------------------------------------------------------
+LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
+# Strategies whose checkpoint can be loaded by another number of ranks: DDP's is one full copy (model.safetensors,
+# optimizer.pt), FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load. ZeRO's optimizer state
+# is partitioned per rank; DeepSpeed reshards it only from a "universal" checkpoint (ds_to_universal.py).
+RESHARDABLE = ("ddp", "fsdp")
+
+
+def checkpoint_format(strategy: str | None) -> str:
+    """Strategies that write the same checkpoint format share a name (offload changes where state lives, not how
+    it is saved)."""
+    return {"zero3_offload": "zero3", "zero_infinity": "zero3", None: "ddp"}.get(strategy, strategy)
+
+
+def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None) -> dict:
+    return {"world_size": world_size, "per_device_train_batch_size": per_device,
+            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy)}
+
+
+def check_layout(path: str | None, now: dict) -> None:
+    problems = layout_problems(path, now) if path else []
+    if problems:
+        raise CheckpointError(f"cannot resume from {path} exactly: " + "; ".join(problems))
+
+
+def layout_problems(path: str, now: dict) -> list[str]:
+    """Can a run laid out as `now` resume from `path` exactly? The data position carries over when the global
+    batch (world x micro-batch x accumulation) is the same; the state when the strategy can reshard it."""
+    try:
+        with open(os.path.join(path, LAYOUT), encoding="utf-8") as fh:
+            was = json.load(fh)
+    except (OSError, ValueError):
+        return []  # written by something else: nothing to compare
+    problems = []
+    if was["strategy"] != now["strategy"]:
+        problems.append(f"{path} was written by strategy '{was['strategy']}', this run is '{now['strategy']}': their "
+                        f"checkpoint formats differ; resume with strategy.name: {was['strategy']}")
+    elif was["world_size"] != now["world_size"] and now["strategy"] not in RESHARDABLE:
+        problems.append(
+            f"{path} was written by {was['world_size']} ranks under '{was['strategy']}', whose optimizer state is "
+            f"partitioned per rank; this run has {now['world_size']}. Resume with {was['world_size']} processes, or "
+            "convert it with DeepSpeed's ds_to_universal.py and load that (universal checkpoints are not wired "
+            "into hftrain yet)")
+    g_was = was["world_size"] * was["per_device_train_batch_size"] * was["gradient_accumulation_steps"]
+    g_now = now["world_size"] * now["per_device_train_batch_size"] * now["gradient_accumulation_steps"]
+    if g_was != g_now:
+        problems.append(
+            f"{path} was trained with {g_was} examples per step ({was['world_size']} ranks x "
+            f"per_device_train_batch_size {was['per_device_train_batch_size']} x gradient_accumulation_steps "
+            f"{was['gradient_accumulation_steps']}), this run takes {g_now} ({now['world_size']} x "
+            f"{now['per_device_train_batch_size']} x {now['gradient_accumulation_steps']}): the data position and the "
+            f"schedule would not carry over. Set training.per_device_train_batch_size or "
+            f"training.gradient_accumulation_steps so that the product is {g_was}")
+    return problems
+
+
 # -- writing ----------------------------------------------------------------------------------------------------
 def _fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))

@@ -69,6 +69,8 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
                          "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     messages = [f"{recipe.source}: {k}: {m}" for k, m in problems]
+    from .checkpoints import layout
+    from .distributed import launcher_world_size
     from .preflight import facts_or_none, output_dir_problems, resume_problems, strategy_problems
 
     facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
@@ -84,7 +86,10 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
             strategy = replace(strategy, sub_group_size=4 * largest)
     messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
     messages += [f"{recipe.source}: {m}" for m in output_dir_problems(recipe.output_dir)]
-    messages += [f"{recipe.source}: {m}" for m in resume_problems(recipe.resume_from_checkpoint, recipe.output_dir)]
+    t = recipe.training
+    now = layout(launcher_world_size(), t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1),
+                 strategy.name)
+    messages += [f"{recipe.source}: {m}" for m in resume_problems(recipe.resume_from_checkpoint, recipe.output_dir, now)]
     if messages:
         raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))
     return strategy

@@ -97,13 +97,15 @@ def output_dir_problems(path: str) -> list[str]:
     return []
 
 
-def resume_problems(value, output_dir: str) -> list[str]:
-    """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint: checked before any
-    model is loaded rather than minutes later inside Trainer.train."""
-    from .checkpoints import CheckpointError, resolve_resume
+def resume_problems(value, output_dir: str, layout: dict | None = None) -> list[str]:
+    """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
+    (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
+    from .checkpoints import CheckpointError, check_layout, resolve_resume
 
     try:
-        resolve_resume(value, output_dir, warn=lambda _m: None)
+        path = resolve_resume(value, output_dir, warn=lambda _m: None)
+        if layout is not None:
+            check_layout(path, layout)
     except CheckpointError as e:
         return [str(e)]
     return []

@@ -14,6 +14,7 @@ nor a way to count sequences, and the Trainer multiplies its result by the world
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Callable
 
@@ -107,7 +108,16 @@ class HFTrainer(Trainer):
                                           warn=distributed.print0)
         if restarted and path and resume_from_checkpoint in (None, False):
             distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
+        checkpoints.check_layout(path, self._layout())
         return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def _layout(self) -> dict:
+        if self.is_deepspeed_enabled:
+            strategy = f"zero{self.accelerator.state.deepspeed_plugin.zero_stage}"
+        else:
+            strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
+        a = self.args
+        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy)
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
@@ -135,6 +145,8 @@ class HFTrainer(Trainer):
                 if best == final or os.path.isdir(best):
                     self.state.best_model_checkpoint = best
                     self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
+            with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
+                json.dump(self._layout(), fh)
             try:
                 checkpoints.publish(staged, final)
             except OSError as e:
