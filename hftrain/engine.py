@@ -58,7 +58,7 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
     return checked_strategy(recipe, replace(recipe.strategy, name=have))
 
 
-def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySection:
+def checked_strategy(recipe: Recipe, strategy: StrategySection, world_size: int | None = None) -> StrategySection:
     """Preflight for a named strategy (shared by the run and `hftrain launch`): options that do not apply,
     optimizer rules, NVMe and async_io; ZeRO-Infinity's swap buffers sized to the model. All problems at once."""
     from .strategies import option_problems
@@ -87,7 +87,7 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
     messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
     messages += [f"{recipe.source}: {m}" for m in output_dir_problems(recipe.output_dir)]
     t = recipe.training
-    now = layout(launcher_world_size(), t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1),
+    now = layout(world_size or launcher_world_size(), t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1),
                  strategy.name)
     messages += [f"{recipe.source}: {m}" for m in resume_problems(recipe.resume_from_checkpoint, recipe.output_dir, now)]
     if messages:

@@ -1,12 +1,13 @@
 """Atomic checkpoints, in one process: an interrupted save leaves nothing that resume would pick, resume picks the
 newest complete checkpoint, and a disk that fills during a save fails it cleanly (on a small tmpfs)."""
 
+import json
 import os
 import shutil
 import subprocess
 
 import pytest
-import torch
+import yaml
 
 from hftrain import checkpoints
 from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_complete, resolve_resume
@@ -171,3 +172,40 @@ def test_disk_full_during_save_fails_cleanly(tiny_fs, tiny_model_dir, reference)
     for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
         with open(out / "checkpoint-2" / name, "rb") as a, open(reference[0] / "checkpoint-2" / name, "rb") as b:
             assert a.read() == b.read(), name
+
+
+def test_layout_decides_what_can_resume_exactly(tmp_path, reference):
+    from hftrain.checkpoints import LAYOUT, layout, layout_problems
+
+    ck = tmp_path / "checkpoint-2"
+    shutil.copytree(reference[0] / "checkpoint-2", ck)
+    assert json.load(open(ck / LAYOUT)) == layout(1, 4, 1, "ddp")  # written by the save
+    assert layout_problems(str(ck), layout(1, 4, 1, None)) == []
+    assert layout_problems(str(ck), layout(2, 2, 1, "ddp")) == []  # same global batch on 2 ranks
+    assert layout_problems(str(ck), layout(2, 1, 2, "ddp")) == []
+    (p,) = layout_problems(str(ck), layout(2, 4, 1, "ddp"))
+    assert "trained with 4 examples per step" in p and "this run takes 8" in p and "product is 4" in p
+    (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero3"))
+    assert "written by strategy 'ddp', this run is 'zero3'" in p
+    (ck / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "zero3")))
+    assert layout_problems(str(ck), layout(2, 2, 1, "zero3_offload")) == []  # same format, same world
+    (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero_infinity"))
+    assert "written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" in p
+
+
+def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, reference, tiny_model_dir, capsys):
+    """`hftrain launch` runs in one process but starts strategy.num_processes: the layout check uses that."""
+    from hftrain.checkpoints import LAYOUT, layout
+    from hftrain.cli import main
+
+    out = tmp_path / "out"
+    shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
+    (out / "checkpoint-2" / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "ddp")))
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": DEMO_TRAIN}]},
+                                   "training": {"output_dir": str(out), "per_device_train_batch_size": 2,
+                                                "resume_from_checkpoint": True}}))
+    assert main(["launch", str(rec), "--dry-run"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["launch", str(rec), "--dry-run", "strategy.num_processes=1"])
+    assert e.value.code == 2 and "trained with 4 examples per step" in capsys.readouterr().err
