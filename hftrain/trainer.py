@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Callable
 
 import torch
@@ -125,7 +126,7 @@ class HFTrainer(Trainer):
         root = checkpoints.staging_root(run_dir)
         staged, final = os.path.join(root, name), os.path.join(run_dir, name)
         if self.args.should_save and os.path.lexists(staged):
-            checkpoints.shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
+            shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
         distributed.barrier()
         self._get_output_dir = lambda trial=None: root  # super() writes (and rotates) under the staging root
         try:
@@ -133,7 +134,7 @@ class HFTrainer(Trainer):
         except Exception as e:
             error = checkpoints.save_failure(e, staged, run_dir)
             if self.args.should_save:
-                checkpoints.shutil.rmtree(staged, ignore_errors=True)
+                shutil.rmtree(staged, ignore_errors=True)
                 checkpoints.remove_staging_root(root)
             raise error from e
         finally:
@@ -145,13 +146,13 @@ class HFTrainer(Trainer):
                 if best == final or os.path.isdir(best):
                     self.state.best_model_checkpoint = best
                     self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
-            with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
-                json.dump(self._layout(), fh)
             try:
+                with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
+                    json.dump(self._layout(), fh)
                 checkpoints.publish(staged, final)
             except OSError as e:
                 error = checkpoints.save_failure(e, staged, run_dir)
-                checkpoints.shutil.rmtree(staged, ignore_errors=True)
+                shutil.rmtree(staged, ignore_errors=True)
                 checkpoints.remove_staging_root(root)
                 raise error from e
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
