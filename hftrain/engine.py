@@ -97,6 +97,9 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection, world_size: int 
 
 def training_arguments_kwargs(strategy: StrategySection) -> dict:
     """TrainingArguments additions for the strategy; sets the FSDP_* environment and the CPU shims it needs."""
+    from .distributed import isolate_restart_attempt
+
+    isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     if strategy.name in ZERO_STAGE:
         # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use: keep them in a cache hftrain names
         # rather than wherever the home directory happens to be.

@@ -151,6 +151,7 @@ def test_killed_worker_restarts_from_the_newest_complete_checkpoint(tmp_path, ti
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout[-4000:]
+    assert "hftrain: restart 1: process group on a fresh store prefix" in stdout, stdout[-4000:]
     assert "hftrain: restarted by the launcher: resuming from " in stdout, stdout[-4000:]
     resumed_from = stdout.split("hftrain: restarted by the launcher: resuming from ", 1)[1].split()[0]
     info = json.load(open(out / "run_info.json"))
