@@ -199,3 +199,22 @@ def test_zero3_checkpoint_on_another_world_size_is_refused(tmp_path, tiny_model_
     assert "was written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" \
         in r.stderr, r.stderr[-3000:]
     assert not os.path.exists(out / "model.safetensors")
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
+    """And back: a 1-process DDP run with micro-batch 4, its checkpoint-4 resumed by 2 ranks x 2: same weights."""
+    ref = tmp_path / "ref"
+    r = run([PY, "recipes/sft.py", recipe(tmp_path, tiny_model_dir, ref, name="ref.yaml"),
+             "training.per_device_train_batch_size=4"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "out"
+    shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
+    r = run(launch("ddp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                             "training.resume_from_checkpoint=true"]), timeout=600, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["global_step"] == STEPS
+    assert r.stdout.count("{'loss': ") == STEPS - 4
+    diff = max_diff(weights(out), weights(ref))
+    print(f"ddp: 1-rank checkpoint-4 resumed on 2 ranks: max |w - w_1rank| = {diff:.3g}")
+    assert diff <= 1e-6
