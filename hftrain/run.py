@@ -131,6 +131,7 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
         error = checkpoints.save_failure(e, staged, out)
         if distributed.is_main_process():
             shutil.rmtree(staged, ignore_errors=True)
+            checkpoints.remove_staging_root(os.path.dirname(staged))
         raise error from e
     distributed.barrier()
     if distributed.is_main_process():

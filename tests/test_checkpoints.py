@@ -209,3 +209,29 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
     with pytest.raises(SystemExit) as e:
         main(["launch", str(rec), "--dry-run", "strategy.num_processes=1"])
     assert e.value.code == 2 and "trained with 4 examples per step" in capsys.readouterr().err
+
+
+def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir, reference):
+    """The final model is written aside and moved in file by file: a disk too small for model.safetensors fails
+    the save with the no-space message, and output_dir holds no partial weights."""
+    from hftrain.recipe import load_recipe
+    from hftrain.run import save_final
+
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()})")
+    try:
+        out = small / "out"
+        t = make_trainer(tiny_model_dir, out, max_steps=1, save_strategy="no")
+        t.train()
+        recipe = load_recipe(None, raw={"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": "d"}]},
+                                        "training": {"output_dir": str(out)}})
+        with pytest.raises(CheckpointError) as e:
+            save_final(t, recipe, recipe.strategy, t.processing_class, {})
+        assert f"into {out / checkpoints.STAGING / 'final'} failed: no space left on the device of {out}" in str(e.value)
+        assert not os.path.exists(out / "model.safetensors") and not os.path.exists(out / checkpoints.STAGING)
+    finally:
+        if subprocess.run(["umount", str(small)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(small)], check=False)
