@@ -78,7 +78,7 @@ def train(ns) -> None:
     print(f"{'model':<26}{'params':>10}{'tokens/s':>11}{'peak RSS MiB':>14}{'last loss':>11}")
     for name, params, tps, rss, loss in rows:
         print(f"{name:<26}{params / 1e6:>9.2f}M{tps:>11.0f}{rss:>14.0f}{loss:>11.3f}")
-    print(f"(upcycled / dense tokens/s: " + ", ".join(f"{r[0].split()[1]} {r[2] / rows[0][2]:.2f}x" for r in rows[1:])
+    print("(upcycled / dense tokens/s: " + ", ".join(f"{r[0].split()[1]} {r[2] / rows[0][2]:.2f}x" for r in rows[1:])
           + ")")
 
 

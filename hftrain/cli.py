@@ -78,10 +78,11 @@ def _launch(ns) -> int:
     from .compression import zero_communication_dtype
     from .engine import checked_strategy
     from .recipe import load_recipe
-    from .strategies import render
+    from .strategies import DEFAULTS, render
 
     recipe = load_recipe(ns.recipe, ns.overrides)
-    strategy = checked_strategy(recipe, replace(recipe.strategy, name=recipe.strategy.name or "ddp"))
+    strategy = replace(recipe.strategy, name=recipe.strategy.name or "ddp")
+    strategy = checked_strategy(recipe, strategy, world_size=strategy.num_processes or DEFAULTS["num_processes"])
     config = render(strategy, recipe.output_dir, recipe.training,
                     communication_data_type=zero_communication_dtype(recipe.compression))[0]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]

@@ -74,7 +74,7 @@ def load_source(src: DataSource, key: str):
                 )
             for f in files:
                 if os.path.getsize(f) == 0:
-                    raise DataError(f"{key}.path: {f} is empty")
+                    raise DataError(f"{key}.path: {f} is empty; fill it or remove this source")
             _check_utf8_json_lines(files, key)
             return datasets.load_dataset(FILE_BUILDERS[exts.pop()], data_files=files, split="train")
         if looks_local or os.path.isdir(path):
@@ -253,7 +253,8 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     if drop:
         tok = tok.filter(lambda r: not r, input_columns="too_long")
         if len(tok) == 0:
-            raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}")
+            raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}; "
+                            "raise data.max_length, or set data.truncation: right to cut them")
     bad = [r for r, n in zip(tok["row"], tok["n_trainable"]) if n == 0]
     if bad:
         if not cfg.skip_untrainable:

@@ -58,7 +58,7 @@ def resolve_strategy(recipe: Recipe) -> StrategySection:
     return checked_strategy(recipe, replace(recipe.strategy, name=have))
 
 
-def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySection:
+def checked_strategy(recipe: Recipe, strategy: StrategySection, world_size: int | None = None) -> StrategySection:
     """Preflight for a named strategy (shared by the run and `hftrain launch`): options that do not apply,
     optimizer rules, NVMe and async_io; ZeRO-Infinity's swap buffers sized to the model. All problems at once."""
     from .strategies import option_problems
@@ -71,7 +71,9 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
         problems.append(("training.optim", f"'{optim}' cannot be used with '{strategy.name}': the optimizer states "
                          "live off the GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     messages = [f"{recipe.source}: {k}: {m}" for k, m in problems]
-    from .preflight import facts_or_none, strategy_problems
+    from .checkpoints import layout
+    from .distributed import launcher_world_size
+    from .preflight import facts_or_none, output_dir_problems, resume_problems, strategy_problems
 
     facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
         strategy.name == "zero_infinity") else None
@@ -85,6 +87,11 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
         if strategy.sub_group_size is None:
             strategy = replace(strategy, sub_group_size=4 * largest)
     messages += [f"{recipe.source}: {m}" for m in strategy_problems(strategy, facts.params if facts else None)]
+    messages += [f"{recipe.source}: {m}" for m in output_dir_problems(recipe.output_dir)]
+    t = recipe.training
+    now = layout(world_size or launcher_world_size(), t.get("per_device_train_batch_size", 8), t.get("gradient_accumulation_steps", 1),
+                 strategy.name)
+    messages += [f"{recipe.source}: {m}" for m in resume_problems(recipe.resume_from_checkpoint, recipe.output_dir, now)]
     if messages:
         raise LaunchError("\n  - ".join(["preflight found problems:", *messages]))
     return strategy
@@ -93,6 +100,9 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection) -> StrategySecti
 def training_arguments_kwargs(strategy: StrategySection, compression=None) -> dict:
     """TrainingArguments additions for the strategy; sets the FSDP_* environment and the CPU shims it needs.
     `compression` (the recipe's section) sets DeepSpeed's reduction dtype under ZeRO."""
+    from .distributed import isolate_restart_attempt
+
+    isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     if strategy.name in ZERO_STAGE:
         # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use: keep them in a cache hftrain names
         # rather than wherever the home directory happens to be.

@@ -9,13 +9,14 @@ from . import distributed
 
 
 def user_error_types() -> tuple[type, ...]:
+    from .checkpoints import CheckpointError
     from .data import DataError
     from .modeling import ModelError
     from .recipe import RecipeError
     from .engine import LaunchError
     from .hub import HubError
 
-    return (RecipeError, DataError, ModelError, LaunchError, HubError)
+    return (RecipeError, DataError, ModelError, LaunchError, HubError, CheckpointError)
 
 
 @contextlib.contextmanager

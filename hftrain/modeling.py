@@ -18,6 +18,19 @@ def _check_path(name_or_path: str, key: str) -> None:
         raise ModelError(f"{key}: {name_or_path} does not exist (a local path; check the spelling or build it first)")
 
 
+def _check_safetensors(path: str) -> None:
+    """A local folder with pickle weights only: say why it is refused and how to convert it."""
+    if not os.path.isdir(path):
+        return
+    names = os.listdir(path)
+    pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+    if pickles and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
+        raise ModelError(
+            f"model.name_or_path: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
+            "safetensors only, because unpickling a file can run code. If you trust the file, convert it once: "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (writes model.safetensors)")
+
+
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
@@ -29,7 +42,8 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     if chat_template:
         if chat_template.endswith(".jinja"):
             if not os.path.isfile(chat_template):
-                raise ModelError(f"data.chat_template: {chat_template} does not exist")
+                raise ModelError(f"data.chat_template: {chat_template} does not exist; give an existing .jinja file "
+                                 "or the template itself as a string")
             with open(chat_template, encoding="utf-8") as fh:
                 chat_template = fh.read()
         tok.chat_template = chat_template
@@ -44,6 +58,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     from transformers import AutoModelForCausalLM
 
     _check_path(cfg.name_or_path, "model.name_or_path")
+    _check_safetensors(cfg.name_or_path)
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:

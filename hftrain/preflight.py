@@ -42,9 +42,13 @@ def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
     if need_bytes:
         free = shutil.disk_usage(path).free
         if free < need_bytes:
-            return [f"strategy.nvme_path: {path} has {free / 2**30:.1f} GiB free but the swap needs about "
-                    f"{need_bytes / 2**30:.1f} GiB; free space or choose a larger disk"]
+            return [f"strategy.nvme_path: {path} has {_size(free)} free but the swap needs about "
+                    f"{_size(need_bytes)}; free space or choose a larger disk"]
     return []
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def async_io_problem() -> str | None:
@@ -74,3 +78,34 @@ def strategy_problems(strategy: StrategySection, num_parameters: int | None = No
         problems.append("strategy.fsdp_offload_params: there is no accelerator to offload from on this machine; "
                         "remove it (parameters already live in CPU memory)")
     return problems
+
+
+def output_dir_problems(path: str) -> list[str]:
+    """output_dir, or the folder it will be created in, is a writable folder. Nothing is created here: a refused
+    run leaves nothing behind."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"training.output_dir: {path} cannot be created: {parent} is not a folder; choose another path"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return [f"training.output_dir: cannot write in {parent} ({e.strerror}); fix its permissions or choose "
+                "another folder"]
+    return []
+
+
+def resume_problems(value, output_dir: str, layout: dict | None = None) -> list[str]:
+    """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
+    (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
+    from .checkpoints import CheckpointError, check_layout, resolve_resume
+
+    try:
+        path = resolve_resume(value, output_dir, warn=lambda _m: None)
+        if layout is not None:
+            check_layout(path, layout)
+    except CheckpointError as e:
+        return [str(e)]
+    return []

@@ -365,15 +365,19 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise RecipeError([f"{path}: recipe file not found"])
-    with open(path, encoding="utf-8") as fh:
-        try:
-            raw = yaml.safe_load(fh)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-            raise RecipeError([f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}"]) from None
-        except UnicodeDecodeError as e:
-            raise RecipeError([f"{path}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise RecipeError([f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise RecipeError([f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}"]) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import torch
 
-from . import distributed
+from . import checkpoints, distributed
 from .fileio import atomic_write
 from .engine import SHARDED, LaunchError, describe
 from .recipe import Recipe, StrategySection
@@ -121,7 +122,23 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     if strategy.name == "fsdp":
         # Sharded state dicts make checkpoints fast, but save_model() would write no weights with them.
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(out)  # model.safetensors (or the adapter), tokenizer and chat template
+    # model.safetensors (or the adapter), tokenizer and chat template: written aside, then moved in file by file.
+    staged = os.path.join(checkpoints.staging_root(out), "final")
+    if distributed.is_main_process() and os.path.lexists(staged):
+        shutil.rmtree(staged)
+    distributed.barrier()
+    try:
+        trainer.save_model(staged)
+    except Exception as e:
+        error = checkpoints.save_failure(e, staged, out)
+        if distributed.is_main_process():
+            shutil.rmtree(staged, ignore_errors=True)
+            checkpoints.remove_staging_root(os.path.dirname(staged))
+        raise error from e
+    distributed.barrier()
+    if distributed.is_main_process():
+        checkpoints.publish_into(staged, out)
+    distributed.barrier()
     trainer.save_state()
     info = run_info(trainer, strategy)
     info["metrics"] = metrics

@@ -1,26 +1,31 @@
 """hftrain's Trainer: transformers' Trainer with the loss normalisation of `losses.py`.
 
-Three small overrides for the loss:
+Small overrides, nothing else:
 - `_get_num_items_in_batch`: count the step's target tokens and sequences over all micro-batches and ranks
   (one all-gather), instead of tokens only;
 - `compute_loss`: the model returns logits only (no labels are passed, so no model-internal loss or aux loss is
   scaled behind our back) and the loss is `losses.loss_sum / global count * dp_size`, plus registered aux terms;
-- `log`: adds the global target-token count per step.
-and, for gradient compression (compression.py), the DDP options get hftrain's comm hook and FSDP2 its reduce
-dtype; callbacks with a `pop_logs()` add their metrics to each log.
+- `log`: adds the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
+- `_save_checkpoint`: writes into a staging folder and publishes it by rename once every rank is done, and
+  `train` resumes from the newest *complete* checkpoint (hftrain/checkpoints.py says why);
+- gradient compression (compression.py): the DDP options get hftrain's comm hook, FSDP2 its reduce dtype.
 Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
 nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from typing import Callable
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from . import checkpoints, distributed, losses
 from . import compression as comp
-from . import losses
 
 
 class HFTrainer(Trainer):
@@ -119,3 +124,61 @@ class HFTrainer(Trainer):
                 if hasattr(cb, "pop_logs"):  # called on every rank: it may run a collective
                     logs.update(cb.pop_logs())
         super().log(logs, start_time)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """`resume_from_checkpoint=True` means the newest complete checkpoint (incomplete ones are skipped with a
+        warning); after an elastic restart (torchrun --max-restarts) the newest complete one, if any."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
+                                          warn=distributed.print0)
+        if restarted and path and resume_from_checkpoint in (None, False):
+            distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
+        checkpoints.check_layout(path, self._layout())
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def _layout(self) -> dict:
+        if self.is_deepspeed_enabled:
+            strategy = f"zero{self.accelerator.state.deepspeed_plugin.zero_stage}"
+        else:
+            strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
+        a = self.args
+        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        root = checkpoints.staging_root(run_dir)
+        staged, final = os.path.join(root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.lexists(staged):
+            shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
+        distributed.barrier()
+        self._get_output_dir = lambda trial=None: root  # super() writes (and rotates) under the staging root
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as e:
+            error = checkpoints.save_failure(e, staged, run_dir)
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)
+                checkpoints.remove_staging_root(root)
+            raise error from e
+        finally:
+            del self._get_output_dir
+        distributed.barrier()  # every rank has written its part (sharded strategies: its shards)
+        if self.args.should_save:
+            if self.state.best_global_step:  # super() looked for the best checkpoint under the staging root
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if best == final or os.path.isdir(best):
+                    self.state.best_model_checkpoint = best
+                    self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
+            try:
+                with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
+                    json.dump(self._layout(), fh)
+                checkpoints.publish(staged, final)
+            except OSError as e:
+                error = checkpoints.save_failure(e, staged, run_dir)
+                shutil.rmtree(staged, ignore_errors=True)
+                checkpoints.remove_staging_root(root)
+                raise error from e
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        distributed.barrier()

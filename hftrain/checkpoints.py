@@ -1,0 +1,265 @@
+"""Checkpoints that become visible only when complete, and the choice of the one to resume from.
+
+transformers 5.23 writes `checkpoint-N` in place (`Trainer._save_checkpoint`) and `resume_from_checkpoint=True`
+takes the highest N whatever is inside (`trainer_utils.get_last_checkpoint`): a save cut short by a kill or a
+full disk leaves a folder that resume picks and then fails on, or silently half-loads. No library offers a
+staged save, so hftrain writes each checkpoint into `output_dir/_incomplete/checkpoint-N` (every rank writes its
+part there), and after a barrier the main process fsyncs it and renames it into place: one atomic rename on the
+same filesystem. `_incomplete` matches neither transformers' `checkpoint-*` patterns (resume, rotation) nor the
+Hub upload (which ignores `_*`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+
+logger = logging.getLogger("hftrain")
+
+STAGING = "_incomplete"
+PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+STATE = "trainer_state.json"
+# Files or folders of which at least one holds the model in a checkpoint the Trainer can load.
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+           "pytorch_model.bin", "pytorch_model_fsdp_0", "pytorch_model_fsdp.bin", "latest")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or the one asked for cannot be resumed from (a user-facing error)."""
+
+
+def staging_root(run_dir: str) -> str:
+    return os.path.join(run_dir, STAGING)
+
+
+# -- completeness -----------------------------------------------------------------------------------------------
+def safetensors_problem(path: str) -> str | None:
+    """A safetensors file is complete when its header parses and its last tensor ends at the end of the file.
+
+    Reads 8 bytes + the JSON header only (the format: u64 little-endian header length, JSON, tensor bytes)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated ({size} bytes, no header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path}: truncated (header of {n} bytes, file of {size})"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as e:
+        return f"{path}: unreadable safetensors header ({e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path}: truncated ({size} bytes, the header describes {8 + n + end})"
+    return None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` is not a complete checkpoint, or None. Checks what a save writes last (trainer_state.json),
+    that some weights are there, and that every safetensors file (and index shard) is whole."""
+    if not os.path.isdir(path):
+        return f"{path} is not a folder"
+    names = set(os.listdir(path))
+    if STATE not in names:
+        return f"{path} has no {STATE} (the save did not finish)"
+    if not names & set(WEIGHTS):
+        return f"{path} holds no weights (none of {', '.join(WEIGHTS[:3])}, ...)"
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = {n for n in names if n.endswith(".safetensors")}
+    if os.path.isfile(index):
+        try:
+            shards = set(json.load(open(index))["weight_map"].values())
+        except (OSError, ValueError, KeyError) as e:
+            return f"{index}: unreadable ({e})"
+        missing = shards - names
+        if missing:
+            return f"{path} misses the shards {sorted(missing)}"
+        files |= shards
+    for name in sorted(files):
+        p = safetensors_problem(os.path.join(path, name))
+        if p:
+            return p
+    return None
+
+
+def newest_complete(run_dir: str, warn=logger.warning) -> str | None:
+    """The complete `checkpoint-N` with the highest N in run_dir; incomplete ones are skipped with a warning."""
+    if not os.path.isdir(run_dir):
+        return None
+    if os.path.isdir(staging_root(run_dir)) and os.listdir(staging_root(run_dir)):
+        warn(f"hftrain: ignoring {staging_root(run_dir)}: a save that was interrupted (never resumed from)")
+    found = sorted(((int(m.group(1)), n) for n in os.listdir(run_dir) if (m := _RE.match(n))), reverse=True)
+    for _, name in found:
+        path = os.path.join(run_dir, name)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warn(f"hftrain: skipping incomplete checkpoint {path}: {problem}")
+    return None
+
+
+def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.warning) -> str | None:
+    """What to resume from: `training.resume_from_checkpoint` (true = the newest complete checkpoint, a path =
+    that checkpoint, checked), or after an elastic restart (`restarted`) the newest complete one if any."""
+    if value is True or (restarted and value in (None, False)):
+        skipped: list[str] = []
+        path = newest_complete(output_dir, lambda m: (skipped.append(m), warn(m)))
+        if path is None and value is True:
+            seen = "".join(f" ({m.removeprefix('hftrain: ')})" for m in skipped if "skipping" in m)
+            raise CheckpointError(
+                f"training.resume_from_checkpoint is true but {output_dir} holds no complete checkpoint-N folder"
+                f"{seen}; set it to false to start from scratch, or to the path of a checkpoint")
+        return path
+    if value in (None, False, ""):
+        return None
+    problem = checkpoint_problem(value)
+    if problem:
+        raise CheckpointError(f"training.resume_from_checkpoint: cannot resume from {value}: {problem}. "
+                              "Point it at a complete checkpoint, or set it to true for the newest complete one")
+    return value
+
+
+# -- another world size -------------------------------------------------------------------------------------------
+LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
+# Strategies whose checkpoint can be loaded by another number of ranks: DDP's is one full copy (model.safetensors,
+# optimizer.pt), FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load. ZeRO's optimizer state
+# is partitioned per rank; DeepSpeed reshards it only from a "universal" checkpoint (ds_to_universal.py).
+RESHARDABLE = ("ddp", "fsdp")
+
+
+def checkpoint_format(strategy: str | None) -> str:
+    """Strategies that write the same checkpoint format share a name (offload changes where state lives, not how
+    it is saved)."""
+    return {"zero3_offload": "zero3", "zero_infinity": "zero3", None: "ddp"}.get(strategy, strategy)
+
+
+def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None) -> dict:
+    return {"world_size": world_size, "per_device_train_batch_size": per_device,
+            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy)}
+
+
+def check_layout(path: str | None, now: dict) -> None:
+    problems = layout_problems(path, now) if path else []
+    if problems:
+        raise CheckpointError(f"cannot resume from {path} exactly: " + "; ".join(problems))
+
+
+def layout_problems(path: str, now: dict) -> list[str]:
+    """Can a run laid out as `now` resume from `path` exactly? The data position carries over when the global
+    batch (world x micro-batch x accumulation) is the same; the state when the strategy can reshard it."""
+    try:
+        with open(os.path.join(path, LAYOUT), encoding="utf-8") as fh:
+            was = json.load(fh)
+    except (OSError, ValueError):
+        return []  # written by something else: nothing to compare
+    problems = []
+    if was["strategy"] != now["strategy"]:
+        problems.append(f"{path} was written by strategy '{was['strategy']}', this run is '{now['strategy']}': their "
+                        f"checkpoint formats differ; resume with strategy.name: {was['strategy']}")
+    elif was["world_size"] != now["world_size"] and now["strategy"] not in RESHARDABLE:
+        problems.append(
+            f"{path} was written by {was['world_size']} ranks under '{was['strategy']}', whose optimizer state is "
+            f"partitioned per rank; this run has {now['world_size']}. Resume with {was['world_size']} processes, or "
+            "convert it with DeepSpeed's ds_to_universal.py and load that (universal checkpoints are not wired "
+            "into hftrain yet)")
+    g_was = was["world_size"] * was["per_device_train_batch_size"] * was["gradient_accumulation_steps"]
+    g_now = now["world_size"] * now["per_device_train_batch_size"] * now["gradient_accumulation_steps"]
+    if g_was != g_now:
+        problems.append(
+            f"{path} was trained with {g_was} examples per step ({was['world_size']} ranks x "
+            f"per_device_train_batch_size {was['per_device_train_batch_size']} x gradient_accumulation_steps "
+            f"{was['gradient_accumulation_steps']}), this run takes {g_now} ({now['world_size']} x "
+            f"{now['per_device_train_batch_size']} x {now['gradient_accumulation_steps']}): the data position and the "
+            f"schedule would not carry over. Set training.per_device_train_batch_size or "
+            f"training.gradient_accumulation_steps so that the product is {g_was}")
+    return problems
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Flush every file and folder under root to disk, so that the rename publishes data, not holes."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath, directory=True)
+
+
+def publish(staged: str, final: str) -> None:
+    """fsync the staged checkpoint and rename it into place (replacing an older save of the same step)."""
+    fsync_tree(staged)
+    if os.path.lexists(final):  # e.g. a run re-saving step N after resuming from before N
+        shutil.rmtree(final)
+    os.rename(staged, final)
+    _fsync(os.path.dirname(final), directory=True)
+    remove_staging_root(os.path.dirname(staged))
+
+
+def publish_into(staged: str, out: str) -> list[str]:
+    """Move every entry of the staged folder into `out` (os.replace: each file is the old one or the new one,
+    never half of one). For the final model, whose folder also holds checkpoints and so cannot be swapped whole."""
+    fsync_tree(staged)
+    names = sorted(os.listdir(staged))
+    for name in names:
+        dest = os.path.join(out, name)
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            shutil.rmtree(dest)
+        os.replace(os.path.join(staged, name), dest)
+    _fsync(out, directory=True)
+    os.rmdir(staged)
+    remove_staging_root(os.path.dirname(staged))
+    return names
+
+
+def remove_staging_root(root: str) -> None:
+    try:
+        os.rmdir(root)  # only when empty
+    except OSError:
+        pass
+
+
+def is_no_space(exc: BaseException, free: int | None) -> bool:
+    """A full disk: errno where there is one; torch.save only says "unexpected pos 5120 vs 5012", so also a
+    device left with (almost) no free space when the save failed."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(exc) for s in ("No space left", "StorageFull", "Disk quota exceeded")):
+        return True
+    return free is not None and free < NEARLY_FULL
+
+
+NEARLY_FULL = 1 << 20  # bytes
+
+
+def save_failure(exc: BaseException, staged: str, run_dir: str) -> CheckpointError:
+    """The error to raise when a save failed (call it before removing the partial save: it measures the free
+    space): what, where, and what is still there to resume from."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        free = None
+    last = newest_complete(run_dir, warn=lambda _m: None)
+    keep = f"the last complete checkpoint, {last}, is intact" if last else "no complete checkpoint exists yet"
+    if is_no_space(exc, free):
+        left = f"{free / 2**10:.0f} KiB free" if free is not None else "free space unknown"
+        why = f"no space left on the device of {run_dir} ({left}; {type(exc).__name__}: {exc})"
+        fix = "Free space or point training.output_dir at a larger disk (or lower training.save_total_limit)"
+    else:
+        why = f"{type(exc).__name__}: {exc}"
+        fix = "Fix the cause"
+    return CheckpointError(f"saving {os.path.basename(staged)} into {staged} failed: {why}; the partial save was "
+                           f"removed and {keep}. {fix}, then resume with training.resume_from_checkpoint=true")

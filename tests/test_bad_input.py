@@ -1,0 +1,333 @@
+"""Bad input, refused clearly: each row runs recipes/sft.py's main() in this process (as `python recipes/sft.py`
+does, through exit_on_user_error) and asserts exit status 2, one message naming the file/line/key and the fix,
+and that nothing was left half-written in output_dir. The cases fail before training starts, most before the
+model is loaded, so the whole table runs in seconds."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from hftrain.errors import exit_on_user_error
+
+from .conftest import DEMO_TRAIN, REPO
+
+_spec = importlib.util.spec_from_file_location("hftrain_sft_script", os.path.join(REPO, "recipes", "sft.py"))
+sft = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sft)
+
+
+@dataclass
+class W:
+    """Workspace of one case: writes recipes and data files under tmp_path."""
+
+    tmp: str
+    model: str
+    env: dict = field(default_factory=dict)
+
+    @property
+    def out(self) -> str:
+        return os.path.join(self.tmp, "out")
+
+    def tree(self) -> dict:
+        return {"model": {"name_or_path": self.model, "dtype": "float32"},
+                "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
+                "training": {"output_dir": self.out, "max_steps": 1, "per_device_train_batch_size": 2,
+                             "report_to": "none", "disable_tqdm": True}}
+
+    def recipe(self, edit=None, text: str | None = None, name="recipe.yaml") -> str:
+        p = os.path.join(self.tmp, name)
+        if text is None:
+            t = self.tree()
+            if edit:
+                edit(t)
+            text = yaml.safe_dump(t, sort_keys=False)
+        with open(p, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return p
+
+    def file(self, name: str, content: str | bytes) -> str:
+        p = os.path.join(self.tmp, name)
+        with open(p, "wb") as fh:
+            fh.write(content.encode() if isinstance(content, str) else content)
+        return p
+
+    def data(self, name: str, content: str | bytes, **source) -> str:
+        """A recipe training on one data file with this content."""
+        path = self.file(name, content)
+        return self.recipe(lambda t: t["data"].update(sources=[{"path": path, **source}]))
+
+    def pickled_model(self) -> str:
+        d = os.path.join(self.tmp, "pickled")
+        shutil.copytree(self.model, d)
+        os.remove(os.path.join(d, "model.safetensors"))
+        self.file("pickled/pytorch_model.bin", b"not loaded")
+        return d
+
+    def checkpoint(self, corrupt=None) -> str:
+        """A real checkpoint-1 in output_dir (from the shared one-step run), optionally damaged."""
+        ck = os.path.join(self.out, "checkpoint-1")
+        shutil.copytree(W.shared_checkpoint, ck)
+        if corrupt:
+            corrupt(ck)
+        return ck
+
+
+def set_(path: str, value):
+    def edit(t):
+        node = t
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {}) if not p.isdigit() else node[int(p)]
+        node[last] = value
+    return edit
+
+
+def drop(path: str):
+    def edit(t):
+        *parents, last = path.split(".")
+        node = t
+        for p in parents:
+            node = node[p]
+        del node[last]
+    return edit
+
+
+def both(*edits):
+    def edit(t):
+        for e in edits:
+            e(t)
+    return edit
+
+
+MSG = {"role": "user", "content": "reverse: a b"}
+ANS = {"role": "assistant", "content": "b a"}
+GOOD_LINE = json.dumps({"messages": [MSG, ANS]})
+
+
+def truncate_weights(ck):
+    p = os.path.join(ck, "model.safetensors")
+    os.truncate(p, os.path.getsize(p) - 100)
+
+
+# (id, build(w) -> argv, env or None, expected substrings (file/line/key and the fix))
+CASES = [
+    # -- the recipe file ---------------------------------------------------------------------------------------
+    ("recipe_missing", lambda w: [os.path.join(w.tmp, "nope.yaml")], ["nope.yaml: recipe file not found"]),
+    ("yaml_syntax", lambda w: [w.recipe(text="model:\n  name_or_path: m\ndata: [\n  - a: b\n  c\n")],
+     ["recipe.yaml:4:3: YAML syntax error: expected the node content, but found '-'"]),
+    ("yaml_tab_indent", lambda w: [w.recipe(text="model:\n\tname_or_path: m\n")], ["recipe.yaml:2:1: YAML syntax error"]),
+    ("recipe_not_utf8", lambda w: [w.file("r.yaml", b"model:\n  name_or_path: \xff\xfe\n")], ["r.yaml:2: not UTF-8 text", "save it as UTF-8"]),
+    ("recipe_is_a_list", lambda w: [w.recipe(text="- model\n- data\n")], ["a recipe is a mapping of sections"]),
+    ("unknown_section", lambda w: [w.recipe(lambda t: t.update(trainig=t.pop("training")))],
+     ["trainig: unknown key; did you mean 'training'?"]),
+    ("misspelt_model_key", lambda w: [w.recipe(lambda t: t["model"].update(nme_or_path="x"))],
+     ["model.nme_or_path: unknown key; did you mean 'model.name_or_path'?"]),
+    ("misspelt_training_key", lambda w: [w.recipe(set_("training.learning_rat", 1e-3))],
+     ["training.learning_rat", "did you mean 'training.learning_rate'?"]),
+    ("wrong_type_int", lambda w: [w.recipe(set_("training.max_steps", "ten"))], ["training.max_steps", "'ten'"]),
+    ("wrong_type_list", lambda w: [w.recipe(set_("data.max_length", [1]))], ["data.max_length: expected int"]),
+    ("bad_choice", lambda w: [w.recipe(set_("model.dtype", "float8"))], ["model.dtype", "float8", "bfloat16"]),
+    ("missing_section", lambda w: [w.recipe(drop("data"))], ["data: required section is missing"]),
+    ("missing_required_key", lambda w: [w.recipe(drop("model.name_or_path"))],
+     ["model.name_or_path: required key is missing"]),
+    ("empty_sources", lambda w: [w.recipe(set_("data.sources", []))], ["data.sources: needs at least one source"]),
+    ("eval_fraction_range", lambda w: [w.recipe(set_("data.eval_fraction", 1.5))],
+     ["data.eval_fraction: must be in [0, 1), got 1.5"]),
+    ("eval_without_data", lambda w: [w.recipe(set_("training.eval_strategy", "steps"))],
+     ["training.eval_strategy: evaluation needs data: set data.eval_sources or data.eval_fraction"]),
+    ("token_in_recipe", lambda w: [w.recipe(set_("training.hub_token", "hf_x"))],
+     ["training.hub_token", "HF_TOKEN"]),
+    ("deepspeed_key", lambda w: [w.recipe(set_("training.deepspeed", "ds.json"))],
+     ["training.deepspeed", "set strategy.name"]),
+    ("lora_rank_zero", lambda w: [w.recipe(set_("model.lora", {"r": 0}))], ["model.lora.r: must be > 0"]),
+    ("max_length_below_2", lambda w: [w.recipe(set_("data.max_length", 1))], ["data.max_length: must be at least 2"]),
+    ("override_without_value", lambda w: [w.recipe(), "training.max_steps"],
+     ["command line: 'training.max_steps' is not an override; write section.key=value"]),
+    ("override_unknown_key", lambda w: [w.recipe(), "training.max_step=3"],
+     ["command line: training.max_step: unknown key; did you mean 'training.max_steps'?"]),
+    # -- incompatible combinations and the launcher ------------------------------------------------------------
+    ("option_of_another_strategy", lambda w: [w.recipe(both(set_("strategy.name", "zero2"),
+                                                             set_("strategy.fsdp_offload_params", True)))],
+     ["strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)"]),
+    ("launcher_strategy_mismatch", lambda w: [w.recipe(set_("strategy.name", "fsdp"))],
+     ["strategy.name is 'fsdp' but the launcher set up 'ddp'", "--config_file accelerate_configs/fsdp.yaml"]),
+    ("offload_with_sgd", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                 os.path.join(REPO, "accelerate_configs", "zero3_offload.json")),
+                                    [w.recipe(set_("training.optim", "sgd"))])[1],
+     ["training.optim: 'sgd' cannot be used with 'zero3_offload'", "use an adamw_* optim"]),
+    ("nvme_path_missing", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                  os.path.join(REPO, "accelerate_configs", "zero_infinity.json")),
+                                     [w.recipe(set_("strategy.nvme_path", os.path.join(w.tmp, "nvme")))])[1],
+     ["strategy.nvme_path:", "nvme does not exist; create it on a local NVMe disk"]),
+    ("nvme_path_is_a_file", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                    os.path.join(REPO, "accelerate_configs", "zero_infinity.json")),
+                                       [w.recipe(set_("strategy.nvme_path", w.file("nvme", "")))])[1],
+     ["strategy.nvme_path:", "nvme is not a folder"]),
+    ("unknown_strategy", lambda w: [w.recipe(set_("strategy.name", "zero4"))], ["strategy.name", "'zero4'", "'zero3'"]),
+    ("eval_fraction_and_sources", lambda w: [w.recipe(both(set_("data.eval_fraction", 0.1),
+                                                           set_("data.eval_sources", [{"path": DEMO_TRAIN}])))],
+     ["data.eval_fraction: set either data.eval_fraction or data.eval_sources, not both"]),
+    ("exact_match_without_eval", lambda w: [w.recipe(set_("eval.exact_match", 4))],
+     ["eval.exact_match: needs held-out data"]),
+    ("batch_larger_than_data", lambda w: [w.data("two.jsonl", GOOD_LINE + "\n" + GOOD_LINE + "\n"),
+                                          "training.per_device_train_batch_size=4",
+                                          "training.dataloader_drop_last=true"],
+     ["one optimizer step needs 4 examples", "the data has 2. Lower one of those or add data"]),
+    # -- the model ---------------------------------------------------------------------------------------------
+    ("model_path_missing", lambda w: [w.recipe(set_("model.name_or_path", "./no/such/model"))],
+     ["model.name_or_path: ./no/such/model does not exist", "check the spelling or build it first"]),
+    ("pickle_only_weights", lambda w: [w.recipe(set_("model.name_or_path", w.pickled_model()))],
+     ["model.name_or_path:", "holds pickle weights only (pytorch_model.bin)", "convert it once"]),
+    ("tokenizer_path_missing", lambda w: [w.recipe(set_("model.tokenizer_name_or_path", "/no/tok"))],
+     ["model.tokenizer_name_or_path: /no/tok does not exist"]),
+    ("chat_template_file_missing", lambda w: [w.recipe(set_("data.chat_template", "/no/t.jinja"))],
+     ["data.chat_template: /no/t.jinja does not exist; give an existing .jinja file"]),
+    # -- the data ----------------------------------------------------------------------------------------------
+    ("data_missing", lambda w: [w.recipe(set_("data.sources", [{"path": "./no/train.jsonl"}]))],
+     ["data.sources.0.path: ./no/train.jsonl does not exist"]),
+    ("data_empty", lambda w: [w.data("empty.jsonl", "")], ["data.sources.0.path:", "empty.jsonl is empty; fill it or remove this source"]),
+    ("data_malformed_line", lambda w: [w.data("bad.jsonl", GOOD_LINE + "\n" + GOOD_LINE + "\n{\"messages\": [\n")],
+     ["data.sources.0.path:", "bad.jsonl:3: malformed JSON"]),
+    ("data_not_utf8", lambda w: [w.data("latin1.jsonl", GOOD_LINE.encode() + b"\n" + '{"text": "caf\xe9"}\n'.encode(
+        "latin-1"))], ["data.sources.0.path:", "latin1.jsonl:2: not UTF-8"]),
+    ("data_unknown_extension", lambda w: [w.data("train.txt", "hello\n")],
+     ["data.sources.0.path", "use .jsonl, .json, .parquet or .csv"]),
+    ("data_missing_column", lambda w: [w.data("c.jsonl", GOOD_LINE + "\n", columns={"messages": "conversations"})],
+     ["data.sources.0.columns: ['conversations'] not in", "(columns: ['messages'])"]),
+    ("data_undetectable_format", lambda w: [w.data("q.jsonl", json.dumps({"question": "a", "answer": "b"}) + "\n")],
+     ["data.sources.0.format: cannot detect the format", "map yours with data.sources.0.columns"]),
+    ("data_format_needs_columns", lambda w: [w.data("m.jsonl", GOOD_LINE + "\n", format="prompt_completion")],
+     ["data.sources.0: format 'prompt_completion' needs column(s) ['prompt', 'completion']"]),
+    ("no_trainable_token", lambda w: [w.data("n.jsonl", json.dumps({"messages": [MSG]}) + "\n")],
+     ["data.sources.0: 1 of 1 examples", "have no trainable token", "set data.skip_untrainable: true"]),
+    ("max_length_below_every_prompt", lambda w: [w.recipe(), "data.max_length=4"],
+     ["have no trainable token", "truncation to data.max_length=4. Raise data.max_length"]),
+    ("every_example_too_long", lambda w: [w.recipe(), "data.max_length=4", "data.truncation=drop"],
+     ["every example of", "is longer than data.max_length=4; raise data.max_length, or set data.truncation: right"]),
+    # -- output_dir and checkpoints ----------------------------------------------------------------------------
+    ("output_dir_under_a_file", lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.file("f", "x"), "out")))],
+     ["training.output_dir:", "cannot be created:", "is not a folder; choose another path"]),
+    ("resume_without_checkpoint", lambda w: [w.recipe(set_("training.resume_from_checkpoint", True))],
+     ["training.resume_from_checkpoint is true but", "holds no complete checkpoint-N folder"]),
+    ("resume_path_missing", lambda w: [w.recipe(set_("training.resume_from_checkpoint", "/no/checkpoint-5"))],
+     ["training.resume_from_checkpoint: cannot resume from /no/checkpoint-5"]),
+    ("resume_truncated_safetensors", lambda w: [w.recipe(set_("training.resume_from_checkpoint",
+                                                              w.checkpoint(truncate_weights)))],
+     ["training.resume_from_checkpoint: cannot resume from", "model.safetensors: truncated"]),
+    ("resume_true_only_corrupt", lambda w: (w.checkpoint(truncate_weights),
+                                            [w.recipe(set_("training.resume_from_checkpoint", True))])[1],
+     ["holds no complete checkpoint-N folder (skipping incomplete checkpoint", "checkpoint-1/model.safetensors: truncated"]),
+    ("resume_half_written", lambda w: (w.checkpoint(lambda ck: os.remove(os.path.join(ck, "trainer_state.json"))),
+                                       [w.recipe(set_("training.resume_from_checkpoint", True))])[1],
+     ["checkpoint-1 has no trainer_state.json (the save did not finish)"]),
+]
+
+
+@pytest.fixture(scope="module")
+def shared_checkpoint(tmp_path_factory, tiny_model_dir):
+    """One real single-step checkpoint to copy and damage."""
+    from .test_checkpoints import make_trainer
+
+    out = tmp_path_factory.mktemp("ck") / "out"
+    make_trainer(tiny_model_dir, out, max_steps=1, save_steps=1).train()
+    W.shared_checkpoint = str(out / "checkpoint-1")
+    return W.shared_checkpoint
+
+
+def run_main(argv: list[str], env: dict, monkeypatch) -> int:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with exit_on_user_error():
+            sft.main(argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def snapshot(out: str) -> dict:
+    if not os.path.isdir(out):
+        return {}
+    return {os.path.relpath(os.path.join(d, f), out): os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(out) for f in fs}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_one_clear_message(case, tmp_path, tiny_model_dir, shared_checkpoint, monkeypatch,
+                                                     capsys):
+    _, build, expected = case
+    w = W(str(tmp_path), tiny_model_dir)
+    argv = build(w)
+    before = snapshot(w.out)
+    code = run_main(argv, w.env, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2, f"exit status {code}\n{err[-3000:]}"
+    assert err.count("hftrain: error:") == 1 and "Traceback" not in err, err[-3000:]
+    message = err[err.index("hftrain: error:"):]
+    for s in expected:
+        assert s in message, f"{s!r} not in:\n{message}"
+    # Nothing written, or nothing changed: no weights, no recipe, existing checkpoints untouched.
+    assert snapshot(w.out) == before, f"output_dir changed: {snapshot(w.out)} vs {before}"
+
+
+def test_unwritable_output_dir_on_a_read_only_filesystem(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Permissions do not stop root; a read-only mount does."""
+    ro = tmp_path / "ro"
+    mount_tmpfs(ro, "ro,size=64k")
+    try:
+        w = W(str(tmp_path), tiny_model_dir)
+        code = run_main([w.recipe(set_("training.output_dir", str(ro / "out")))], {}, monkeypatch)
+        err = capsys.readouterr().err
+        assert code == 2, err[-3000:]
+        assert f"training.output_dir: cannot write in {ro}" in err and "Read-only file system" in err, err
+        assert not os.path.exists(ro / "out")
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+def mount_tmpfs(path, options: str):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
+
+
+def test_nvme_path_too_small_is_refused_before_loading(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """ZeRO-Infinity swaps ~20 bytes per parameter: a 64 KiB disk cannot hold the tiny model's ~1 MiB."""
+    nvme = tmp_path / "nvme"
+    mount_tmpfs(nvme, "size=64k")
+    try:
+        w = W(str(tmp_path), tiny_model_dir)
+        env = {"ACCELERATE_USE_DEEPSPEED": "true",
+               "ACCELERATE_DEEPSPEED_CONFIG_FILE": os.path.join(REPO, "accelerate_configs", "zero_infinity.json")}
+        code = run_main([w.recipe(set_("strategy.nvme_path", str(nvme)))], env, monkeypatch)
+        err = capsys.readouterr().err
+        assert code == 2, err[-3000:]
+        assert f"strategy.nvme_path: {nvme} has 0.1 MiB free but the swap needs about" in err, err
+        assert "free space or choose a larger disk" in err and not os.path.exists(w.out)
+    finally:
+        subprocess.run(["umount", str(nvme)], check=False)
+
+
+@pytest.mark.parametrize("command", ["check", "launch"])
+def test_cli_refuses_the_same_way(command, tmp_path, tiny_model_dir, capsys):
+    """`hftrain check` / `hftrain launch` run the same checks and exit 2 with one message, before any process."""
+    from hftrain.cli import main
+
+    w = W(str(tmp_path), tiny_model_dir)
+    if command == "check":
+        argv, expected = ["check", w.recipe(text="model: {name_or_path: m\n")], "recipe.yaml:2:1: YAML syntax error"
+    else:
+        argv = ["launch", w.recipe(set_("training.resume_from_checkpoint", True)), "--dry-run"]
+        expected = "training.resume_from_checkpoint is true but"
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expected in err and "Traceback" not in err, err
+    assert not os.path.exists(w.out)

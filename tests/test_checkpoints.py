@@ -1,0 +1,237 @@
+"""Atomic checkpoints, in one process: an interrupted save leaves nothing that resume would pick, resume picks the
+newest complete checkpoint, and a disk that fills during a save fails it cleanly (on a small tmpfs)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from hftrain import checkpoints
+from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_complete, resolve_resume
+
+from .conftest import DEMO_TRAIN
+
+
+def make_trainer(model_dir, out, **training):
+    from hftrain.data import build_datasets
+    from hftrain.modeling import load_model, load_tokenizer
+    from hftrain.recipe import load_recipe
+    from hftrain.trainer import HFTrainer
+
+    recipe = load_recipe(None, raw={
+        "model": {"name_or_path": model_dir, "dtype": "float32"},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
+        "training": {"output_dir": str(out), "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4,
+                     "learning_rate": 1e-3, "logging_steps": 1, "report_to": "none", "seed": 0,
+                     "disable_tqdm": True, "save_total_limit": 3, **training},
+    })
+    args = recipe.training_arguments()
+    tokenizer = load_tokenizer(recipe.model)
+    data = build_datasets(recipe.data, tokenizer, seed=args.seed)
+    return HFTrainer(model=load_model(recipe.model), args=args, train_dataset=data.train,
+                     processing_class=tokenizer, data_collator=data.collator)
+
+
+def final_weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted 4-step run (checkpoints at 2 and 4) and its final weights."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    t = make_trainer(tiny_model_dir, out)
+    t.train()
+    return out, final_weights(t)
+
+
+def test_checkpoints_are_published_complete(reference):
+    out, _ = reference
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]  # no staging folder left behind
+    for step in (2, 4):
+        assert checkpoint_problem(str(out / f"checkpoint-{step}")) is None
+    assert newest_complete(str(out)) == str(out / "checkpoint-4")
+
+
+def test_interrupted_save_leaves_nothing_resume_would_pick(tmp_path, tiny_model_dir, reference, monkeypatch):
+    """A failure inside the save of checkpoint-4 (after the weights, before the optimizer state): resume=true
+    then picks checkpoint-2, and finishing from it gives the uninterrupted run's weights."""
+    from transformers import Trainer
+
+    out = tmp_path / "out"
+    t = make_trainer(tiny_model_dir, out)
+
+    def boom(self, output_dir):
+        if output_dir.endswith("checkpoint-4"):
+            assert os.path.isfile(os.path.join(output_dir, "model.safetensors"))  # midway: weights written
+            raise RuntimeError("simulated crash during the save")
+        return orig(self, output_dir)
+
+    orig = Trainer._save_optimizer_and_scheduler
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", boom)
+    with pytest.raises(CheckpointError, match=r"saving checkpoint-4 into .*_incomplete/checkpoint-4 failed: "
+                                              r"RuntimeError: simulated crash.*checkpoint-2, is intact"):
+        t.train()
+    monkeypatch.undo()
+    assert not os.path.exists(out / "checkpoint-4")
+    assert not os.path.exists(out / checkpoints.STAGING)  # the partial save was removed
+    assert newest_complete(str(out)) == str(out / "checkpoint-2")
+
+    t2 = make_trainer(tiny_model_dir, out, resume_from_checkpoint=True)
+    t2.train(resume_from_checkpoint=True)
+    assert t2.state.global_step == 4
+    assert max_diff(final_weights(t2), reference[1]) <= 1e-6
+
+
+def test_resume_skips_half_written_checkpoints_with_a_warning(tmp_path, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference[0], out)
+    # A checkpoint-6 cut short before trainer_state.json, a checkpoint-8 with truncated weights, a kill-9
+    # leftover in the staging folder, and a checkpoint from a foreign tool without weights.
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
+    os.remove(out / "checkpoint-6" / "trainer_state.json")
+    shutil.copytree(out / "checkpoint-4", out / "checkpoint-8")
+    w = out / "checkpoint-8" / "model.safetensors"
+    os.truncate(w, os.path.getsize(w) // 2)
+    shutil.copytree(out / "checkpoint-4", out / checkpoints.STAGING / "checkpoint-10")
+    os.makedirs(out / "checkpoint-12")
+    (out / "checkpoint-12" / "trainer_state.json").write_text("{}")
+    warnings = []
+    assert resolve_resume(True, str(out), warn=warnings.append) == str(out / "checkpoint-4")
+    text = "\n".join(warnings)
+    assert f"ignoring {out / checkpoints.STAGING}: a save that was interrupted" in text
+    assert f"skipping incomplete checkpoint {out / 'checkpoint-12'}: " in text and "holds no weights" in text
+    assert f"skipping incomplete checkpoint {out / 'checkpoint-8'}: " in text and "truncated" in text
+    assert f"{out / 'checkpoint-6'} has no trainer_state.json (the save did not finish)" in text
+    # transformers alone would pick the highest number, whatever is inside:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-12")
+
+
+def test_resume_path_errors_name_the_key_and_the_fix(tmp_path, reference):
+    with pytest.raises(CheckpointError, match=r"resume_from_checkpoint is true but .* holds no complete"):
+        resolve_resume(True, str(tmp_path))
+    bad = tmp_path / "checkpoint-4"
+    shutil.copytree(reference[0] / "checkpoint-4", bad)
+    with open(bad / "model.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-4: .*model.safetensors: truncated"):
+        resolve_resume(str(bad), str(tmp_path))
+    assert resolve_resume(None, str(tmp_path)) is None
+    # After an elastic restart with nothing saved yet, training starts from scratch.
+    assert resolve_resume(None, str(tmp_path / "none"), restarted=True) is None
+
+
+def tree_size(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path, reference):
+    """A tmpfs with room for one and a half checkpoints (unmounted afterwards)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    size = tree_size(reference[0] / "checkpoint-2") * 3 // 2
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()})")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # a file object still referenced by a traceback
+
+
+def test_disk_full_during_save_fails_cleanly(tiny_fs, tiny_model_dir, reference):
+    """output_dir on a filesystem with room for one checkpoint only: the second save fails with a clear error,
+    checkpoint-2 stays intact and resumable, and nothing half-written is picked on resume."""
+    size2 = tree_size(reference[0] / "checkpoint-2")
+    out = tiny_fs / "out"
+    t = make_trainer(tiny_model_dir, out)
+    free = shutil.disk_usage(tiny_fs).free
+    assert size2 < free < 2 * size2, f"the test needs room for one checkpoint ({size2} B), has {free} B"
+    with pytest.raises(CheckpointError) as e:
+        t.train()
+    msg = str(e.value)
+    assert f"into {out / checkpoints.STAGING / 'checkpoint-4'} failed: no space left on the device of {out}" in msg
+    assert f"the last complete checkpoint, {out / 'checkpoint-2'}, is intact" in msg
+    assert "Free space or point training.output_dir at a larger disk" in msg
+    assert "resume with training.resume_from_checkpoint=true" in msg
+    assert sorted(os.listdir(out)) == ["checkpoint-2"]  # the partial save was removed
+    assert newest_complete(str(out)) == str(out / "checkpoint-2")
+    # The surviving checkpoint equals the uninterrupted run's checkpoint-2, file for file.
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        with open(out / "checkpoint-2" / name, "rb") as a, open(reference[0] / "checkpoint-2" / name, "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_layout_decides_what_can_resume_exactly(tmp_path, reference):
+    from hftrain.checkpoints import LAYOUT, layout, layout_problems
+
+    ck = tmp_path / "checkpoint-2"
+    shutil.copytree(reference[0] / "checkpoint-2", ck)
+    assert json.load(open(ck / LAYOUT)) == layout(1, 4, 1, "ddp")  # written by the save
+    assert layout_problems(str(ck), layout(1, 4, 1, None)) == []
+    assert layout_problems(str(ck), layout(2, 2, 1, "ddp")) == []  # same global batch on 2 ranks
+    assert layout_problems(str(ck), layout(2, 1, 2, "ddp")) == []
+    (p,) = layout_problems(str(ck), layout(2, 4, 1, "ddp"))
+    assert "trained with 4 examples per step" in p and "this run takes 8" in p and "product is 4" in p
+    (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero3"))
+    assert "written by strategy 'ddp', this run is 'zero3'" in p
+    (ck / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "zero3")))
+    assert layout_problems(str(ck), layout(2, 2, 1, "zero3_offload")) == []  # same format, same world
+    (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero_infinity"))
+    assert "written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" in p
+
+
+def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, reference, tiny_model_dir, capsys):
+    """`hftrain launch` runs in one process but starts strategy.num_processes: the layout check uses that."""
+    from hftrain.checkpoints import LAYOUT, layout
+    from hftrain.cli import main
+
+    out = tmp_path / "out"
+    shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
+    (out / "checkpoint-2" / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "ddp")))
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": DEMO_TRAIN}]},
+                                   "training": {"output_dir": str(out), "per_device_train_batch_size": 2,
+                                                "resume_from_checkpoint": True}}))
+    assert main(["launch", str(rec), "--dry-run"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["launch", str(rec), "--dry-run", "strategy.num_processes=1"])
+    assert e.value.code == 2 and "trained with 4 examples per step" in capsys.readouterr().err
+
+
+def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir, reference):
+    """The final model is written aside and moved in file by file: a disk too small for model.safetensors fails
+    the save with the no-space message, and output_dir holds no partial weights."""
+    from hftrain.recipe import load_recipe
+    from hftrain.run import save_final
+
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()})")
+    try:
+        out = small / "out"
+        t = make_trainer(tiny_model_dir, out, max_steps=1, save_strategy="no")
+        t.train()
+        recipe = load_recipe(None, raw={"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": "d"}]},
+                                        "training": {"output_dir": str(out)}})
+        with pytest.raises(CheckpointError) as e:
+            save_final(t, recipe, recipe.strategy, t.processing_class, {})
+        assert f"into {out / checkpoints.STAGING / 'final'} failed: no space left on the device of {out}" in str(e.value)
+        assert not os.path.exists(out / "model.safetensors") and not os.path.exists(out / checkpoints.STAGING)
+    finally:
+        if subprocess.run(["umount", str(small)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(small)], check=False)

@@ -1,0 +1,220 @@
+"""Exact resume on 2 CPU ranks: SIGKILL of the whole launch after a checkpoint, then resume, gives the weights of
+an uninterrupted run (<= 1e-6) under DDP, FSDP2 and ZeRO-3; a killed worker under --max-restarts 1 costs only
+the steps since the newest complete checkpoint; a 2-rank DDP checkpoint resumes on 1 rank."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from hftrain.checkpoints import newest_complete
+
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, free_port, run
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVE = 6, 2
+ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                              os.path.expanduser("~/.cache/hftrain/torch_extensions"))}
+
+
+def recipe(tmp, model_dir, out, name="recipe.yaml", **training):
+    p = tmp / name
+    p.write_text(yaml.safe_dump({
+        "model": {"name_or_path": model_dir, "dtype": "float32"},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
+        "training": {"output_dir": str(out), "max_steps": STEPS, "save_steps": SAVE, "save_total_limit": 2,
+                     "per_device_train_batch_size": 2, "learning_rate": 3e-3, "warmup_steps": 0,
+                     "logging_steps": 1, "report_to": "none", "disable_tqdm": True, "seed": 0, **training},
+    }))
+    return str(p)
+
+
+def launch(strategy: str, script: str, args: list[str], processes: int = 2) -> list[str]:
+    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--num_processes",
+            str(processes), "--main_process_port", str(free_port()), script, *args, f"strategy.name={strategy}"]
+
+
+def weights(out) -> dict:
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    # The tiny model ties lm_head to the embeddings; FSDP's full-state gather on 2 ranks saves the tied copy too.
+    for d, other in ((a, b), (b, a)):
+        for k in d.keys() - other.keys():
+            assert k == "lm_head.weight" and (d[k] == d["model.embed_tokens.weight"]).all(), k
+    return max((a[k] - b[k]).abs().max().item() for k in a.keys() & b.keys())
+
+
+def start_slow(cmd, sleep: float = 1.0) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP=str(sleep),
+               **ENV)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for(path, proc, timeout=300):
+    t0 = time.time()
+    while not os.path.isdir(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {path}:\n{proc.stdout.read()[-4000:]}")
+        if time.time() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no {path} after {timeout} s")
+        time.sleep(0.05)
+
+
+def kill_after_first_checkpoint(cmd, out):
+    """Start the (slowed) launch, SIGKILL its whole process group once checkpoint-2 is published."""
+    proc = start_slow(cmd)
+    wait_for(os.path.join(out, f"checkpoint-{SAVE}"), proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    last = newest_complete(str(out))
+    assert last is not None and int(last.rsplit("-", 1)[1]) < STEPS, last
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))  # it never got to the final save
+    return last
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, tiny_model_dir):
+    """Uninterrupted 2-rank runs, per strategy, made on first use."""
+    made = {}
+
+    def get(strategy):
+        if strategy not in made:
+            tmp = tmp_path_factory.mktemp(f"ref_{strategy}")
+            out = tmp / "out"
+            r = run(launch(strategy, "recipes/sft.py", [recipe(tmp, tiny_model_dir, out)]), timeout=600, env=ENV)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            made[strategy] = out
+        return made[strategy]
+    return get
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_sigkill_of_the_whole_launch_then_resume_is_exact(strategy, tmp_path, tiny_model_dir, references):
+    ref = references(strategy)
+    out = tmp_path / "out"
+    last = kill_after_first_checkpoint(launch(strategy, "tests/slow_sft.py", [recipe(tmp_path, tiny_model_dir, out)]),
+                                       out)
+    r = run(launch(strategy, "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                                "training.resume_from_checkpoint=true"]), timeout=600, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    state = json.load(open(out / "trainer_state.json"))
+    steps = [h["step"] for h in state["log_history"] if "loss" in h]
+    assert steps == list(range(1, STEPS + 1)), steps  # the first steps come from the checkpoint's history
+    k = int(last.rsplit("-", 1)[1])
+    assert r.stdout.count("{'loss': ") == STEPS - k, r.stdout[-3000:]  # it trained only the steps after k
+    diff = max_diff(weights(out), weights(ref))
+    print(f"{strategy}: killed, resumed from {os.path.basename(last)}: max |w - w_uninterrupted| = {diff:.3g}")
+    assert diff <= 1e-6
+
+
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes under a launcher."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.Error, OSError):
+            continue
+        if "LOCAL_RANK" in env and any("slow_sft.py" in a for a in child.cmdline()):
+            out[int(env["RANK"])] = child.pid
+    return out
+
+
+def test_killed_worker_restarts_from_the_newest_complete_checkpoint(tmp_path, tiny_model_dir, references):
+    """`hftrain launch --max-restarts 1`: SIGKILL of rank 1 after checkpoint-2; the launcher restarts both workers,
+    hftrain resumes them from the newest complete checkpoint, and the final weights equal an uninterrupted run's."""
+    ref = references("ddp")
+    out = tmp_path / "out"
+    cmd = [PY, "-m", "hftrain.cli", "launch", recipe(tmp_path, tiny_model_dir, out), "--max-restarts", "1",
+           "--script", "tests/slow_sft.py", f"strategy.main_process_port={free_port()}"]
+    proc = start_slow(cmd)
+    wait_for(os.path.join(out, f"checkpoint-{SAVE}"), proc)
+    pids = worker_pids(proc.pid)
+    assert sorted(pids) == [0, 1], pids
+    os.kill(pids[1], signal.SIGKILL)
+    try:
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-4000:]
+    assert "hftrain: restart 1: process group on a fresh store prefix" in stdout, stdout[-4000:]
+    assert "hftrain: restarted by the launcher: resuming from " in stdout, stdout[-4000:]
+    resumed_from = stdout.split("hftrain: restarted by the launcher: resuming from ", 1)[1].split()[0]
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["global_step"] == STEPS
+    diff = max_diff(weights(out), weights(ref))
+    print(f"ddp: rank 1 killed, restarted from {os.path.basename(resumed_from)}: max |w - w_ref| = {diff:.3g}")
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_rank_checkpoint_resumes_on_one_rank(strategy, tmp_path, tiny_model_dir, references):
+    """checkpoint-4 of a 2-rank run, resumed by 1 process with the same global batch (micro-batch 4 instead of
+    2 x 2): the data position carries over and the final weights equal the 2-rank run's. FSDP2's sharded state
+    goes through torch.distributed.checkpoint, which reshards on load."""
+    ref = references(strategy)
+    out = tmp_path / "out"
+    shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
+    rec = recipe(tmp_path, tiny_model_dir, out)
+    if strategy == "ddp":  # the same micro-batch would halve the global batch: refused before loading
+        r = run([PY, "recipes/sft.py", rec, "training.resume_from_checkpoint=true"], timeout=300)
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "was trained with 4 examples per step (2 ranks x per_device_train_batch_size 2" in r.stderr
+        assert "so that the product is 4" in r.stderr and not os.path.exists(out / "model.safetensors")
+    r = run(launch(strategy, "recipes/sft.py", [rec, "training.resume_from_checkpoint=true",
+                                                "training.per_device_train_batch_size=4"], processes=1),
+            timeout=600, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 1 and info["global_step"] == STEPS
+    assert r.stdout.count("{'loss': ") == STEPS - 4
+    diff = max_diff(weights(out), weights(ref))
+    print(f"{strategy}: 2-rank checkpoint-4 resumed on 1 rank: max |w - w_2rank| = {diff:.3g}")
+    assert diff <= 1e-6
+
+
+def test_zero3_checkpoint_on_another_world_size_is_refused(tmp_path, tiny_model_dir, references):
+    ref = references("zero3")
+    out = tmp_path / "out"
+    shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
+    r = run(launch("zero3", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                               "training.resume_from_checkpoint=true",
+                                               "training.per_device_train_batch_size=4"], processes=1),
+            timeout=600, env=ENV)
+    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]  # the launcher reports the worker's 2 as 1
+    assert "was written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" \
+        in r.stderr, r.stderr[-3000:]
+    assert not os.path.exists(out / "model.safetensors")
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
+    """And back: a 1-process DDP run with micro-batch 4, its checkpoint-4 resumed by 2 ranks x 2: same weights."""
+    ref = tmp_path / "ref"
+    r = run([PY, "recipes/sft.py", recipe(tmp_path, tiny_model_dir, ref, name="ref.yaml"),
+             "training.per_device_train_batch_size=4"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "out"
+    shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
+    r = run(launch("ddp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                             "training.resume_from_checkpoint=true"]), timeout=600, env=ENV)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["global_step"] == STEPS
+    assert r.stdout.count("{'loss': ") == STEPS - 4
+    diff = max_diff(weights(out), weights(ref))
+    print(f"ddp: 1-rank checkpoint-4 resumed on 2 ranks: max |w - w_1rank| = {diff:.3g}")
+    assert diff <= 1e-6
