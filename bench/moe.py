@@ -131,12 +131,9 @@ def _ep_worker(ns) -> None:
 
 
 def ep(ns) -> None:
-    import socket
+    from hftrain.distributed import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.abspath(__file__), "_ep_worker", "--tokens", str(ns.tokens), "--iters", str(ns.iters),
            "--hidden", str(ns.hidden), "--intermediate", str(ns.intermediate), "--num-experts", str(ns.num_experts)]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")

@@ -119,3 +119,12 @@ def isolate_restart_attempt() -> None:
 def launcher_world_size() -> int:
     """How many processes the launcher (torchrun / accelerate / deepspeed) says it started."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a local launch's rendezvous (tests and benchmarks start many)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

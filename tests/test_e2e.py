@@ -9,8 +9,9 @@ import torch
 import yaml
 
 from hftrain.run import weights_digest
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 
 pytestmark = pytest.mark.slow
 

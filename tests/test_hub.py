@@ -22,8 +22,9 @@ import yaml
 
 from hftrain.hub import STAGE_DIR, HubError, push, validate_folder
 from hftrain.recipe import HubSection, RecipeError, load_recipe
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 
 TOKEN = "hf_TestOnlyTokenAbcdefghijklmnopqrstuvwx"  # shaped like a real token, so the pattern scan sees it too
 REPO_PATH = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/(?P<op>preupload|commit|branch)/(?P<rev>.+)$")

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 
 from hftrain import losses
 from hftrain.data import IGNORE_INDEX, make_collator, tokenize_example
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, free_port, run
+from .conftest import ACCELERATE_LAUNCH, PY, run
 
 
 def rand_batch(b=3, t=9, v=11, seed=0):

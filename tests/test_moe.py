@@ -9,8 +9,9 @@ import yaml
 from safetensors.torch import load_file
 
 from hftrain import moe
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run
 
 IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]])
 

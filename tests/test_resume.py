@@ -14,8 +14,9 @@ import yaml
 from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 
 pytestmark = pytest.mark.slow
 

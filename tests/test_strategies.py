@@ -11,8 +11,9 @@ import yaml
 from hftrain.engine import _zero_name_from_json
 from hftrain.recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
 from hftrain.strategies import accelerate_config, deepspeed_config, render
+from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, free_port, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 
 SHIPPED = os.path.join(REPO, "accelerate_configs")
 
