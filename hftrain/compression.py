@@ -169,6 +169,9 @@ def _allreduce_mean(state: HookState, bucket, dtype: torch.dtype | None) -> torc
 def _gather_mean(state: HookState, bucket, payload: torch.Tensor, decode) -> torch.futures.Future:
     """All-gather each rank's uint8 payload once; the mean of the decoded tensors becomes the bucket's gradient."""
     buf = bucket.buffer()
+    pad = -payload.numel() % 4  # every rank's row starts 4-byte aligned, so its fields can be viewed in place
+    if pad:
+        payload = torch.cat([payload, payload.new_zeros(pad)])
     out = torch.empty(state.world * payload.numel(), dtype=torch.uint8, device=payload.device)
     fut = dist.all_gather_single(out, payload, group=state.group, async_op=True).get_future()
 
@@ -198,27 +201,30 @@ def int8_hook(state: HookState, bucket) -> torch.futures.Future:
     q, scales = quantize_int8(x, state.int8_chunk)
     if r is not None:
         r.copy_(x - dequantize_int8(q, scales, state.int8_chunk))  # exactly what this rank did not send
-    n = q.numel()
-    payload = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
+    n, c = q.numel(), 4 * scales.numel()
+    payload = torch.cat([scales.view(torch.uint8), q.view(torch.uint8)])  # 4-byte fields first: aligned views
 
     def decode(row):
-        return dequantize_int8(row[:n].view(torch.int8), row[n:].view(torch.float32), state.int8_chunk)
+        return dequantize_int8(row[c:c + n].view(torch.int8), row[:c].view(torch.float32), state.int8_chunk)
 
     return _gather_mean(state, bucket, payload, decode)
 
 
 def topk_hook(state: HookState, bucket) -> torch.futures.Future:
+    """The k largest magnitudes as (int32 index, bf16 value): 6 bytes per kept element instead of 4 per element,
+    so a ratio r sends 1.5 r of the bytes. bf16's rounding is part of the error fed back, like everything unsent."""
     x, r = _with_feedback(state, bucket)
     idx, vals = topk_select(x, state.topk_ratio)
+    vals = vals.to(torch.bfloat16)
     if r is not None:
         r.copy_(x)
-        r[idx.long()] = 0  # everything but the sent values stays for the next step
+        r[idx.long()] -= vals.float()  # what was sent leaves the residual; its rounding error stays
     k = idx.numel()
     payload = torch.cat([idx.view(torch.uint8), vals.view(torch.uint8)])
 
     def decode(row):
         dense = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
-        dense[row[: 4 * k].view(torch.int32).long()] = row[4 * k:].view(torch.float32)
+        dense[row[: 4 * k].view(torch.int32).long()] = row[4 * k:6 * k].view(torch.bfloat16).float()
         return dense
 
     return _gather_mean(state, bucket, payload, decode)
