@@ -4,9 +4,12 @@
 
 For each strategy it launches recipes/sft.py's pieces (bench/memory_worker.py) under `accelerate launch` with the
 shipped config and reads, per rank, the resident set size before the model is built, after training (after a
-gc), and at peak (VmHWM). "RSS growth" = RSS after training - RSS before the model: on a machine without GPU
-every byte lives in RAM, so this is model states plus everything the engine keeps beside them (DDP's gradient
-buckets, DeepSpeed's communication and swap buffers, allocator slack). Prints:
+gc), and at peak (VmHWM), and the bytes of every live tensor storage (model states and the engine's buffers;
+each storage counted once; the most seen at an optimizer step, when a PyTorch engine holds parameters, gradients
+and optimizer states at once, or after training) minus those before the model. "RSS growth" is RSS after
+training minus RSS before the model: on a machine without GPU every byte lives in RAM, so this is model states plus
+everything the engine keeps beside them (DDP's gradient buckets, DeepSpeed's communication and swap buffers,
+allocator slack). Prints:
 - the ZeRO-3 / DDP model-state ratio (goal <= 0.55 with 2 ranks);
 - the share of model-state bytes that NVMe offload moves off RAM, against ZeRO-3 with CPU offload
   (goal >= 75%);
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +28,10 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from hftrain.distributed import free_port  # noqa: E402
+
 MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
          "num_key_value_heads": 12, "max_position_embeddings": 512}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -63,23 +61,29 @@ def main() -> None:
                os.path.join(REPO, "bench", "memory_worker.py"), model_dir, out, str(ns.steps), nvme]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if r.returncode != 0:
-            print(f"{name}: failed\n{r.stderr[-2000:]}", flush=True)
+            # The workers' error, not the launcher's traceback that follows it.
+            worker = r.stderr.split('Traceback (most recent call last):\n  File "<frozen runpy>"')[0]
+            print(f"{name}: failed\n{worker[-3000:]}", flush=True)
             continue
         ranks = [json.load(open(os.path.join(out, f"mem_rank{i}.json"))) for i in range(2)]
-        states = max(x["rss_after_train"] - x["rss_before_model"] for x in ranks)
+        growth = max(x["rss_after_train"] - x["rss_before_model"] for x in ranks)
+        states = max(x["tensor_bytes"] for x in ranks)
         peak = max(x["peak_rss"] for x in ranks)
         measured[name] = states
-        if name in ("zero3_offload", "zero_infinity"):
-            expect = rows[name].cpu_per_node / 2  # per rank: the node's CPU share
+        if name in ("zero3_offload", "zero_infinity"):  # per rank: the node's CPU share + what a GPU would hold
+            expect = rows[name].cpu_per_node / 2 + rows[name].gpu_model_states
         else:
             expect = rows[name].gpu_model_states  # on CPU, "GPU" memory is this rank's RAM
-        print(f"{name:<14} RSS growth/rank {states / 2**20:8.0f} MiB   peak RSS/rank {peak / 2**20:8.0f} MiB   "
-              f"plan {expect / 2**20:8.0f} MiB ({(states - expect) / expect:+.0%})", flush=True)
+        print(f"{name:<14} tensors/rank {states / 2**20:7.0f} MiB   RSS growth/rank {growth / 2**20:7.0f} MiB   "
+              f"peak RSS/rank {peak / 2**20:7.0f} MiB   plan {expect / 2**20:7.0f} MiB "
+              f"(tensors {(states - expect) / expect:+.0%})", flush=True)
     if "ddp" in measured and "zero3" in measured:
-        print(f"ZeRO-3 / DDP RSS growth: {measured['zero3'] / measured['ddp']:.2f} (goal <= 0.55)")
+        print(f"ZeRO-3 / DDP model-state (tensor) bytes: {measured['zero3'] / measured['ddp']:.2f} (goal <= 0.55)")
+    if "ddp" in measured and "fsdp" in measured:
+        print(f"FSDP2 / DDP model-state (tensor) bytes: {measured['fsdp'] / measured['ddp']:.2f}")
     if "zero3_offload" in measured and "zero_infinity" in measured:
         moved = 1 - measured["zero_infinity"] / measured["zero3_offload"]
-        print(f"NVMe offload moves {moved:.0%} of the RSS growth off RAM against CPU offload (goal >= 75%)")
+        print(f"NVMe offload moves {moved:.0%} of the tensor bytes off RAM against CPU offload (goal >= 75%)")
 
 
 if __name__ == "__main__":

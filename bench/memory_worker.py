@@ -27,6 +27,61 @@ def rss(field: str = "VmRSS") -> int:
     return 0
 
 
+def tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in this process (each storage once, however many views use it):
+    model states and the engine's buffers, without allocator slack or the libraries' own memory."""
+    import torch
+
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
+                continue
+            st = obj.untyped_storage()
+            key = st.data_ptr()
+        except Exception:  # tensor subclasses without a plain storage (e.g. DTensor wrappers): their locals count
+            continue
+        if key and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+class StepTensors:
+    """Tensor bytes at each optimizer step, when parameters, gradients and optimizer states all exist: for PyTorch
+    engines after the step (before the Trainer drops the gradients), for DeepSpeed just before its engine steps (it
+    steps inside backward and frees ZeRO-1/2's gradient partitions right after). The most seen is reported."""
+
+    def __init__(self, base: int):
+        self.base, self.most = base, 0
+
+    def measure(self):
+        self.most = max(self.most, tensor_bytes() - self.base)
+
+    def wrap_deepspeed_step(self):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        step, outer = DeepSpeedEngine.step, self
+
+        def measured_step(engine, *args, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                outer.measure()
+            return step(engine, *args, **kwargs)
+
+        DeepSpeedEngine.step = measured_step
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class _Cb(TrainerCallback):
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                outer.measure()
+
+        return _Cb()
+
+
 def main(model_dir: str, out: str, steps: str, nvme: str) -> None:
     overrides = [f"model.name_or_path={model_dir}", f"data.sources.0.path={REPO}/data/demo/train.jsonl",
                  "data.max_length=64", f"training.output_dir={out}", f"training.max_steps={steps}",
@@ -41,13 +96,18 @@ def main(model_dir: str, out: str, steps: str, nvme: str) -> None:
     tokenizer = load_tokenizer(recipe.model)
     data = build_datasets(recipe.data, tokenizer)
     gc.collect()
-    before = rss()
+    before, tensors_before = rss(), tensor_bytes()
+    at_step = StepTensors(tensors_before)
+    if strategy.name.startswith("zero"):
+        at_step.wrap_deepspeed_step()
     model = load_model(recipe.model)
     trainer = HFTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
-                        data_collator=data.collator)
+                        data_collator=data.collator, callbacks=[at_step.callback()])
     trainer.train()
     gc.collect()
+    after = tensor_bytes() - tensors_before
     report = {"rss_before_model": before, "rss_after_train": rss(), "peak_rss": rss("VmHWM"),
+              "tensor_bytes": max(after, at_step.most),
               "engine": engine.describe(trainer, strategy)}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"mem_rank{distributed.rank()}.json"), "w") as fh:

@@ -6,11 +6,16 @@ trained, N GPUs in all:
     engine / precision                  params   grads    optimizer (Adam)
     PyTorch (ddp, fsdp), weights dtype p   pΨ      pΨt      2pΨt  (moments in the weights' dtype)
     DeepSpeed, bf16/fp16 training          2Ψ      2Ψt      16Ψt  (fp32 grads + fp32 master + 2 moments)
-    DeepSpeed, fp32 training               4Ψ      4Ψt       8Ψt
+    DeepSpeed, fp32 training               4Ψ      4Ψt      12Ψt  (fp32 master copy + 2 moments, see below)
 
     ddp: P + G + O     zero1: P + G + O/N     zero2: P + (G + O)/N     zero3, fsdp: (P + G + O)/N
     zero3_offload: P, G, O in CPU memory (per node: /nodes); the GPU holds the largest layer gathered
     zero_infinity: P and O on NVMe (per node: /nodes), G in CPU memory; the GPU holds the largest layer
+
+DeepSpeed keeps a separate fp32 master partition even when the weights already are fp32: ZeRO-1/2 always clone it,
+and ZeRO-3's branch that would reuse the weights compares a torch.device with a device string, which torch 2.13
+never finds equal (DeepSpeed 0.19.8, stage3.py; its maintainers call fp32 ZeRO's copies "redundant",
+deepspeedai/DeepSpeed#109). Measured by bench/memory.py: five partition-sized fp32 buffers per ZeRO-3 rank.
 
 Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
 recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
@@ -63,7 +68,7 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
         return p * f.params, p * f.trainable, 2 * p * f.trainable
     if mixed:  # DeepSpeed keeps an fp32 copy of the gradient partition beside the optimizer states
         return 2 * f.params, 2 * f.trainable, 16 * f.trainable
-    return 4 * f.params, 4 * f.trainable, 8 * f.trainable
+    return 4 * f.params, 4 * f.trainable, 12 * f.trainable  # + the redundant fp32 master (module docstring)
 
 
 def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, act_bytes: int = 2) -> float:

@@ -26,6 +26,18 @@ def test_hand_computed_zero_formulas():
     assert two_nodes["zero3"].gpu_optimizer == 16 * PSI / 16 and two_nodes["zero3_offload"].cpu_per_node == 10 * PSI
 
 
+def test_fp32_deepspeed_counts_its_redundant_master_copy():
+    """fp32 weights: PyTorch engines hold 4 + 4 + 8 bytes per parameter; DeepSpeed adds an fp32 master partition
+    (it clones even fp32 weights; bench/memory.py measured 20 bytes / N per ZeRO-3 rank, not 16 / N)."""
+    fp32 = ModelFacts(params=PSI, trainable=PSI, largest_layer=10_000_000, hidden=4096, layers=32, vocab=32000,
+                      weight_bytes=4)
+    rows = by_name(plan(fp32, gpus_per_node=2, nodes=1, micro_batch=1, seq=512, checkpointing=True, mixed=False))
+    assert rows["ddp"].gpu_model_states == 16 * PSI and rows["fsdp"].gpu_model_states == 16 * PSI / 2 + 4e7
+    assert rows["zero2"].gpu_model_states == 4 * PSI + 16 * PSI / 2
+    assert rows["zero3"].gpu_model_states == 20 * PSI / 2 + 4e7
+    assert rows["zero_infinity"].nvme_per_node == 16 * PSI and rows["zero_infinity"].cpu_per_node == 4 * PSI
+
+
 @pytest.mark.parametrize("gpus,nodes", [(2, 1), (8, 1), (8, 4)])
 def test_within_15_percent_of_deepspeed_estimators(gpus, nodes):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
