@@ -109,9 +109,9 @@ def training_arguments_kwargs(strategy: StrategySection, compression=None) -> di
 
     isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     if strategy.name in ZERO_STAGE:
-        # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use: keep them in a cache hftrain names
-        # rather than wherever the home directory happens to be.
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))
+        from .preflight import extensions_dir
+
+        extensions_dir()  # DeepSpeed JIT-compiles its ops (cpu_adam, async_io) on first use, into this cache
         from .compression import zero_communication_dtype
 
         dtype = zero_communication_dtype(compression) if compression is not None else None

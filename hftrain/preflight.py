@@ -5,11 +5,14 @@ Every problem found is reported at once, with the key to change and the fix.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
+import time
 
 from .recipe import StrategySection, accelerator_available
+from .strategies import ZERO_STAGE
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
 # (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (hftrain.plan).
@@ -63,8 +66,39 @@ def async_io_problem() -> str | None:
     return None
 
 
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT-compiled ops live: $TORCH_EXTENSIONS_DIR, which hftrain sets (if unset) to a cache it
+    names rather than wherever the home directory's torch cache happens to be."""
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))
+
+
+# A DeepSpeed op builds in minutes (async_io, the slowest here, in ~4 on 2 cores); a build lock older than this was
+# left by a build that was killed.
+STALE_LOCK_S = 15 * 60
+
+
+def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
+    """torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out
+    (torch.utils.file_baton.FileBaton): a build killed mid-way (a time-out, a scancel) leaves it, and every later
+    run that needs the op then hangs silently before training. (path, age in seconds) of old lock files."""
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(lock)
+        except OSError:  # released meanwhile
+            continue
+        if age > STALE_LOCK_S:
+            found.append((lock, age))
+    return found
+
+
 def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
     problems = []
+    if strategy.name in ZERO_STAGE:
+        problems += [f"DeepSpeed op build lock {lock} is {age / 60:.0f} min old: a build was interrupted and every "
+                     f"run needing that op would wait for it forever; remove it (rm {lock})"
+                     for lock, age in stale_build_locks(extensions_dir())]
     if strategy.name == "zero_infinity":
         from .strategies import resolved
 

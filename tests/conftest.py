@@ -1,12 +1,19 @@
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
+
+from hftrain.preflight import extensions_dir, stale_build_locks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")
 DEMO_EVAL = os.path.join(REPO, "data", "demo", "eval.jsonl")
+PY = sys.executable
+# `accelerate launch` of the interpreter running the tests (the venv need not be on PATH).
+ACCELERATE_LAUNCH = [PY, "-m", "accelerate.commands.launch"]
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
@@ -26,12 +33,45 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+# Every launch of the session (and its workers) finds DeepSpeed's ops in the cache hftrain uses.
+EXTENSIONS = extensions_dir()
+
+
 def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command from the repository root; the output is printed on failure by the caller's assert."""
+    """Run a command from the repository root; the output is printed on failure by the caller's assert.
+
+    The command gets a process group of its own, killed whole on a time-out: killing only the launcher would
+    leave its workers running (and holding CPU, ports or a DeepSpeed build lock) through the rest of the suite."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-PY = sys.executable
-# `accelerate launch` of the interpreter running the tests (the venv need not be on PATH).
-ACCELERATE_LAUNCH = [PY, "-m", "accelerate.commands.launch"]
+# DeepSpeed JIT-compiles these on CPU the first time a run needs them (~6 min on 2 cores, once per machine).
+DEEPSPEED_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    """Build DeepSpeed's CPU ops once, one at a time, before the first DeepSpeed launch: otherwise the first test
+    to need an op pays its build inside its own time-out, with two ranks racing for the build lock."""
+    for lock, age in stale_build_locks(EXTENSIONS):  # no build of this session runs yet: a killed build's
+        print(f"conftest: removing {lock}, {age / 60:.0f} min old")
+        os.remove(lock)
+    code = textwrap.dedent(f"""
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        for name in {DEEPSPEED_OPS!r}:
+            builder = get_accelerator().create_op_builder(name)
+            if name != "AsyncIOBuilder" or AsyncIOBuilder().is_compatible(verbose=False):  # needs libaio
+                builder.load(verbose=False)
+    """)
+    r = run([PY, "-c", code], timeout=1500)
+    assert r.returncode == 0, f"building DeepSpeed's ops into {EXTENSIONS} failed:\n{r.stdout[-3000:]}{r.stderr[-5000:]}"

@@ -126,7 +126,7 @@ def spiky_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spiky_model_dir):
+def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
     tiny_model_dir = spiky_model_dir
     tmp = tmp_path_factory.mktemp("loss")
     data = uneven_data(tmp / "uneven.jsonl")

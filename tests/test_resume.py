@@ -18,11 +18,9 @@ from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ops")]
 
 STEPS, SAVE = 6, 2
-ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                              os.path.expanduser("~/.cache/hftrain/torch_extensions"))}
 
 
 def recipe(tmp, model_dir, out, name="recipe.yaml", **training):
@@ -55,8 +53,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def start_slow(cmd, sleep: float = 1.0) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP=str(sleep),
-               **ENV)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP=str(sleep))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
 
@@ -93,7 +90,7 @@ def references(tmp_path_factory, tiny_model_dir):
         if strategy not in made:
             tmp = tmp_path_factory.mktemp(f"ref_{strategy}")
             out = tmp / "out"
-            r = run(launch(strategy, "recipes/sft.py", [recipe(tmp, tiny_model_dir, out)]), timeout=600, env=ENV)
+            r = run(launch(strategy, "recipes/sft.py", [recipe(tmp, tiny_model_dir, out)]), timeout=600)
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             made[strategy] = out
         return made[strategy]
@@ -107,7 +104,7 @@ def test_sigkill_of_the_whole_launch_then_resume_is_exact(strategy, tmp_path, ti
     last = kill_after_first_checkpoint(launch(strategy, "tests/slow_sft.py", [recipe(tmp_path, tiny_model_dir, out)]),
                                        out)
     r = run(launch(strategy, "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
-                                                "training.resume_from_checkpoint=true"]), timeout=600, env=ENV)
+                                                "training.resume_from_checkpoint=true"]), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     state = json.load(open(out / "trainer_state.json"))
     steps = [h["step"] for h in state["log_history"] if "loss" in h]
@@ -178,7 +175,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(strategy, tmp_path, tiny_model_
         assert "so that the product is 4" in r.stderr and not os.path.exists(out / "model.safetensors")
     r = run(launch(strategy, "recipes/sft.py", [rec, "training.resume_from_checkpoint=true",
                                                 "training.per_device_train_batch_size=4"], processes=1),
-            timeout=600, env=ENV)
+            timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == 1 and info["global_step"] == STEPS
@@ -195,7 +192,7 @@ def test_zero3_checkpoint_on_another_world_size_is_refused(tmp_path, tiny_model_
     r = run(launch("zero3", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
                                                "training.resume_from_checkpoint=true",
                                                "training.per_device_train_batch_size=4"], processes=1),
-            timeout=600, env=ENV)
+            timeout=600)
     assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]  # the launcher reports the worker's 2 as 1
     assert "was written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" \
         in r.stderr, r.stderr[-3000:]
@@ -211,7 +208,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
     r = run(launch("ddp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
-                                             "training.resume_from_checkpoint=true"]), timeout=600, env=ENV)
+                                             "training.resume_from_checkpoint=true"]), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == 2 and info["global_step"] == STEPS

@@ -105,7 +105,7 @@ ENGINES = {
 
 
 @pytest.fixture(scope="module")
-def strategy_runs(tmp_path_factory, tiny_model_dir):
+def strategy_runs(tmp_path_factory, tiny_model_dir, deepspeed_ops):
     tmp = tmp_path_factory.mktemp("strategies")
     out = {}
     for name in ENGINES:
@@ -117,8 +117,7 @@ def strategy_runs(tmp_path_factory, tiny_model_dir):
                "training.max_steps=4", "training.per_device_train_batch_size=4", "training.learning_rate=1e-3",
                "training.lr_scheduler_type=constant", "training.warmup_steps=0", "training.logging_steps=1",
                "training.train_sampling_strategy=sequential", "training.report_to=none", f"strategy.name={name}"]
-        r = run(cmd, timeout=600, env={"TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hftrain/torch_extensions"))})
+        r = run(cmd, timeout=600)
         assert r.returncode == 0, f"{name}:\n" + r.stdout[-3000:] + r.stderr[-4000:]
         out[name] = od
     return out
@@ -240,7 +239,7 @@ def _async_io_ok() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _async_io_ok(), reason="libaio missing (scripts/setup.sh installs libaio-dev)")
-def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path):
+def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path, deepspeed_ops):
     """A model with matrices of several MiB (DeepSpeed swaps only tensors >= 1 MiB) on 2 ranks."""
     from transformers import AutoModelForCausalLM
 
@@ -312,3 +311,19 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
         main(["launch", str(rec), "--dry-run"])
     assert e.value.code == 2
     assert "training.optim: 'sgd' cannot be used with 'zero3_offload'" in capsys.readouterr().err
+
+
+def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
+    """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
+    from hftrain.preflight import STALE_LOCK_S, strategy_problems
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "cpu_adam").mkdir()
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.touch()
+    assert strategy_problems(StrategySection(name="zero2")) == []  # a build in progress
+    old = lock.stat().st_mtime - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    (p,) = strategy_problems(StrategySection(name="zero3_offload"))
+    assert f"DeepSpeed op build lock {lock} is 16 min old" in p and f"(rm {lock})" in p
+    assert strategy_problems(StrategySection(name="ddp")) == []  # no DeepSpeed op involved
