@@ -11,13 +11,18 @@ Hub upload (which ignores `_*`).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import errno
+import io
 import json
 import logging
 import os
 import re
 import shutil
 import struct
+
+from .fileio import atomic_write
 
 logger = logging.getLogger("hftrain")
 
@@ -129,9 +134,14 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
 # -- another world size -------------------------------------------------------------------------------------------
 LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
 # Strategies whose checkpoint can be loaded by another number of ranks: DDP's is one full copy (model.safetensors,
-# optimizer.pt), FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load. ZeRO's optimizer state
-# is partitioned per rank; DeepSpeed reshards it only from a "universal" checkpoint (ds_to_universal.py).
+# optimizer.pt), FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load.
 RESHARDABLE = ("ddp", "fsdp")
+# ZeRO partitions the optimizer state per rank; DeepSpeed reshards it only from a "universal" checkpoint, which
+# hftrain makes from the checkpoint when the world size changed (to_universal) and loads with DeepSpeed's
+# `checkpoint.load_universal`. Not with the optimizer on NVMe: DeepSpeed then copies each rank's swap files back
+# instead of loading ZeRO state (DeepSpeedEngine.load_checkpoint), so ZeRO-Infinity keeps its world size.
+UNIVERSAL = ("zero1", "zero2", "zero3")
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name for the file naming the universal tag
 
 
 def checkpoint_format(strategy: str | None) -> str:
@@ -142,7 +152,22 @@ def checkpoint_format(strategy: str | None) -> str:
 
 def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None) -> dict:
     return {"world_size": world_size, "per_device_train_batch_size": per_device,
-            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy)}
+            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy),
+            "nvme_optimizer": strategy == "zero_infinity"}
+
+
+def read_layout(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, LAYOUT), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None  # written by something else: nothing to compare
+
+
+def needs_universal(path: str | None, now: dict) -> bool:
+    """A ZeRO checkpoint resumed by another number of ranks: its optimizer partitions must be resharded."""
+    was = read_layout(path) if path else None
+    return was is not None and was["strategy"] == now["strategy"] in UNIVERSAL and was["world_size"] != now["world_size"]
 
 
 def check_layout(path: str | None, now: dict) -> None:
@@ -154,21 +179,20 @@ def check_layout(path: str | None, now: dict) -> None:
 def layout_problems(path: str, now: dict) -> list[str]:
     """Can a run laid out as `now` resume from `path` exactly? The data position carries over when the global
     batch (world x micro-batch x accumulation) is the same; the state when the strategy can reshard it."""
-    try:
-        with open(os.path.join(path, LAYOUT), encoding="utf-8") as fh:
-            was = json.load(fh)
-    except (OSError, ValueError):
-        return []  # written by something else: nothing to compare
+    was = read_layout(path)
+    if was is None:
+        return []
     problems = []
     if was["strategy"] != now["strategy"]:
         problems.append(f"{path} was written by strategy '{was['strategy']}', this run is '{now['strategy']}': their "
                         f"checkpoint formats differ; resume with strategy.name: {was['strategy']}")
-    elif was["world_size"] != now["world_size"] and now["strategy"] not in RESHARDABLE:
+    elif was["world_size"] != now["world_size"] and (
+            was.get("nvme_optimizer") or now.get("nvme_optimizer")) and now["strategy"] not in RESHARDABLE:
         problems.append(
-            f"{path} was written by {was['world_size']} ranks under '{was['strategy']}', whose optimizer state is "
-            f"partitioned per rank; this run has {now['world_size']}. Resume with {was['world_size']} processes, or "
-            "convert it with DeepSpeed's ds_to_universal.py and load that (universal checkpoints are not wired "
-            "into hftrain yet)")
+            f"{path} was written by {was['world_size']} ranks, this run has {now['world_size']}, and with the "
+            "optimizer on NVMe (zero_infinity) DeepSpeed restores each rank's own swap files, which cannot be "
+            f"resharded. Resume with {was['world_size']} processes, or with strategy.name: zero3_offload (or "
+            "zero3), which reshards through a universal checkpoint")
     g_was = was["world_size"] * was["per_device_train_batch_size"] * was["gradient_accumulation_steps"]
     g_now = now["world_size"] * now["per_device_train_batch_size"] * now["gradient_accumulation_steps"]
     if g_was != g_now:
@@ -180,6 +204,64 @@ def layout_problems(path: str, now: dict) -> list[str]:
             f"schedule would not carry over. Set training.per_device_train_batch_size or "
             f"training.gradient_accumulation_steps so that the product is {g_was}")
     return problems
+
+
+def to_universal(path: str) -> str:
+    """Make `path/<tag>_universal` from the ZeRO checkpoint `path/<tag>` (DeepSpeed's ds_to_universal) and name it
+    in `path/latest_universal`; a later resume reuses it. Staged and renamed, so an interrupted conversion leaves
+    nothing DeepSpeed would load. Run on the main process (the others wait: distributed.main_process_first)."""
+    with open(os.path.join(path, "latest"), encoding="utf-8") as fh:
+        tag = fh.read().strip()
+    name = f"{tag}_universal"
+    target, marker = os.path.join(path, name), os.path.join(path, LATEST_UNIVERSAL)
+    if os.path.isdir(target) and os.path.isfile(marker) and open(marker, encoding="utf-8").read().strip() == name:
+        return target
+    staged = os.path.join(path, f"_{name}.partial")
+    shutil.rmtree(staged, ignore_errors=True)
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    # inject_missing_state: a transformers model carries no UNIVERSAL_CHECKPOINT_INFO (Megatron-style tensor
+    # parallel layouts); without it the converter refuses even a plain data-parallel checkpoint.
+    args = argparse.Namespace(input_folder=os.path.join(path, tag), output_folder=staged, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            ds_to_universal(args)
+    except Exception as e:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise CheckpointError(f"converting {os.path.join(path, tag)} to a universal checkpoint failed ({e}); resume "
+                              f"with the world size that wrote it. DeepSpeed's output:\n{log.getvalue()[-2000:]}") from e
+    fsync_tree(staged)
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    os.rename(staged, target)
+    atomic_write(marker, name)
+    return target
+
+
+def untie_zero3_universal_steps() -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 universal load hands every sub-group's optimizer state the *same* `step` tensor
+    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3). torch's Adam increments it in place once per
+    sub-group, so every sub-group after the first runs a step ahead in its bias correction: a 2-rank checkpoint
+    resumed on 1 rank ended 6.8e-5 off the uninterrupted run (0 with this). Each sub-group gets its own copy after
+    the load. Applied only when a universal checkpoint is loaded; idempotent."""
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    load = Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+    if getattr(load, "hftrain_untied", False):
+        return
+
+    def load_untied(self, checkpoint_dir):
+        load(self, checkpoint_dir)
+        for flat in self.fp32_partitioned_groups_flat:
+            state = self.optimizer.state.get(flat, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    load_untied.hftrain_untied = True
+    Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_untied
 
 
 # -- writing ----------------------------------------------------------------------------------------------------

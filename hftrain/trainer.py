@@ -134,12 +134,22 @@ class HFTrainer(Trainer):
                                           warn=distributed.print0)
         if restarted and path and resume_from_checkpoint in (None, False):
             distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
-        checkpoints.check_layout(path, self._layout())
+        now = self._layout()
+        checkpoints.check_layout(path, now)
+        if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
+            with distributed.main_process_first():
+                universal = checkpoints.to_universal(path)
+            checkpoints.untie_zero3_universal_steps()
+            self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+            distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
+                               f"universal checkpoint {universal}")
         return super().train(resume_from_checkpoint=path, **kwargs)
 
     def _layout(self) -> dict:
         if self.is_deepspeed_enabled:
-            strategy = f"zero{self.accelerator.state.deepspeed_plugin.zero_stage}"
+            from .engine import _zero_name_from_json
+
+            strategy = _zero_name_from_json(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         else:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args

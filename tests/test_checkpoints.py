@@ -175,7 +175,7 @@ def test_disk_full_during_save_fails_cleanly(tiny_fs, tiny_model_dir, reference)
 
 
 def test_layout_decides_what_can_resume_exactly(tmp_path, reference):
-    from hftrain.checkpoints import LAYOUT, layout, layout_problems
+    from hftrain.checkpoints import LAYOUT, layout, layout_problems, needs_universal
 
     ck = tmp_path / "checkpoint-2"
     shutil.copytree(reference[0] / "checkpoint-2", ck)
@@ -187,10 +187,19 @@ def test_layout_decides_what_can_resume_exactly(tmp_path, reference):
     assert "trained with 4 examples per step" in p and "this run takes 8" in p and "product is 4" in p
     (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero3"))
     assert "written by strategy 'ddp', this run is 'zero3'" in p
+    assert not needs_universal(str(ck), layout(2, 2, 1, "ddp"))
     (ck / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "zero3")))
     assert layout_problems(str(ck), layout(2, 2, 1, "zero3_offload")) == []  # same format, same world
+    assert not needs_universal(str(ck), layout(2, 2, 1, "zero3_offload"))
+    # ZeRO on another world size: resharded through a universal checkpoint ...
+    assert layout_problems(str(ck), layout(1, 4, 1, "zero3_offload")) == []
+    assert needs_universal(str(ck), layout(1, 4, 1, "zero3")) and needs_universal(str(ck), layout(4, 1, 1, "zero3"))
+    # ... except with the optimizer on NVMe, whose per-rank swap files DeepSpeed copies back as they are.
     (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero_infinity"))
-    assert "written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" in p
+    assert "written by 2 ranks, this run has 1, and with the optimizer on NVMe (zero_infinity)" in p
+    (ck / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "zero_infinity")))
+    (p,) = layout_problems(str(ck), layout(1, 4, 1, "zero3"))
+    assert "Resume with 2 processes, or with strategy.name: zero3_offload" in p
 
 
 def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, reference, tiny_model_dir, capsys):

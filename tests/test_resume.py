@@ -1,6 +1,7 @@
 """Exact resume on 2 CPU ranks: SIGKILL of the whole launch after a checkpoint, then resume, gives the weights of
 an uninterrupted run (<= 1e-6) under DDP, FSDP2 and ZeRO-3; a killed worker under --max-restarts 1 costs only
-the steps since the newest complete checkpoint; a 2-rank DDP checkpoint resumes on 1 rank."""
+the steps since the newest complete checkpoint; a checkpoint resumes on another number of ranks (DDP, FSDP2, and ZeRO
+through a universal checkpoint)."""
 
 import json
 import os
@@ -185,18 +186,33 @@ def test_two_rank_checkpoint_resumes_on_one_rank(strategy, tmp_path, tiny_model_
     assert diff <= 1e-6
 
 
-def test_zero3_checkpoint_on_another_world_size_is_refused(tmp_path, tiny_model_dir, references):
-    ref = references("zero3")
+@pytest.mark.parametrize("strategy,written,resumed", [("zero3", 2, 1), ("zero2", 2, 1), ("zero3", 1, 2)])
+def test_zero_checkpoint_resumes_on_another_world_size_through_a_universal_checkpoint(
+        strategy, written, resumed, tmp_path, tiny_model_dir, references):
+    """ZeRO partitions the optimizer per rank: checkpoint-4 of a run on `written` ranks is converted to DeepSpeed's
+    universal format on resume by `resumed` ranks (same global batch of 4) and gives the first run's weights."""
+    if written == 2:
+        ref = references(strategy)
+    else:
+        ref = tmp_path / "ref"
+        r = run(launch(strategy, "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, ref, name="ref.yaml"),
+                                                    "training.per_device_train_batch_size=4"], processes=1), timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
     shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
-    r = run(launch("zero3", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
-                                               "training.resume_from_checkpoint=true",
-                                               "training.per_device_train_batch_size=4"], processes=1),
-            timeout=600)
-    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]  # the launcher reports the worker's 2 as 1
-    assert "was written by 2 ranks under 'zero3', whose optimizer state is partitioned per rank; this run has 1" \
-        in r.stderr, r.stderr[-3000:]
-    assert not os.path.exists(out / "model.safetensors")
+    r = run(launch(strategy, "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                                "training.resume_from_checkpoint=true",
+                                                f"training.per_device_train_batch_size={4 // resumed}"],
+                   processes=resumed), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "was written by another number of ranks: resuming from its universal checkpoint" in r.stdout
+    assert (out / "checkpoint-4" / "latest_universal").read_text() == "global_step4_universal"
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == resumed and info["zero_stage"] == int(strategy[-1]) and info["global_step"] == STEPS
+    assert r.stdout.count("{'loss': ") == STEPS - 4
+    diff = max_diff(weights(out), weights(ref))
+    print(f"{strategy}: {written}-rank checkpoint-4 resumed on {resumed} (universal): max |w - w_ref| = {diff:.3g}")
+    assert diff <= 1e-6
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
