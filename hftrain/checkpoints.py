@@ -240,30 +240,6 @@ def to_universal(path: str) -> str:
     return target
 
 
-def untie_zero3_universal_steps() -> None:
-    """DeepSpeed 0.19.8's ZeRO-3 universal load hands every sub-group's optimizer state the *same* `step` tensor
-    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3). torch's Adam increments it in place once per
-    sub-group, so every sub-group after the first runs a step ahead in its bias correction: a 2-rank checkpoint
-    resumed on 1 rank ended 6.8e-5 off the uninterrupted run (0 with this). Each sub-group gets its own copy after
-    the load. Applied only when a universal checkpoint is loaded; idempotent."""
-    import torch
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-
-    load = Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
-    if getattr(load, "hftrain_untied", False):
-        return
-
-    def load_untied(self, checkpoint_dir):
-        load(self, checkpoint_dir)
-        for flat in self.fp32_partitioned_groups_flat:
-            state = self.optimizer.state.get(flat, {})
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    load_untied.hftrain_untied = True
-    Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_untied
-
-
 # -- writing ----------------------------------------------------------------------------------------------------
 def _fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))

@@ -79,14 +79,12 @@ def checked_strategy(recipe: Recipe, strategy: StrategySection, world_size: int 
     facts = facts_or_none(recipe.model.name_or_path, recipe.model.trust_remote_code) if (
         strategy.name == "zero_infinity") else None
     if facts is not None:
-        # A rank swaps only its partition of each parameter, so a parameter swap buffer must hold the largest
-        # partition (ceil(largest / world size)); DeepSpeed sizes its optimizer swap buffers to the largest
-        # sub-group, which is about sub_group_size. Its usual 1e8 and 1e9 elements pin GBs of RAM per rank
-        # whatever the model; sized to the partition (rounded up to 256K elements) the swap buffers of a 113M model
-        # on 2 ranks take 94 MiB per rank instead of 418 (bench/memory.py), and NVMe holds the rest.
-        world = world_size or launcher_world_size()
-        part = -(-facts.largest_tensor // world)
-        part = -(-part // 2**18) * 2**18
+        from .plan import swap_buffer_elems
+
+        # DeepSpeed's usual 1e8 and 1e9 elements pin GBs of RAM per rank whatever the model; sized to the largest
+        # parameter partition the swap buffers of a 113M model on 2 ranks take ~55 MiB per rank and NVMe holds
+        # the rest (bench/memory.py). DeepSpeed sizes its optimizer swap buffers to the largest sub-group.
+        part = swap_buffer_elems(facts.largest_tensor, world_size or launcher_world_size())
         if strategy.buffer_size is None:
             strategy = replace(strategy, buffer_size=part)
         if strategy.sub_group_size is None:
@@ -136,7 +134,10 @@ def after_training_arguments(strategy: StrategySection) -> None:
     if strategy.name in ZERO_STAGE:
         import deepspeed
 
+        from .deepspeed_fixes import share_fp32_master_with_fp32_weights
+
         deepspeed.init_distributed("nccl" if accelerator_available() else "gloo")
+        share_fp32_master_with_fp32_weights()
 
 
 def describe(trainer, strategy: StrategySection) -> dict:

@@ -6,16 +6,21 @@ trained, N GPUs in all:
     engine / precision                  params   grads    optimizer (Adam)
     PyTorch (ddp, fsdp), weights dtype p   pΨ      pΨt      2pΨt  (moments in the weights' dtype)
     DeepSpeed, bf16/fp16 training          2Ψ      2Ψt      16Ψt  (fp32 grads + fp32 master + 2 moments)
-    DeepSpeed, fp32 training               4Ψ      4Ψt      12Ψt  (fp32 master copy + 2 moments, see below)
+    DeepSpeed, fp32 training               4Ψ      4Ψt      12Ψt  (fp32 master copy + 2 moments, see below;
+                                                                    zero3: 8Ψt)
 
     ddp: P + G + O     zero1: P + G + O/N     zero2: P + (G + O)/N     zero3, fsdp: (P + G + O)/N
     zero3_offload: P, G, O in CPU memory (per node: /nodes); the GPU holds the largest layer gathered
-    zero_infinity: P and O on NVMe (per node: /nodes), G in CPU memory; the GPU holds the largest layer
+    zero_infinity: P and O on NVMe (per node: /nodes), G and the swap buffers in CPU memory; the GPU holds the
+                   largest layer
 
-DeepSpeed keeps a separate fp32 master partition even when the weights already are fp32: ZeRO-1/2 always clone it,
-and ZeRO-3's branch that would reuse the weights compares a torch.device with a device string, which torch 2.13
-never finds equal (DeepSpeed 0.19.8, stage3.py; its maintainers call fp32 ZeRO's copies "redundant",
-deepspeedai/DeepSpeed#109). Measured by bench/memory.py: five partition-sized fp32 buffers per ZeRO-3 rank.
+DeepSpeed keeps a separate fp32 master partition even when the weights already are fp32: ZeRO-1/2 always clone
+it, and so does ZeRO-3 with an offloaded optimizer (in CPU memory or on NVMe), which also keeps an fp32 copy of the
+gradient partition for its CPU Adam, as under mixed precision (so zero3_offload in fp32 holds 4 + 4 + 16 bytes
+per parameter / N). Plain ZeRO-3 would reuse the weights
+but for a device comparison that never succeeds (DeepSpeed 0.19.8); hftrain.deepspeed_fixes repairs it, so its
+fp32 ZeRO-3 holds 16 bytes per parameter / N (measured by bench/memory.py: 868 MiB per rank of a 113.5M model on
+2 ranks, 1085 MiB without the fix).
 
 Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
 recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
@@ -26,8 +31,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .recipe import STRATEGIES
+from .strategies import DEFAULTS
 
 GiB = 2**30
+SWAP_ALIGN = 2**18  # elements
+
+
+def swap_buffer_elems(largest_tensor: int, world: int) -> int:
+    """ZeRO-Infinity's swap buffer size as hftrain sets it when the recipe does not: a rank swaps only its
+    partition of each parameter, so a buffer holds the largest partition, ceil(largest / world), rounded up to
+    256K elements (DeepSpeed's default 1e8 elements pins GBs per rank whatever the model)."""
+    part = -(-largest_tensor // world)
+    return -(-part // SWAP_ALIGN) * SWAP_ALIGN
+
+
+def swap_buffer_bytes(largest_tensor: int, world: int, buffer_count: int = DEFAULTS["buffer_count"]) -> int:
+    """CPU bytes per rank of ZeRO-Infinity's fp32 buffers, sized as above: buffer_count parameter swap buffers,
+    max(4, buffer_count) optimizer swap buffers (hftrain.strategies) and one sub-group's fp32 gradient."""
+    return 4 * swap_buffer_elems(largest_tensor, world) * (buffer_count + max(4, buffer_count) + 1)
 
 
 @dataclass
@@ -68,7 +89,9 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
         return p * f.params, p * f.trainable, 2 * p * f.trainable
     if mixed:  # DeepSpeed keeps an fp32 copy of the gradient partition beside the optimizer states
         return 2 * f.params, 2 * f.trainable, 16 * f.trainable
-    return 4 * f.params, 4 * f.trainable, 12 * f.trainable  # + the redundant fp32 master (module docstring)
+    master = 0 if strategy == "zero3" else 4  # a redundant fp32 master copy (module docstring)
+    cpu_grads = 4 if strategy in ("zero3_offload", "zero_infinity") else 0  # the CPU Adam's fp32 gradient copy
+    return 4 * f.params, 4 * f.trainable, (8 + master + cpu_grads) * f.trainable
 
 
 def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, act_bytes: int = 2) -> float:
@@ -98,7 +121,8 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
         elif s == "zero3_offload":
             gpu, cpu = (layer, 0.0, 0.0), (P + G + O) / nodes
         else:  # zero_infinity
-            gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes, (P + O) / nodes
+            swap = swap_buffer_bytes(f.largest_tensor, n) * gpus_per_node
+            gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes + swap, (P + O) / nodes
         rows.append(Row(s, *gpu, act, cpu, nvme))
     return rows
 

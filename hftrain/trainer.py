@@ -139,7 +139,9 @@ class HFTrainer(Trainer):
         if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
             with distributed.main_process_first():
                 universal = checkpoints.to_universal(path)
-            checkpoints.untie_zero3_universal_steps()
+            from .deepspeed_fixes import untie_zero3_universal_steps
+
+            untie_zero3_universal_steps()
             self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
             distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
                                f"universal checkpoint {universal}")
