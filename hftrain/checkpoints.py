@@ -133,13 +133,12 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
 
 # -- another world size -------------------------------------------------------------------------------------------
 LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
-# Strategies whose checkpoint can be loaded by another number of ranks: DDP's is one full copy (model.safetensors,
-# optimizer.pt), FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load.
-RESHARDABLE = ("ddp", "fsdp")
-# ZeRO partitions the optimizer state per rank; DeepSpeed reshards it only from a "universal" checkpoint, which
-# hftrain makes from the checkpoint when the world size changed (to_universal) and loads with DeepSpeed's
-# `checkpoint.load_universal`. Not with the optimizer on NVMe: DeepSpeed then copies each rank's swap files back
-# instead of loading ZeRO state (DeepSpeedEngine.load_checkpoint), so ZeRO-Infinity keeps its world size.
+# Every format can be loaded by another number of ranks: DDP's is one full copy (model.safetensors, optimizer.pt),
+# FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load. ZeRO partitions the optimizer state per
+# rank; DeepSpeed reshards it only from a "universal" checkpoint, which hftrain makes from the checkpoint when the
+# world size changed (to_universal) and loads with DeepSpeed's `checkpoint.load_universal`. Not with the optimizer
+# on NVMe: DeepSpeed then copies each rank's swap files back instead of loading ZeRO state
+# (DeepSpeedEngine.load_checkpoint), so ZeRO-Infinity keeps its world size.
 UNIVERSAL = ("zero1", "zero2", "zero3")
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name for the file naming the universal tag
 
@@ -186,8 +185,7 @@ def layout_problems(path: str, now: dict) -> list[str]:
     if was["strategy"] != now["strategy"]:
         problems.append(f"{path} was written by strategy '{was['strategy']}', this run is '{now['strategy']}': their "
                         f"checkpoint formats differ; resume with strategy.name: {was['strategy']}")
-    elif was["world_size"] != now["world_size"] and (
-            was.get("nvme_optimizer") or now.get("nvme_optimizer")) and now["strategy"] not in RESHARDABLE:
+    elif was["world_size"] != now["world_size"] and (was.get("nvme_optimizer") or now.get("nvme_optimizer")):
         problems.append(
             f"{path} was written by {was['world_size']} ranks, this run has {now['world_size']}, and with the "
             "optimizer on NVMe (zero_infinity) DeepSpeed restores each rank's own swap files, which cannot be "
@@ -210,11 +208,20 @@ def to_universal(path: str) -> str:
     """Make `path/<tag>_universal` from the ZeRO checkpoint `path/<tag>` (DeepSpeed's ds_to_universal) and name it
     in `path/latest_universal`; a later resume reuses it. Staged and renamed, so an interrupted conversion leaves
     nothing DeepSpeed would load. Run on the main process (the others wait: distributed.main_process_first)."""
-    with open(os.path.join(path, "latest"), encoding="utf-8") as fh:
-        tag = fh.read().strip()
+    def read(name: str) -> str | None:
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as fh:
+                return fh.read().strip()
+        except OSError:
+            return None
+
+    tag = read("latest")
+    if not tag:
+        raise CheckpointError(f"{path} has no DeepSpeed `latest` file naming its ZeRO state, so it cannot be "
+                              "resharded; resume with the world size that wrote it")
     name = f"{tag}_universal"
     target, marker = os.path.join(path, name), os.path.join(path, LATEST_UNIVERSAL)
-    if os.path.isdir(target) and os.path.isfile(marker) and open(marker, encoding="utf-8").read().strip() == name:
+    if os.path.isdir(target) and read(LATEST_UNIVERSAL) == name:
         return target
     staged = os.path.join(path, f"_{name}.partial")
     shutil.rmtree(staged, ignore_errors=True)

@@ -26,7 +26,7 @@ def share_fp32_master_with_fp32_weights() -> None:
     / N on every rank of an fp32 run (bench/memory.py: ZeRO-3 held 20 / N bytes per parameter instead of 16 / N).
     Making `self.device` a torch.device lets the branch DeepSpeed wrote for fp32 weights (its torch-autocast path)
     run; every other use of it accepts either. Offloaded optimizers take another branch and are untouched.
-    Tested by tests/test_strategies.py (ZeRO-3 losses equal DDP's) and bench/memory.py."""
+    Tested by tests/test_strategies.py (run_info's fp32_master is "the weights"; ZeRO-3 losses equal DDP's)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
     def make(create):

@@ -149,6 +149,10 @@ def describe(trainer, strategy: StrategySection) -> dict:
         out["offload_optimizer"] = str(getattr(wrapped.zero_offload_optimizer(), "device", None) or "none")
         out["offload_param"] = str(getattr(wrapped.zero_offload_param(), "device", None) or "none")
         out["communication_dtype"] = str(wrapped.communication_data_type)
+        opt = wrapped.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: is the fp32 master its own copy of the weights?
+            shared = all(a is b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat))
+            out["fp32_master"] = "the weights" if shared else "a copy"
     if strategy.name == "fsdp":
         from torch.distributed.fsdp import FSDPModule
 

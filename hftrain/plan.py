@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .recipe import STRATEGIES
-from .strategies import DEFAULTS
+from .strategies import DEFAULTS, optimizer_swap_buffers
 
 GiB = 2**30
 SWAP_ALIGN = 2**18  # elements
@@ -47,8 +47,8 @@ def swap_buffer_elems(largest_tensor: int, world: int) -> int:
 
 def swap_buffer_bytes(largest_tensor: int, world: int, buffer_count: int = DEFAULTS["buffer_count"]) -> int:
     """CPU bytes per rank of ZeRO-Infinity's fp32 buffers, sized as above: buffer_count parameter swap buffers,
-    max(4, buffer_count) optimizer swap buffers (hftrain.strategies) and one sub-group's fp32 gradient."""
-    return 4 * swap_buffer_elems(largest_tensor, world) * (buffer_count + max(4, buffer_count) + 1)
+    the optimizer's swap buffers (strategies.optimizer_swap_buffers) and one sub-group's fp32 gradient."""
+    return 4 * swap_buffer_elems(largest_tensor, world) * (buffer_count + optimizer_swap_buffers(buffer_count) + 1)
 
 
 @dataclass

@@ -51,6 +51,11 @@ DEFAULTS = {
 }
 
 
+def optimizer_swap_buffers(buffer_count: int) -> int:
+    """ZeRO-Infinity's optimizer swap buffers: DeepSpeed's pipelined optimizer swapper needs at least 4."""
+    return max(4, buffer_count)
+
+
 def option_problems(s: StrategySection) -> list[tuple[str, str]]:
     """(key, message) for every option set that the named strategy does not read."""
     if s.name not in OPTIONS:  # unset, or a wrong name already reported by the type check
@@ -113,7 +118,7 @@ def deepspeed_config(s: StrategySection, communication_data_type: str | None = N
         swap = {"device": "nvme", "nvme_path": s.nvme_path, "pin_memory": s.pin_memory,
                 "buffer_count": s.buffer_count}
         zero["offload_param"] = {**swap, "buffer_size": s.buffer_size, "max_in_cpu": 0}
-        zero["offload_optimizer"] = {**swap, "buffer_count": max(4, s.buffer_count), "fast_init": False}
+        zero["offload_optimizer"] = {**swap, "buffer_count": optimizer_swap_buffers(s.buffer_count), "fast_init": False}
         # The optimizer's swap buffers each hold one sub-group: 1e9 elements pins GBs of RAM per rank.
         zero["sub_group_size"] = s.sub_group_size
         # Measured: a non-zero prefetch bucket with NVMe params fails "param N already assigned swap buffer id".

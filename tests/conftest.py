@@ -67,10 +67,9 @@ def deepspeed_ops():
         os.remove(lock)
     code = textwrap.dedent(f"""
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.op_builder import AsyncIOBuilder
         for name in {DEEPSPEED_OPS!r}:
             builder = get_accelerator().create_op_builder(name)
-            if name != "AsyncIOBuilder" or AsyncIOBuilder().is_compatible(verbose=False):  # needs libaio
+            if name != "AsyncIOBuilder" or builder.is_compatible(verbose=False):  # async_io needs libaio
                 builder.load(verbose=False)
     """)
     r = run([PY, "-c", code], timeout=1500)
