@@ -35,8 +35,8 @@ MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
 
 
 def main() -> None:
-    from hftrain.plan import plan
-    from hftrain.plan import model_facts
+    from hftrain.launch.plan import plan
+    from hftrain.launch.plan import model_facts
     from hftrain.tiny import build_tiny_model, texts_of_jsonl
 
     ap = argparse.ArgumentParser(allow_abbrev=False)

@@ -10,10 +10,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hftrain import distributed, engine  # noqa: E402
+from hftrain import distributed  # noqa: E402
+from hftrain.artifacts import describe  # noqa: E402
 from hftrain.data import build_datasets  # noqa: E402
+from hftrain.launch import setup_run  # noqa: E402
+from hftrain.launch.setup import launcher_strategy  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
-from hftrain.recipe import load_recipe  # noqa: E402
 from hftrain.trainer import HFTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,12 +89,10 @@ def main(model_dir: str, out: str, steps: str, nvme: str) -> None:
                  "data.max_length=64", f"training.output_dir={out}", f"training.max_steps={steps}",
                  "training.per_device_train_batch_size=2", "training.save_strategy=no", "training.report_to=none",
                  "training.disable_tqdm=true", "training.logging_steps=1"]
-    if engine.launcher_strategy() == "zero_infinity":
+    if launcher_strategy() == "zero_infinity":
         overrides.append(f"strategy.nvme_path={nvme}")
-    recipe = load_recipe(None, overrides, raw={})
-    strategy = engine.resolve_strategy(recipe)
-    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy))
-    engine.after_training_arguments(strategy)
+    run = setup_run(overrides, raw={})
+    recipe, strategy, args = run.recipe, run.strategy, run.args
     tokenizer = load_tokenizer(recipe.model)
     data = build_datasets(recipe.data, tokenizer)
     gc.collect()
@@ -108,7 +108,7 @@ def main(model_dir: str, out: str, steps: str, nvme: str) -> None:
     after = tensor_bytes() - tensors_before
     report = {"rss_before_model": before, "rss_after_train": rss(), "peak_rss": rss("VmHWM"),
               "tensor_bytes": max(after, at_step.most),
-              "engine": engine.describe(trainer, strategy)}
+              "engine": describe(trainer, strategy)}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"mem_rank{distributed.rank()}.json"), "w") as fh:
         json.dump(report, fh)

@@ -95,7 +95,7 @@ def _ep_worker(ns) -> None:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from hftrain.expert_parallel import ExpertParallelMoE
+    from hftrain.moe.expert_parallel import ExpertParallelMoE
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -22,6 +22,7 @@ import re
 import shutil
 import struct
 
+from .errors import CheckpointError
 from .fileio import atomic_write
 
 logger = logging.getLogger("hftrain")
@@ -33,10 +34,6 @@ STATE = "trainer_state.json"
 # Files or folders of which at least one holds the model in a checkpoint the Trainer can load.
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
            "pytorch_model.bin", "pytorch_model_fsdp_0", "pytorch_model_fsdp.bin", "latest")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or the one asked for cannot be resumed from (a user-facing error)."""
 
 
 def staging_root(run_dir: str) -> str:

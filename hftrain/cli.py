@@ -6,25 +6,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import subprocess
 import sys
+from dataclasses import replace
 
+from .config import RecipeError, StrategySection, load_recipe
+from .config.sections import STRATEGY_DEFAULTS
+from .constants import STRATEGIES
+from .errors import exit_on_user_error
 from .fileio import atomic_write
+from .hub.push import push, settings_for_run
+from .launch import check_data, check_recipe
+from .launch.plan import GiB, format_plan, model_facts, plan
+from .launch.strategies import render, slurm_script
+from .moe.upcycle import upcycle_folder
+from .tiny import build_tiny_model, texts_of_jsonl
 
 # recipes/sft.py of this checkout (hftrain is installed editable from the repository).
 DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
 
 
 def _check(ns) -> int:
-    from .recipe import load_recipe
-
-    recipe = load_recipe(ns.recipe, ns.overrides)
+    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
+    if not ns.no_data:
+        check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
     print(recipe.to_yaml(), end="")
     return 0
 
 
 def _tiny_model(ns) -> int:
-    from .tiny import build_tiny_model, texts_of_jsonl
-
     config = json.loads(ns.config) if ns.config else None
     out = build_tiny_model(ns.output, texts_of_jsonl(ns.data), config=config, vocab_size=ns.vocab_size, seed=ns.seed)
     print(f"hftrain: tiny model with a locally trained tokenizer written to {out}")
@@ -32,22 +43,14 @@ def _tiny_model(ns) -> int:
 
 
 def _config(ns) -> int:
-    from dataclasses import replace
-
-    from .recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
-    from .strategies import render, slurm_script
-
-    from .compression import zero_communication_dtype
-
-    training, comm_dtype = None, None
+    training, comm_dtype, overrides = None, None, list(ns.overrides)
     if ns.recipe:
-        recipe = load_recipe(ns.recipe, ns.overrides)
-        strategy, training = recipe.strategy, recipe.training
-        comm_dtype = zero_communication_dtype(recipe.compression)
         if ns.strategy:
-            strategy = replace(strategy, name=ns.strategy)
-        if strategy.name is None:
+            overrides.append(f"strategy.name={ns.strategy}")
+        recipe, strategy = check_recipe(ns.recipe, overrides, environment=False)
+        if recipe.strategy.name is None:
             raise RecipeError([f"{ns.recipe}: strategy.name is unset; set it in the recipe or pass --strategy NAME"])
+        training, comm_dtype = recipe.training, recipe.compression.reduce_dtype()
         out = ns.output or recipe.output_dir
         names = [strategy.name]
     else:
@@ -71,20 +74,9 @@ def _config(ns) -> int:
 
 
 def _launch(ns) -> int:
-    import shlex
-    import subprocess
-    from dataclasses import replace
-
-    from .compression import zero_communication_dtype
-    from .engine import checked_strategy
-    from .recipe import load_recipe
-    from .strategies import DEFAULTS, render
-
-    recipe = load_recipe(ns.recipe, ns.overrides)
-    strategy = replace(recipe.strategy, name=recipe.strategy.name or "ddp")
-    strategy = checked_strategy(recipe, strategy, world_size=strategy.num_processes or DEFAULTS["num_processes"])
+    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
     config = render(strategy, recipe.output_dir, recipe.training,
-                    communication_data_type=zero_communication_dtype(recipe.compression))[0]
+                    communication_data_type=recipe.compression.reduce_dtype())[0]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
     if ns.max_restarts:
         cmd += ["--max_restarts", str(ns.max_restarts)]
@@ -96,24 +88,18 @@ def _launch(ns) -> int:
 
 
 def _plan(ns) -> int:
-    from .plan import GiB, format_plan, model_facts, plan
-    from .recipe import load_recipe
-
     recipe = load_recipe(ns.recipe, ns.overrides)
-    m, t = recipe.model, recipe.training
+    m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype)
-    rows = plan(facts, ns.gpus_per_node, ns.nodes, t.get("per_device_train_batch_size", 8), recipe.data.max_length,
-                m.gradient_checkpointing, bool(t.get("bf16") or t.get("fp16")))
+    rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
+                bool(recipe.training_value("bf16") or recipe.training_value("fp16")))
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters, {facts.trainable / 1e6:.1f}M trained; "
-          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {t.get('per_device_train_batch_size', 8)} "
-          f"x {recipe.data.max_length} tokens")
+          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens")
     print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None))
     return 0
 
 
 def _push(ns) -> int:
-    from .hub import settings_for_run, push
-
     hub, recipe = settings_for_run(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
                                   revision=ns.revision, commit_message=ns.commit_message,
                                   merge_lora=ns.merge_lora or None, license=ns.license)
@@ -122,8 +108,6 @@ def _push(ns) -> int:
 
 
 def _moe_upcycle(ns) -> int:
-    from .moe import upcycle_folder
-
     out = upcycle_folder(ns.model, ns.output, ns.num_experts, ns.top_k, ns.layers, ns.router_init_std, ns.seed)
     print(f"hftrain: upcycled {ns.model} to {ns.num_experts} experts (top-{ns.top_k}) in {out}")
     return 0
@@ -133,9 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("check", allow_abbrev=False, help="Validate a recipe and print it resolved (defaults + YAML + overrides).")
+    c = sub.add_parser("check", allow_abbrev=False,
+                       help="Validate a recipe as the run would (every problem at once: the recipe, its strategy, "
+                       "paths, output_dir, resume, NVMe; then every data row), and print it resolved.")
     c.add_argument("recipe", help="recipe YAML")
     c.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    c.add_argument("--no-data", dest="no_data", action="store_true",
+                   help="skip the data phase (tokenizer and every row of every source)")
     c.set_defaults(fn=_check)
 
     g = sub.add_parser(
@@ -144,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("recipe", nargs="?", help="recipe YAML (optional)")
     g.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    g.add_argument("--strategy", choices=["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"])
+    g.add_argument("--strategy", choices=STRATEGIES)
     g.add_argument("--all", action="store_true", help="every strategy (how accelerate_configs/ is made)")
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
     g.add_argument("--slurm", action="store_true", help="also write launch.sbatch: one accelerate launch per node")
@@ -214,8 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import exit_on_user_error
-
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)

@@ -1,6 +1,6 @@
 """Gradient compression on the data-parallel gradient reduction, and what it costs and saves.
 
-Where each method runs (see `problems` for the refusals):
+Where each method runs (config.rules refuses the rest):
 - DDP: a communication hook on the wrapped model. fp16 and PowerSGD are PyTorch's own hooks
   (`default_hooks.fp16_compress_hook`, `powerSGD_hook.powerSGD_hook`). Written here, because PyTorch has none
   that works: bf16 (PyTorch's refuses anything but CUDA/NCCL or XPU, so it cannot run on gloo), and int8 and
@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-METHODS = ("none", "fp16", "bf16", "powersgd", "int8", "topk")
-ERROR_FEEDBACK_METHODS = ("powersgd", "int8", "topk")
-DDP_ONLY = ("powersgd", "int8", "topk")
+from .patches.accelerate import HookedDDPKwargs
+
 
 
 # -- pure maths (tested single-process) -------------------------------------------------------------------------
@@ -302,51 +301,15 @@ def make_hook_state(cfg, world: int) -> HookState:
     return state
 
 
-# -- what runs where ---------------------------------------------------------------------------------------------
-def problems(cfg, strategy: str, training: dict) -> list[tuple[str, str]]:
-    """Combinations that cannot run, each with what works instead. `strategy` is the resolved strategy name."""
-    out = []
-    m = cfg.method
-    if m == "none":
-        return out
-    if m in DDP_ONLY and strategy != "ddp":
-        out.append(("compression.method", f"'{m}' runs only as a DDP communication hook, not under '{strategy}'; "
-                    f"use strategy ddp, or compression.method fp16/bf16 (reduce dtype) with '{strategy}'"))
-    if m == "powersgd" and training.get("ddp_find_unused_parameters") is True:
-        out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "
-                    "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
-                    "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
-    return out
-
-
-def zero_communication_dtype(cfg) -> str | None:
-    """DeepSpeed's `communication_data_type` for fp16/bf16 compression under ZeRO."""
-    return cfg.method if cfg.method in ("fp16", "bf16") else None
-
-
-def fsdp_reduce_dtype(cfg) -> torch.dtype | None:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.method)
-
-
 # -- wiring into transformers' Trainer ---------------------------------------------------------------------------
+def fsdp_reduce_dtype(cfg) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.reduce_dtype())
+
+
 def ddp_kwargs_with_hook(ddp_kwargs, cfg, on_register):
-    """The Trainer's DistributedDataParallelKwargs (every DDP option kept) registering hftrain's hook instead.
-
-    accelerate calls `ddp_handler.register_comm_hook(model)` right after it wraps the model in DDP, exactly where
-    the hook must go; its own hook types cover only fp16, bf16 on NCCL and PowerSGD, without metering. Install the
-    result as `accelerator.ddp_handler` (accelerate maps handlers by exact class, so it cannot be passed in)."""
-    from dataclasses import dataclass as _dc, fields as _fields
-
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    @_dc
-    class HFTrainDDPKwargs(DistributedDataParallelKwargs):
-        def register_comm_hook(self, model):
-            state = make_hook_state(cfg, dist.get_world_size())
-            model.register_comm_hook(state, ddp_hook)
-            on_register(state)
-
-    return HFTrainDDPKwargs(**{f.name: getattr(ddp_kwargs, f.name) for f in _fields(ddp_kwargs)})
+    """The Trainer's DistributedDataParallelKwargs (every DDP option kept) registering hftrain's hook instead
+    (patches.accelerate.HookedDDPKwargs says why); install the result as `accelerator.ddp_handler`."""
+    return HookedDDPKwargs(ddp_kwargs, lambda: make_hook_state(cfg, dist.get_world_size()), ddp_hook, on_register)
 
 
 class CommMetricsCallback(TrainerCallback):

@@ -13,10 +13,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .config import DataSection, DataSource
+from .constants import IGNORE_INDEX
 from .distributed import main_process_first
-from .recipe import DataSection, DataSource
+from .errors import DataError
 
-IGNORE_INDEX = -100
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMAT_COLUMNS = {
     "messages": ("messages",),
@@ -25,10 +26,6 @@ FORMAT_COLUMNS = {
     "text": ("text",),
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
-
-
-class DataError(ValueError):
-    pass
 
 
 @dataclass

@@ -92,28 +92,12 @@ def shutdown(wait: bool = True) -> None:
     sys.stderr.flush()
 
 
-def isolate_restart_attempt() -> None:
-    """After an elastic restart, start the process group on a store prefixed by the attempt number.
-
-    torchrun's static rendezvous (accelerate's default) hands the restarted workers the agent's TCPStore of the
-    first attempt, with no per-attempt prefix (torch 2.13; pytorch/pytorch#135712 is the same trap with c10d):
-    the new gloo/NCCL group can read the dead attempt's addresses and fail with "connectFullMesh ... Connection
-    refused" (seen in 1 of 2 restarts here). No library option isolates it, so hftrain does, before accelerate
-    creates the group (it keeps an initialised one).
-    """
-    from datetime import timedelta
-
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
-        return
-    world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(minutes=30))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank_, world_size=world,
-                            store=dist.PrefixStore(f"hftrain/attempt_{attempt}", store))
-    print0(f"hftrain: restart {attempt}: process group on a fresh store prefix")
+def accelerator_available() -> bool:
+    """A GPU-like device is present (CUDA, XPU, MPS, ...): decides use_cpu, NCCL vs gloo, FSDP's CPU shim."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
 
 
 def launcher_world_size() -> int:

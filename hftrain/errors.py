@@ -1,4 +1,4 @@
-"""User errors end the process with one clear message and exit status 2, not a traceback."""
+"""Every error a user can cause, and the one way they end a process: one message, exit status 2, no traceback."""
 
 from __future__ import annotations
 
@@ -8,22 +8,56 @@ import sys
 from . import distributed
 
 
-def user_error_types() -> tuple[type, ...]:
-    from .checkpoints import CheckpointError
-    from .data import DataError
-    from .modeling import ModelError
-    from .recipe import RecipeError
-    from .engine import LaunchError
-    from .hub import HubError
+class UserError(Exception):
+    """Something the user can fix; the message names the key or file and the fix."""
 
-    return (RecipeError, DataError, ModelError, LaunchError, HubError, CheckpointError)
+
+class RecipeError(UserError, ValueError):
+    """All problems of one recipe in this environment, reported together."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(f"{n} problem{'s' if n > 1 else ''} in the recipe:\n"
+                         + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class LaunchError(UserError, RuntimeError):
+    """The launched processes are not what the recipe asked for."""
+
+
+class DataError(UserError, ValueError):
+    """A data source that cannot be read or trained on."""
+
+
+class ModelError(UserError, ValueError):
+    """A model or tokenizer that cannot be loaded as asked."""
+
+
+class MoeError(ModelError):
+    """An MoE request the model cannot serve (unsupported family, bad layer list, ...)."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint could not be written, or the one asked for cannot be resumed from."""
+
+
+class HubError(UserError, ValueError):
+    """A run that cannot (or could not) be pushed: what is wrong and how to fix it."""
+
+    def __init__(self, problems: list[str] | str, header: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if header is None and len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            super().__init__((header or "refusing to push") + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 @contextlib.contextmanager
 def exit_on_user_error():
     try:
         yield
-    except user_error_types() as e:
+    except UserError as e:
         # Every rank hits the same error; one copy of the message is enough.
         if distributed.is_main_process():
             print(f"hftrain: error: {e}", file=sys.stderr, flush=True)

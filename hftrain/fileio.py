@@ -1,7 +1,8 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Small file helpers: atomic writes (a reader sees the old file or the new one, never half of one), JSON reads."""
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -12,3 +13,30 @@ def atomic_write(path: str, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict:
+    """A JSON file's object, or {} when the file does not exist."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (imported on first use: matplotlib is slow to import)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str) -> str:
+    """Write a matplotlib figure as PNG atomically and close it."""
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=90)
+    pyplot().close(fig)
+    os.replace(tmp, path)
+    return path

@@ -15,11 +15,14 @@ the runs of position_ids that restart at 0.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-MODES = ("token", "sequence")
+from .constants import IGNORE_INDEX, LossAveraging
+
+MODES = get_args(LossAveraging)
 
 
 def segment_ids(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,46 +4,67 @@ from __future__ import annotations
 
 import os
 
-from .recipe import ModelSection
+from .config import ModelSection
+from .errors import ModelError
+from .moe.upcycle import upcycle
 
 
-class ModelError(ValueError):
-    pass
-
-
-def _check_path(name_or_path: str, key: str) -> None:
+def _path_problem(name_or_path: str, key: str) -> str | None:
     # A Hub id is "name" or "org/name"; anything else is a local path, and a missing one is a typo, not a download.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
-        raise ModelError(f"{key}: {name_or_path} does not exist (a local path; check the spelling or build it first)")
+        return f"{key}: {name_or_path} does not exist (a local path; check the spelling or build it first)"
+    return None
 
 
-def _check_safetensors(path: str) -> None:
+def _pickle_only_problem(path: str) -> str | None:
     """A local folder with pickle weights only: say why it is refused and how to convert it."""
     if not os.path.isdir(path):
-        return
+        return None
     names = os.listdir(path)
     pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
     if pickles and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
-        raise ModelError(
-            f"model.name_or_path: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
-            "safetensors only, because unpickling a file can run code. If you trust the file, convert it once: "
-            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (writes model.safetensors)")
+        return (f"model.name_or_path: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
+                "safetensors only, because unpickling a file can run code. If you trust the file, convert it once: "
+                "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (writes model.safetensors)")
+    return None
+
+
+def _chat_template_problem(chat_template: str | None) -> str | None:
+    if chat_template and chat_template.endswith(".jinja") and not os.path.isfile(chat_template):
+        return (f"data.chat_template: {chat_template} does not exist; give an existing .jinja file or the template "
+                "itself as a string")
+    return None
+
+
+def path_problems(cfg: ModelSection, chat_template: str | None = None) -> list[tuple[str, str]]:
+    """(key, message) for model, tokenizer and chat template paths that cannot be loaded: checked before anything
+    is loaded (launch.preflight) and again by the loaders."""
+    checks = [("model.name_or_path", _path_problem(cfg.name_or_path, "model.name_or_path")),
+              ("model.name_or_path", _pickle_only_problem(cfg.name_or_path)),
+              ("data.chat_template", _chat_template_problem(chat_template))]
+    if cfg.tokenizer_name_or_path:
+        checks.append(("model.tokenizer_name_or_path",
+                       _path_problem(cfg.tokenizer_name_or_path, "model.tokenizer_name_or_path")))
+    return [(key, msg) for key, msg in checks if msg]
+
+
+def _raise_if(problem: str | None) -> None:
+    if problem:
+        raise ModelError(problem)
 
 
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
-    _check_path(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path")
+    _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
+    _raise_if(_chat_template_problem(chat_template))
     tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if not getattr(tok, "is_fast", False):
         raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks need offsets")
     if chat_template:
         if chat_template.endswith(".jinja"):
-            if not os.path.isfile(chat_template):
-                raise ModelError(f"data.chat_template: {chat_template} does not exist; give an existing .jinja file "
-                                 "or the template itself as a string")
             with open(chat_template, encoding="utf-8") as fh:
                 chat_template = fh.read()
         tok.chat_template = chat_template
@@ -57,17 +78,15 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    _check_path(cfg.name_or_path, "model.name_or_path")
-    _check_safetensors(cfg.name_or_path)
+    _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
+    _raise_if(_pickle_only_problem(cfg.name_or_path))
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     # Weights are read from safetensors only: a pickle checkpoint could run code on load.
     model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, use_safetensors=True, **kwargs)
-    if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain/moe.py)
-        from .moe import upcycle
-
+    if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
     if packing:

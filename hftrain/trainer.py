@@ -8,7 +8,8 @@ Small overrides, nothing else:
 - `log`: adds the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
 - `_save_checkpoint`: writes into a staging folder and publishes it by rename once every rank is done, and
   `train` resumes from the newest *complete* checkpoint (hftrain/checkpoints.py says why);
-- gradient compression (compression.py): the DDP options get hftrain's comm hook, FSDP2 its reduce dtype.
+- gradient compression (compression.py): the DDP options get hftrain's comm hook, FSDP2 its reduce dtype;
+- the staging folder and the DeepSpeed universal-checkpoint fix are changes to libraries: hftrain.patches.
 Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
 nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
 """
@@ -26,6 +27,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import checkpoints, distributed, losses
 from . import compression as comp
+from .config import strategy_of_deepspeed_config
+from .patches.deepspeed import untie_zero3_universal_steps
+from .patches.transformers import staged_checkpoint_dir
 
 
 class HFTrainer(Trainer):
@@ -139,8 +143,6 @@ class HFTrainer(Trainer):
         if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
             with distributed.main_process_first():
                 universal = checkpoints.to_universal(path)
-            from .deepspeed_fixes import untie_zero3_universal_steps
-
             untie_zero3_universal_steps()
             self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
             distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
@@ -149,9 +151,7 @@ class HFTrainer(Trainer):
 
     def _layout(self) -> dict:
         if self.is_deepspeed_enabled:
-            from .engine import _zero_name_from_json
-
-            strategy = _zero_name_from_json(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         else:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args
@@ -165,17 +165,15 @@ class HFTrainer(Trainer):
         if self.args.should_save and os.path.lexists(staged):
             shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
         distributed.barrier()
-        self._get_output_dir = lambda trial=None: root  # super() writes (and rotates) under the staging root
         try:
-            super()._save_checkpoint(model, trial)
+            with staged_checkpoint_dir(self, root):  # super() writes (and rotates) under the staging root
+                super()._save_checkpoint(model, trial)
         except Exception as e:
             error = checkpoints.save_failure(e, staged, run_dir)
             if self.args.should_save:
                 shutil.rmtree(staged, ignore_errors=True)
                 checkpoints.remove_staging_root(root)
             raise error from e
-        finally:
-            del self._get_output_dir
         distributed.barrier()  # every rank has written its part (sharded strategies: its shards)
         if self.args.should_save:
             if self.state.best_global_step:  # super() looked for the best checkpoint under the staging root

@@ -3,23 +3,21 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py recipes/demo/sft.yaml [key=value ...]
     python recipes/sft.py recipes/demo/sft.yaml training.max_steps=10
 
-parse -> model/tokenizer -> data -> trainer -> train -> save (-> Hub push). The detail lives in the hftrain package.
+set up -> data -> model -> trainer -> train -> save (-> Hub push). The detail lives in the hftrain package.
 """
 
 import math
 import sys
 
-from transformers import set_seed
-
-from hftrain import distributed, engine, moe
+from hftrain import distributed, moe
+from hftrain.artifacts import first_eval, save_final, write_recipe
 from hftrain.callbacks import CurvesCallback
-from hftrain.data import build_datasets
+from hftrain.constants import SHARDED, ZERO3
 from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
-from hftrain.hub import check_token, push_after_training
-from hftrain.modeling import load_model, load_tokenizer
-from hftrain.recipe import load_from_argv
-from hftrain.run import check_batch, check_world_size, first_eval, save_final, write_recipe, write_strategy_configs
+from hftrain.hub.push import check_token, push_after_training
+from hftrain.launch import check_data, setup_run, write_strategy_configs
+from hftrain.modeling import load_model
 from hftrain.trainer import HFTrainer
 
 
@@ -32,29 +30,21 @@ def exact_match_now(trainer, data, recipe, sharded: bool) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    # 1. Parse: defaults < YAML < command line, every problem reported at once; then the launcher's strategy
-    #    with the recipe's options applied (a disagreement stops here, before any model is loaded).
-    recipe = load_from_argv(argv)
+    # 1. Set up: every problem of the recipe in this environment at once (defaults < YAML < command line, the
+    #    launcher's strategy and world), then environment, patches, process group and TrainingArguments.
+    run = setup_run(argv)
+    recipe, strategy, args = run.recipe, run.strategy, run.args
     check_token(recipe.hub)  # hub.push: the token must be there before training, not after
-    strategy = engine.resolve_strategy(recipe)
-    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy, recipe.compression))  # starts torch.distributed
-    engine.after_training_arguments(strategy)
-    check_world_size(args)
-    set_seed(args.seed)
 
-    # 2. Model and tokenizer (same seed on every rank, so any random init agrees).
-    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    # 2. Data before the model: every row is read and tokenised (on the main process first, reused from the datasets
+    #    cache by the others), so a bad row stops the run before any weight is loaded.
+    tokenizer, data = check_data(recipe, args.world_size, seed=args.seed)
     model = load_model(recipe.model, packing=recipe.data.packing, moe=recipe.moe)
-
-    # 3. Data: tokenised once on the main process, reused from the datasets cache by the others.
-    data = build_datasets(recipe.data, tokenizer, seed=args.seed, exact_match=recipe.eval.exact_match)
-    check_batch(args, len(data.train))
-    distributed.print0(f"hftrain: {len(data.train)} training examples"
-                       + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     write_recipe(recipe)
-    write_strategy_configs(recipe, strategy)
+    if distributed.is_main_process():
+        write_strategy_configs(recipe, strategy)
 
-    # 4. Trainer: transformers' Trainer with hftrain's exact loss normalisation (hftrain/losses.py).
+    # 3. Trainer: transformers' Trainer with hftrain's exact loss normalisation (hftrain/losses.py).
     trainer = HFTrainer(
         model=model,
         args=args,
@@ -68,20 +58,18 @@ def main(argv: list[str]) -> None:
     )
     moe.attach(trainer, recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules for any MoE block
 
-    # 5. Train. The eval loss before training comes from eval_on_start (see Recipe.training_arguments); greedy
+    # 4. Train. The eval loss before training comes from eval_on_start (config.training.arguments_kwargs); greedy
     #    answers before training need the whole model on each rank (not the case under ZeRO-3's zero.Init).
-    sharded = strategy.name in engine.SHARDED
-    before = {} if strategy.name in ("zero3", "zero3_offload", "zero_infinity") else exact_match_now(
-        trainer, data, recipe, sharded=False)
+    before = {} if strategy.name in ZERO3 else exact_match_now(trainer, data, recipe, sharded=False)
     train_result = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint or None)
     before.update(first_eval(trainer.state.log_history))
-    after = {**exact_match_now(trainer, data, recipe, sharded),
+    after = {**exact_match_now(trainer, data, recipe, strategy.name in SHARDED),
              **({"eval_loss": trainer.evaluate()["eval_loss"]} if data.eval is not None else {})}
     metrics = {**train_result.metrics, **{f"final_{k}": v for k, v in after.items()},
                **{f"initial_{k}": v for k, v in before.items()}}
     trainer.log_metrics("train", train_result.metrics)
 
-    # 6. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir.
+    # 5. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir.
     save_final(trainer, recipe, strategy, tokenizer, metrics)
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key, math.nan), after.get(key, math.nan)

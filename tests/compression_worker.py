@@ -14,12 +14,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback, set_seed
+from transformers import TrainerCallback
 
-from hftrain import distributed, engine
+from hftrain import distributed
+from hftrain.artifacts import describe
 from hftrain.data import build_datasets
+from hftrain.launch import setup_run
 from hftrain.modeling import load_model, load_tokenizer
-from hftrain.recipe import load_recipe
 from hftrain.trainer import HFTrainer
 
 COUNTED = {"bytes": 0}
@@ -56,11 +57,8 @@ class EveryStep(TrainerCallback):
 
 
 def main(recipe_path, out, overrides):
-    recipe = load_recipe(recipe_path, overrides)
-    strategy = engine.resolve_strategy(recipe)
-    args = recipe.training_arguments(**engine.training_arguments_kwargs(strategy, recipe.compression))
-    engine.after_training_arguments(strategy)
-    set_seed(args.seed)
+    run = setup_run([recipe_path, *overrides])
+    recipe, strategy, args = run.recipe, run.strategy, run.args
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     model = load_model(recipe.model)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
@@ -72,7 +70,7 @@ def main(recipe_path, out, overrides):
     if distributed.is_main_process():
         with open(out, "w") as fh:
             json.dump({"steps": every.steps, "log_history": trainer.state.log_history,
-                       "world_size": args.world_size, **engine.describe(trainer, strategy)}, fh)
+                       "world_size": args.world_size, **describe(trainer, strategy)}, fh)
     del trainer, model
     distributed.shutdown()
 

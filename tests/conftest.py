@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from hftrain.preflight import extensions_dir, stale_build_locks
+from hftrain.launch.preflight import extensions_dir, stale_build_locks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from hftrain import expert_parallel as ep
+from hftrain.moe import expert_parallel as ep
 
 _parallelize = ep.parallelize
 

@@ -1,4 +1,4 @@
-"""2-rank check of hftrain.expert_parallel (run by tests/test_moe.py with torchrun): the expert-parallel layer's
+"""2-rank check of hftrain.moe.expert_parallel (run by tests/test_moe.py with torchrun): the expert-parallel layer's
 output and gradients equal the native Mixtral block's / the local layer's on the same input."""
 
 import json
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from hftrain.expert_parallel import ExpertParallelMoE
+from hftrain.moe.expert_parallel import ExpertParallelMoE
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -18,7 +18,8 @@ from .conftest import DEMO_TRAIN
 def make_trainer(model_dir, out, **training):
     from hftrain.data import build_datasets
     from hftrain.modeling import load_model, load_tokenizer
-    from hftrain.recipe import load_recipe
+    from hftrain.config import load_recipe
+    from hftrain.launch.setup import training_arguments
     from hftrain.trainer import HFTrainer
 
     recipe = load_recipe(None, raw={
@@ -28,7 +29,7 @@ def make_trainer(model_dir, out, **training):
                      "learning_rate": 1e-3, "logging_steps": 1, "report_to": "none", "seed": 0,
                      "disable_tqdm": True, "save_total_limit": 3, **training},
     })
-    args = recipe.training_arguments()
+    args = training_arguments(recipe)
     tokenizer = load_tokenizer(recipe.model)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
     return HFTrainer(model=load_model(recipe.model), args=args, train_dataset=data.train,
@@ -223,8 +224,8 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
 def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir, reference):
     """The final model is written aside and moved in file by file: a disk too small for model.safetensors fails
     the save with the no-space message, and output_dir holds no partial weights."""
-    from hftrain.recipe import load_recipe
-    from hftrain.run import save_final
+    from hftrain.config import load_recipe
+    from hftrain.artifacts import save_final
 
     small = tmp_path / "small"
     small.mkdir()

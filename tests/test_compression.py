@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hftrain import compression as comp
-from hftrain.recipe import RecipeError, load_recipe
+from hftrain.config import RecipeError, load_recipe
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
@@ -159,11 +159,11 @@ def test_impossible_combinations_are_refused_before_launch(tmp_path, tiny_model_
 
 
 def test_zero_and_fsdp_get_the_reduction_dtype():
-    from hftrain.recipe import StrategySection
-    from hftrain.strategies import deepspeed_config
+    from hftrain.config import StrategySection
+    from hftrain.launch.strategies import deepspeed_config
 
     r = load_recipe(None, raw={**BASE, "compression": {"method": "bf16"}})
-    assert comp.zero_communication_dtype(r.compression) == "bf16"
+    assert r.compression.reduce_dtype() == "bf16"
     assert deepspeed_config(StrategySection(name="zero2"), "bf16")["communication_data_type"] == "bf16"
     assert "communication_data_type" not in deepspeed_config(StrategySection(name="zero2"))
     assert comp.fsdp_reduce_dtype(r.compression) == torch.bfloat16

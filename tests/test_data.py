@@ -12,7 +12,7 @@ from hftrain.data import (
     tokenize_example,
     to_messages_or_text,
 )
-from hftrain.recipe import DataSection, DataSource
+from hftrain.config import DataSection, DataSource
 
 
 def trainable_text(tok, out) -> str:
@@ -180,7 +180,7 @@ def test_packing_isolates_examples(tiny_model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from hftrain.modeling import load_model
-    from hftrain.recipe import ModelSection
+    from hftrain.config import ModelSection
 
     model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation="sdpa"), packing=True).train()
     exs = [tokenize_example({"messages": CHAT}, tokenizer, False),
@@ -208,7 +208,7 @@ def test_padding_collator_masks_padding(tokenizer):
 
 def test_chat_template_override_from_string_and_file(tmp_path, tiny_model_dir):
     from hftrain.modeling import ModelError, load_tokenizer
-    from hftrain.recipe import ModelSection
+    from hftrain.config import ModelSection
 
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from hftrain.run import weights_digest
+from hftrain.artifacts import weights_digest
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run

@@ -20,8 +20,10 @@ import pytest
 import torch
 import yaml
 
-from hftrain.hub import STAGE_DIR, HubError, push, validate_folder
-from hftrain.recipe import HubSection, RecipeError, load_recipe
+from hftrain.errors import HubError
+from hftrain.hub.checks import validate_folder
+from hftrain.hub.push import STAGE_DIR, push
+from hftrain.config import HubSection, RecipeError, load_recipe
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
@@ -167,7 +169,7 @@ def assert_received_equals_staged(received: dict, staged_dir):
 def probe_equal(folder, info):
     from transformers import AutoModelForCausalLM
 
-    from hftrain.run import PROBE_IDS
+    from hftrain.constants import PROBE_IDS
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = torch.tensor(PROBE_IDS) % model.config.vocab_size

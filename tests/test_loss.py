@@ -48,7 +48,7 @@ def test_sequence_loss_is_sum_of_row_means():
 @pytest.mark.parametrize("mode", losses.MODES)
 def test_packed_and_padded_batches_give_the_same_loss(tiny_model_dir, tokenizer, mode):
     from hftrain.modeling import load_model
-    from hftrain.recipe import ModelSection
+    from hftrain.config import ModelSection
 
     model = load_model(ModelSection(name_or_path=tiny_model_dir), packing=True).eval()
     exs = [tokenize_example({"prompt": f"reverse: {'a ' * k}", "completion": "b " * (k + 2)}, tokenizer, False)

@@ -9,6 +9,10 @@ import yaml
 from safetensors.torch import load_file
 
 from hftrain import moe
+from hftrain.errors import MoeError
+from hftrain.moe.aux import z_loss
+from hftrain.moe.blocks import moe_blocks, routers
+from hftrain.moe.upcycle import upcycle
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run
@@ -31,15 +35,15 @@ def dense(kind: str, seed=0):
                                                 ("qwen2", [1], "Qwen2MoeForCausalLM")])
 def test_upcycled_logits_equal_dense(kind, layers, target):
     d = dense(kind)
-    m = moe.upcycle(d, num_experts=4, top_k=2, layers=layers).eval()
+    m = upcycle(d, num_experts=4, top_k=2, layers=layers).eval()
     assert type(m).__name__ == target
-    assert len(moe.moe_blocks(m)) == (len(layers) if layers else d.config.num_hidden_layers)
+    assert len(moe_blocks(m)) == (len(layers) if layers else d.config.num_hidden_layers)
     if layers:  # the other layers keep the dense MLP (Qwen2-MoE's mlp_only_layers)
         assert type(m.model.layers[0].mlp).__name__ == "Qwen2MoeMLP"
     with torch.no_grad():
         a, b = d(input_ids=IDS).logits, m(input_ids=IDS).logits
         # the routers really route: different tokens go to different experts
-        idx = moe.routers(m)[0](m.model.embed_tokens(IDS))[2]
+        idx = routers(m)[0](m.model.embed_tokens(IDS))[2]
     assert a.abs().max() > 1.0
     torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     assert idx.unique().numel() == 4
@@ -49,12 +53,12 @@ def test_unsupported_families_and_partial_mixtral_are_refused():
     from transformers import AutoModelForCausalLM, GPT2Config
 
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(moe.MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe"):
-        moe.upcycle(gpt2, 4, 2)
-    with pytest.raises(moe.MoeError, match="every layer must be upcycled"):
-        moe.upcycle(dense("llama"), 4, 2, layers=[0])
-    with pytest.raises(moe.MoeError, match="top_k: must be in 1..4"):
-        moe.upcycle(dense("llama"), 4, 5)
+    with pytest.raises(MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe"):
+        upcycle(gpt2, 4, 2)
+    with pytest.raises(MoeError, match="every layer must be upcycled"):
+        upcycle(dense("llama"), 4, 2, layers=[0])
+    with pytest.raises(MoeError, match="top_k: must be in 1..4"):
+        upcycle(dense("llama"), 4, 5)
 
 
 EXPORT_CHECK = r"""
@@ -106,7 +110,7 @@ def test_cli_upcycle_exports_a_native_mixtral_that_reloads_without_hftrain(tiny_
 
 def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
     d = dense("qwen2")
-    m = moe.upcycle(d, 4, 2, layers=[0])
+    m = upcycle(d, 4, 2, layers=[0])
     m.save_pretrained(tmp_path / "qmoe")
     (cls, model_type), logits = reload_without_hftrain(tmp_path / "qmoe", tmp_path)
     assert (cls, model_type) == ("Qwen2MoeForCausalLM", "qwen2_moe")
@@ -118,15 +122,15 @@ def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
 def test_moe_model_returns_aux_loss_but_no_loss_of_its_own():
     """hftrain passes no labels: the model must not fold its aux loss into a loss (which the Trainer would scale by
     the world size); hftrain adds it itself, once, through aux_losses."""
-    m = moe.upcycle(dense("llama"), 4, 2, router_init_std=1.0).train()
+    m = upcycle(dense("llama"), 4, 2, router_init_std=1.0).train()
     m.config.output_router_logits = True
     out = m(input_ids=IDS)
     assert out.loss is None and out.aux_loss.ndim == 0 and out.aux_loss > 0
     assert len(out.router_logits) == 2
-    z = moe.z_loss(out.router_logits, None)
+    z = z_loss(out.router_logits, None)
     mask = torch.ones(IDS.numel())
     mask[:5] = 0
-    assert moe.z_loss(out.router_logits, mask) != z  # padding rows are left out
+    assert z_loss(out.router_logits, mask) != z  # padding rows are left out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,7 +180,7 @@ def test_recipe_upcycles_trains_and_experts_specialise(tiny_model_dir, tmp_path)
 
 
 def test_recipe_moe_section_is_validated():
-    from hftrain.recipe import RecipeError, load_recipe
+    from hftrain.config import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.upcycle.num_experts=1",
@@ -201,7 +205,7 @@ def tiny_mixtral_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mixtral")
     base = build_tiny_model(str(tmp / "dense"), texts_of_jsonl([DEMO_TRAIN]),
                             config={**SMALL, "initializer_range": 0.3}, vocab_size=300, seed=0)
-    m = moe.upcycle(AutoModelForCausalLM.from_pretrained(base), 4, 2, router_init_std=1.0)
+    m = upcycle(AutoModelForCausalLM.from_pretrained(base), 4, 2, router_init_std=1.0)
     # experts made different, as in a trained MoE (identical experts give the router no gradient from the LM loss)
     with torch.no_grad():
         for layer in m.model.layers:
@@ -303,7 +307,7 @@ def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux
 def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp_path, deepspeed_ops):
     from transformers import AutoModelForCausalLM
 
-    from hftrain.run import PROBE_IDS
+    from hftrain.constants import PROBE_IDS
 
     out = tmp_path / "z3"
     cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero3.yaml", "--main_process_port",
@@ -369,7 +373,7 @@ def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_
 
 
 def test_expert_parallel_options_are_validated():
-    from hftrain.recipe import RecipeError, load_recipe
+    from hftrain.config import RecipeError, load_recipe
 
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
@@ -394,7 +398,7 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
     from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
     from hftrain import losses
-    from hftrain.recipe import MoeSection
+    from hftrain.config import MoeSection
     from hftrain.trainer import HFTrainer
 
     cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,

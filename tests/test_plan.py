@@ -2,7 +2,7 @@
 
 import pytest
 
-from hftrain.plan import ModelFacts, format_plan, model_facts, plan, recommend
+from hftrain.launch.plan import ModelFacts, format_plan, model_facts, plan, recommend
 
 PSI = 1_000_000_000
 FACTS = ModelFacts(params=PSI, trainable=PSI, largest_layer=10_000_000, hidden=4096, layers=32, vocab=32000,
@@ -28,7 +28,7 @@ def test_hand_computed_zero_formulas():
 
 def test_fp32_deepspeed_counts_its_redundant_master_copy():
     """fp32 weights: PyTorch engines hold 4 + 4 + 8 bytes per parameter; DeepSpeed adds an fp32 master partition
-    (ZeRO-1/2 and offloaded optimizers clone even fp32 weights), except plain ZeRO-3 once hftrain.deepspeed_fixes
+    (ZeRO-1/2 and offloaded optimizers clone even fp32 weights), except plain ZeRO-3 once hftrain.patches.deepspeed
     lets it reuse them (bench/memory.py: 16 bytes / N per ZeRO-3 rank, 20 / N without the fix)."""
     fp32 = ModelFacts(params=PSI, trainable=PSI, largest_layer=10_000_000, hidden=4096, layers=32, vocab=32000,
                       weight_bytes=4, largest_tensor=4_000_000)

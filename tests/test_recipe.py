@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from hftrain.cli import main as cli_main
-from hftrain.recipe import TRAINING_DEFAULTS, RecipeError, load_recipe, parse_overrides
+from hftrain.config import TRAINING_DEFAULTS, RecipeError, load_recipe, parse_overrides
+from hftrain.launch.setup import training_arguments
 
 from .conftest import REPO
 
@@ -112,7 +113,7 @@ def test_loss_averaging_key():
     assert load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)).training["loss_averaging"] == "sequence"
     with pytest.raises(RecipeError, match="training.loss_averaging: expected one of 'token', 'sequence', got 'tokens'"):
         load_recipe(None, ["training.loss_averaging=tokens"], raw=dict(BASE))
-    assert "loss_averaging" not in vars(load_recipe(None, [], raw=dict(BASE)).training_arguments())
+    assert "loss_averaging" not in vars(training_arguments(load_recipe(None, [], raw=dict(BASE))))
 
 
 def test_override_syntax_errors():
@@ -125,7 +126,7 @@ def test_override_syntax_errors():
 def test_training_arguments_are_built_and_validated():
     r = load_recipe(None, ["training.max_steps=3", "training.output_dir=/tmp/x", "model.gradient_checkpointing=true"],
                     raw=dict(BASE))
-    args = r.training_arguments()
+    args = training_arguments(r)
     assert args.max_steps == 3 and args.activation_checkpointing is True
     assert args.report_to == ["tensorboard"]
     assert args.ddp_find_unused_parameters is False
@@ -148,7 +149,7 @@ def test_shipped_recipes_exist():
 
 
 def test_cli_check_prints_resolved_recipe(tmp_path, capsys):
-    assert cli_main(["check", write(tmp_path, BASE), "training.max_steps=9"]) == 0
+    assert cli_main(["check", write(tmp_path, BASE), "training.max_steps=9", "--no-data"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["training"]["max_steps"] == 9 and out["data"]["max_length"] == 2048
 

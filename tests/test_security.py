@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from hftrain.modeling import ModelError, load_model
-from hftrain.recipe import ModelSection
+from hftrain.config import ModelSection
 
 from .conftest import DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 

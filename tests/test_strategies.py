@@ -3,14 +3,16 @@
 import filecmp
 import json
 import os
+import re
 
 import pytest
 import torch
 import yaml
 
-from hftrain.engine import _zero_name_from_json
-from hftrain.recipe import STRATEGIES, RecipeError, StrategySection, load_recipe
-from hftrain.strategies import accelerate_config, deepspeed_config, render
+from hftrain.config import strategy_of_deepspeed_config
+from hftrain.config import RecipeError, StrategySection, load_recipe
+from hftrain.constants import STRATEGIES
+from hftrain.launch.strategies import accelerate_config, deepspeed_config, render
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
@@ -35,7 +37,7 @@ def test_deepspeed_values_owned_by_training_arguments_are_auto():
                     "gradient_clipping"):
             assert cfg[key] == "auto"
         assert cfg["bf16"] == {"enabled": "auto"} and cfg["fp16"] == {"enabled": "auto"}
-        assert _zero_name_from_json(cfg) == name  # the launcher's JSON is classified back to the same name
+        assert strategy_of_deepspeed_config(cfg) == name  # the launcher's JSON is classified back to the same name
 
 
 def test_zero3_golden_and_infinity_traps():
@@ -129,7 +131,7 @@ def strategy_runs(tmp_path_factory, tiny_model_dir, deepspeed_ops):
 def test_strategy_runs_with_the_right_engine_and_saves_a_loadable_model(strategy_runs, name):
     from transformers import AutoModelForCausalLM
 
-    from hftrain.run import PROBE_IDS
+    from hftrain.constants import PROBE_IDS
 
     od = strategy_runs[name]
     info = json.load(open(od / "run_info.json"))
@@ -173,7 +175,7 @@ def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_mod
 
 
 def test_preflight_nvme_path_problems(tmp_path):
-    from hftrain.preflight import nvme_problems
+    from hftrain.launch.preflight import nvme_problems
 
     assert "does not exist" in nvme_problems(str(tmp_path / "missing"))[0]
     f = tmp_path / "file"
@@ -197,7 +199,7 @@ def test_preflight_runs_before_model_load_and_lists_everything(tmp_path, tiny_mo
              f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}",
              f"strategy.nvme_path={tmp_path / 'no_such_dir'}", "training.optim=sgd"], timeout=120)
     assert r.returncode != 0
-    assert r.stderr.count("preflight found problems") == 1
+    assert r.stderr.count("hftrain: error:") == 1 and "problems in the recipe:" in r.stderr
     assert "strategy.nvme_path: " in r.stderr and "does not exist" in r.stderr
     assert "training.optim: 'sgd' cannot be used with 'zero_infinity'" in r.stderr
     assert not (tmp_path / "o").exists()
@@ -233,7 +235,7 @@ def test_slurm_script_starts_one_launch_per_node(tmp_path):
 
 
 def _async_io_ok() -> bool:
-    from hftrain.preflight import async_io_problem
+    from hftrain.launch.preflight import async_io_problem
 
     return async_io_problem() is None
 
@@ -244,7 +246,7 @@ def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path, deepsp
     """A model with matrices of several MiB (DeepSpeed swaps only tensors >= 1 MiB) on 2 ranks."""
     from transformers import AutoModelForCausalLM
 
-    from hftrain.run import PROBE_IDS
+    from hftrain.constants import PROBE_IDS
     from hftrain.tiny import build_tiny_model, texts_of_jsonl
 
     model_dir = build_tiny_model(str(tmp_path / "base"), texts_of_jsonl([DEMO_TRAIN]), vocab_size=300,
@@ -288,18 +290,11 @@ def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path, deepsp
 
 
 def test_batch_arithmetic_preflight():
-    from types import SimpleNamespace
+    from hftrain.launch.preflight import batch_problem
 
-    from hftrain.engine import LaunchError
-    from hftrain.run import check_batch
-
-    args = SimpleNamespace(world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                           dataloader_drop_last=True)
-    check_batch(args, 16)
-    with pytest.raises(LaunchError, match="one optimizer step needs 16 examples .* the data has 15"):
-        check_batch(args, 15)
-    args.dataloader_drop_last = False
-    check_batch(args, 3)  # a short step still trains
+    assert batch_problem(2, 4, 2, True, 16) is None
+    assert re.search("one optimizer step needs 16 examples .* the data has 15", batch_problem(2, 4, 2, True, 15))
+    assert batch_problem(2, 4, 2, False, 3) is None  # a short step still trains
 
 
 def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
@@ -316,7 +311,7 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
 
 def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
     """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
-    from hftrain.preflight import STALE_LOCK_S, strategy_problems
+    from hftrain.launch.preflight import STALE_LOCK_S, strategy_problems
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (tmp_path / "cpu_adam").mkdir()

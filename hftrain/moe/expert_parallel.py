@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback
 
+from .blocks import moe_blocks
+
 
 class ExpertParallelMoE(nn.Module):
     """Replaces a native sparse MoE block; `gate` is the block's own router module, `experts` holds the local slice."""
@@ -161,8 +163,6 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     (`_ddp_params_and_buffers_to_ignore`, read by DDP's constructor) and their gradients divided by the world size:
     a local expert's gradient already sums every rank's tokens (the backward all_to_all brings them), and hftrain's
     per-rank loss is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
-    from .moe import moe_blocks
-
     world = dist.get_world_size(group) if group is not None else 1
     blocks = {id(b) for b in moe_blocks(model) if not isinstance(b, ExpertParallelMoE)}
     swapped = 0

@@ -18,9 +18,8 @@ DeepSpeed keeps a separate fp32 master partition even when the weights already a
 it, and so does ZeRO-3 with an offloaded optimizer (in CPU memory or on NVMe), which also keeps an fp32 copy of the
 gradient partition for its CPU Adam, as under mixed precision (so zero3_offload in fp32 holds 4 + 4 + 16 bytes
 per parameter / N). Plain ZeRO-3 would reuse the weights
-but for a device comparison that never succeeds (DeepSpeed 0.19.8); hftrain.deepspeed_fixes repairs it, so its
-fp32 ZeRO-3 holds 16 bytes per parameter / N (measured by bench/memory.py: 868 MiB per rank of a 113.5M model on
-2 ranks, 1085 MiB without the fix).
+but for a device comparison that never succeeds (DeepSpeed 0.19.8); hftrain.patches.deepspeed repairs it, so its
+fp32 ZeRO-3 holds 16 bytes per parameter / N (bench/memory.py measures it).
 
 Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
 recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
@@ -30,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recipe import STRATEGIES
-from .strategies import DEFAULTS, optimizer_swap_buffers
+from ..config.sections import STRATEGY_DEFAULTS
+from ..constants import STRATEGIES
+from .strategies import optimizer_swap_buffers
 
 GiB = 2**30
 SWAP_ALIGN = 2**18  # elements
@@ -45,7 +45,7 @@ def swap_buffer_elems(largest_tensor: int, world: int) -> int:
     return -(-part // SWAP_ALIGN) * SWAP_ALIGN
 
 
-def swap_buffer_bytes(largest_tensor: int, world: int, buffer_count: int = DEFAULTS["buffer_count"]) -> int:
+def swap_buffer_bytes(largest_tensor: int, world: int, buffer_count: int = STRATEGY_DEFAULTS["buffer_count"]) -> int:
     """CPU bytes per rank of ZeRO-Infinity's fp32 buffers, sized as above: buffer_count parameter swap buffers,
     the optimizer's swap buffers (strategies.optimizer_swap_buffers) and one sub-group's fp32 gradient."""
     return 4 * swap_buffer_elems(largest_tensor, world) * (buffer_count + optimizer_swap_buffers(buffer_count) + 1)

@@ -1,7 +1,7 @@
 """Typed validation of nested dataclasses from YAML-like trees, with every problem collected.
 
 Generic: it knows dataclasses, Literal, Optional/Union, list, dict, enums and the scalar types, and reports
-unknown keys with the closest valid spelling. hftrain's schema itself lives in `recipe.py`.
+unknown keys with the closest valid spelling. hftrain's sections live in `sections.py`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,22 @@ import typing
 from typing import Any, Literal
 
 
+def origin_of(key: str, origins: dict[str, str], default: str) -> str:
+    """Where a key's value came from: the origin of the override that set it (or a parent or child of it)."""
+    for k, origin in origins.items():
+        if key == k or key.startswith(k + ".") or k.startswith(key + "."):
+            return origin
+    return default
+
+
 class Ctx:
+    """Problems collected while building: each 'origin: key: message'."""
+
     def __init__(self, source: str, origins: dict[str, str]):
         self.source, self.origins, self.problems = source, origins, []
 
     def where(self, key: str) -> str:
-        for k, origin in self.origins.items():
-            if key == k or key.startswith(k + ".") or k.startswith(key + "."):
-                return origin
-        return self.source
+        return origin_of(key, self.origins, self.source)
 
     def add(self, key: str, msg: str) -> None:
         self.problems.append(f"{self.where(key)}: {key}: {msg}")

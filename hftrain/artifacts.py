@@ -1,4 +1,5 @@
-"""The glue around one training run: launcher checks, the files a run leaves, the final save."""
+"""What a run writes beside the model: the resolved recipe, run_info.json (what actually ran), curves.png, and the
+final save itself (staged, then published)."""
 
 from __future__ import annotations
 
@@ -8,36 +9,50 @@ import os
 import shutil
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from . import checkpoints, distributed
-from .fileio import atomic_write
-from .engine import SHARDED, LaunchError, describe
-from .recipe import Recipe, StrategySection
+from .config import Recipe, StrategySection
+from .constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE, SHARDED, ZERO_STAGE
+from .errors import LaunchError
+from .fileio import atomic_write, pyplot, save_figure
+from .modeling import save_merged
 
-RECIPE_FILE = "recipe.yaml"
-RUN_INFO_FILE = "run_info.json"
-
-
-def check_world_size(args) -> None:
-    """Stop before any model is loaded when the processes are not what the launcher says."""
-    expected = distributed.launcher_world_size()
-    if args.world_size != expected:
-        raise LaunchError(
-            f"the launcher started {expected} processes but training sees a world of {args.world_size}: the ranks "
-            "would train separate copies. On a machine without GPU leave training.use_cpu unset (hftrain sets it) "
-            "and launch with torchrun or a MULTI_GPU accelerate config"
-        )
+CURVES_FILE = "curves.png"
 
 
-def check_batch(args, n_examples: int) -> None:
-    """One optimizer step takes world x micro-batch x accumulation examples; fewer than that trains nothing."""
-    need = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if args.dataloader_drop_last and n_examples < need:  # without drop_last a short step still trains
-        raise LaunchError(
-            f"one optimizer step needs {need} examples ({args.world_size} processes x per_device_train_batch_size "
-            f"{args.per_device_train_batch_size} x gradient_accumulation_steps {args.gradient_accumulation_steps}) "
-            f"and dataloader_drop_last drops them all: the data has {n_examples}. Lower one of those or add data"
-        )
+def plot_curves(log_history: list[dict], path: str) -> str | None:
+    """Train/eval loss, learning rate and tokens/s against the step, as one PNG. None when nothing was logged."""
+    plt = pyplot()
+
+    def series(key):
+        pts = [(h["step"], h[key]) for h in log_history if key in h and "step" in h]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    panels = [
+        ("loss", [("loss", "train"), ("eval_loss", "eval")]),
+        ("learning rate", [("learning_rate", None)]),
+        ("tokens/s", [("train_tokens_per_second", None)]),
+    ]
+    panels = [(t, [(k, lbl) for k, lbl in keys if series(k)[0]]) for t, keys in panels]
+    panels = [(t, keys) for t, keys in panels if keys]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for key, label in keys:
+            x, y = series(key)
+            ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=label or key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if any(lbl for _, lbl in keys):
+            ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 
 
 def write_recipe(recipe: Recipe) -> None:
@@ -47,16 +62,6 @@ def write_recipe(recipe: Recipe) -> None:
         atomic_write(os.path.join(recipe.output_dir, RECIPE_FILE), recipe.to_yaml())
 
 
-def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> None:
-    """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
-    if distributed.is_main_process():
-        from .compression import zero_communication_dtype
-        from .strategies import render
-
-        render(strategy, recipe.output_dir, recipe.training,
-               communication_data_type=zero_communication_dtype(recipe.compression))
-
-
 def weights_digest(model) -> str:
     """sha256 over every parameter and buffer, in name order: equal digests mean bit-identical weights."""
     h = hashlib.sha256()
@@ -64,9 +69,6 @@ def weights_digest(model) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_info.json records
 
 
 @torch.no_grad()
@@ -83,8 +85,6 @@ def probe_logits(trainer) -> list:
 
 def run_info(trainer, strategy: StrategySection) -> dict:
     """What actually ran: world size, backend, engine, per-rank weight digests (replicated strategies), probe logits."""
-    import torch.distributed as dist
-
     replicated = strategy.name not in SHARDED
     return {
         "world_size": trainer.args.world_size,
@@ -96,6 +96,27 @@ def run_info(trainer, strategy: StrategySection) -> dict:
         "probe_logits": probe_logits(trainer),
         "global_step": trainer.state.global_step,
     }
+
+
+def describe(trainer, strategy: StrategySection) -> dict:
+    """What engine actually trained: for tests and for run_info.json."""
+    wrapped = trainer.model_wrapped
+    out = {"strategy": strategy.name, "wrapper": type(wrapped).__name__}
+    if strategy.name in ZERO_STAGE:
+        out["zero_stage"] = wrapped.zero_optimization_stage()
+        out["offload_optimizer"] = str(getattr(wrapped.zero_offload_optimizer(), "device", None) or "none")
+        out["offload_param"] = str(getattr(wrapped.zero_offload_param(), "device", None) or "none")
+        out["communication_dtype"] = str(wrapped.communication_data_type)
+        opt = wrapped.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: is the fp32 master its own copy of the weights?
+            shared = all(a is b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat))
+            out["fp32_master"] = "the weights" if shared else "a copy"
+    if strategy.name == "fsdp":
+
+        out["fsdp2_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+        root = trainer.model if isinstance(trainer.model, FSDPModule) else None
+        out["fsdp_reduce_dtype"] = str(root._get_fsdp_state()._mp_policy.reduce_dtype) if root is not None else None
+    return out
 
 
 def first_eval(log_history: list[dict]) -> dict:
@@ -144,8 +165,6 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     info["metrics"] = metrics
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
-            from .modeling import save_merged
-
             save_merged(trainer.model, tokenizer, out)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()

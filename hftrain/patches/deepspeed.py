@@ -1,8 +1,7 @@
-"""Workarounds for bugs of DeepSpeed 0.19.8 that change numbers or memory, each measured, each narrow.
+"""Changes to DeepSpeed (written against 0.19.8): two bugs of its ZeRO-3 optimizer that change numbers or memory.
 
-They patch one method of DeepSpeed's ZeRO-3 optimizer around the faulty line and are idempotent; no library
-offers the fix (checked against DeepSpeed's issues in 2026-11). Remove one when a DeepSpeed release fixes it: its
-test (named in each docstring) then still passes without it.
+Each wraps one method around the faulty line and is idempotent; no release offers the fix. Each can go when a
+DeepSpeed release fixes it: the test named in its docstring then passes without it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ def share_fp32_master_with_fp32_weights() -> None:
     """ZeRO-3 keeps a second fp32 copy of each partition even when the weights already are fp32: the branch meant
     to reuse them compares the partition's `torch.device` with `self.device`, a string ("cpu", "cuda:0"), and
     `torch.device("cpu") == "cpu"` is False (stage3.py, _create_fp32_partitions). That costs 4 bytes per parameter
-    / N on every rank of an fp32 run (bench/memory.py: ZeRO-3 held 20 / N bytes per parameter instead of 16 / N).
+    / N on every rank of an fp32 run (bench/memory.py measures it).
     Making `self.device` a torch.device lets the branch DeepSpeed wrote for fp32 weights (its torch-autocast path)
     run; every other use of it accepts either. Offloaded optimizers take another branch and are untouched.
     Tested by tests/test_strategies.py (run_info's fp32_master is "the weights"; ZeRO-3 losses equal DDP's)."""
@@ -42,8 +41,8 @@ def share_fp32_master_with_fp32_weights() -> None:
 def untie_zero3_universal_steps() -> None:
     """ZeRO-3's universal-checkpoint load hands every sub-group's optimizer state the *same* `step` tensor
     (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3). torch's Adam increments it in place once per
-    sub-group, so every sub-group after the first runs a step ahead in its bias correction: a 2-rank checkpoint
-    resumed on 1 rank ended 6.8e-5 off the uninterrupted run (7e-9 with this). Each sub-group gets its own copy.
+    sub-group, so every sub-group after the first runs a step ahead in its bias correction and a resumed run drifts
+    from the uninterrupted one. Each sub-group gets its own copy.
     Tested by tests/test_resume.py (ZeRO checkpoints on another world size)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 

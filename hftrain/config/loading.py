@@ -1,0 +1,188 @@
+"""Reading a recipe: YAML file, then `key=value` overrides, then the typed sections, every problem collected.
+
+Precedence is defaults < YAML < command line. Problems name the key as the user spelled it and where it came
+from (the file, or `command line`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from ..errors import RecipeError
+from .rules import recipe_problems
+from .schema import Ctx, build, unknown
+from .sections import (CompressionSection, DataSection, EvalSection, HubSection, ModelSection, MoeSection, Recipe,
+                       StrategySection)
+from .training import TRAINING_DEFAULTS, TRAINING_REFUSED, validate_training
+
+SECTIONS = {
+    "model": ModelSection,
+    "data": DataSection,
+    "training": dict,
+    "strategy": StrategySection,
+    "eval": EvalSection,
+    "compression": CompressionSection,
+    "hub": HubSection,
+    "moe": MoeSection,
+}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            node = node[idx]
+            continue
+        if part not in node or not isinstance(node[part], (dict, list)):
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append({})
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`section.key=value`, `--section.key value` and `--section.key=value`; values are parsed as YAML scalars."""
+    out, problems, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            body = a[2:]
+            if "=" in body:
+                key, raw = body.split("=", 1)
+            elif i + 1 < len(args):
+                key, raw = body, args[i + 1]
+                i += 1
+            else:
+                problems.append(f"command line: '{a}' has no value; write {body}=VALUE")
+                i += 1
+                continue
+        elif "=" in a:
+            key, raw = a.split("=", 1)
+        else:
+            problems.append(f"command line: '{a}' is not an override; write section.key=value (e.g. training.max_steps=10)")
+            i += 1
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key, value))
+        i += 1
+    if problems:
+        raise RecipeError(problems)
+    return out
+
+
+def read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise RecipeError([f"{path}: recipe file not found"])
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise RecipeError([f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise RecipeError([f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError([f"{path}: a recipe is a mapping of sections (model:, data:, training:, ...), got {type(raw).__name__}"])
+    return raw
+
+
+def _refuse_hub_token(raw: dict, ctx: Ctx) -> dict:
+    for name in ("token", "hub_token"):
+        if name in raw:
+            ctx.add(f"hub.{name}", "not accepted here: " + TRAINING_REFUSED["hub_token"])
+    return {k: v for k, v in raw.items() if k not in ("token", "hub_token")}
+
+
+def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None
+                 ) -> tuple[Recipe, list[str]]:
+    """The typed recipe from a tree of sections, and every problem the recipe alone shows (types, unknown keys,
+    rules across sections): 'origin: key: message' each."""
+    ctx = Ctx(source, origins or {})
+    built: dict[str, Any] = {}
+    for name, value in tree.items():
+        if name not in SECTIONS:
+            unknown(str(name), str(name), list(SECTIONS), ctx)
+            continue
+        if value is None and name == "moe":  # an optional section, written as `moe: null` by to_yaml
+            continue
+        if not isinstance(value, dict):
+            ctx.add(name, f"expected a mapping of keys, got {value!r}")
+            continue
+        if name == "training":
+            built[name] = validate_training(value, ctx)
+        elif name == "hub":
+            built[name] = build(HubSection, _refuse_hub_token(value, ctx), name, ctx)
+        else:
+            built[name] = build(SECTIONS[name], value, name, ctx)
+    for name in ("model", "data"):
+        if name not in tree:
+            ctx.add(name, "required section is missing")
+    recipe = Recipe(
+        model=built.get("model"),
+        data=built.get("data"),
+        training=built.get("training") or dict(TRAINING_DEFAULTS),
+        strategy=built.get("strategy") or StrategySection(),
+        eval=built.get("eval") or EvalSection(),
+        compression=built.get("compression") or CompressionSection(),
+        hub=built.get("hub") or HubSection(),
+        moe=built.get("moe"),
+        source=source,
+        origins=dict(origins or {}),
+    )
+    for key, msg in recipe_problems(recipe):
+        ctx.add(key, msg)
+    return recipe, ctx.problems
+
+
+def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None
+                 ) -> tuple[Recipe, list[str]]:
+    """Read a recipe file (or `raw` dict) and apply command-line overrides: the recipe and its problems. Raises
+    only when there is nothing to check (no file, a YAML syntax error, a malformed override)."""
+    tree = read_yaml(path) if path is not None else dict(raw or {})
+    origins: dict[str, str] = {}
+    for key, value in parse_overrides(overrides or []):
+        try:
+            _set_dotted(tree, key, value)
+        except (ValueError, TypeError, AttributeError):
+            raise RecipeError([f"command line: cannot set '{key}'"]) from None
+        origins[key] = "command line"
+    return build_recipe(tree, path or "<dict>", origins)
+
+
+def load_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None) -> Recipe:
+    """parse_recipe, raising every problem at once. The launch adds its environment's (launch.preflight)."""
+    recipe, problems = parse_recipe(path, overrides, raw)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def split_argv(argv: list[str]) -> tuple[str, list[str]]:
+    """A recipe script's arguments: the recipe path, then overrides."""
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        raise RecipeError(["usage: <recipe.yaml> [section.key=value ...] (the recipe path comes first)"])
+    return argv[0], argv[1:]

@@ -1,0 +1,177 @@
+"""Rules across a recipe's sections: what each value must satisfy given the others, and which combinations of
+strategy, compression, MoE, LoRA and optimizer can run. Each problem is (key as the user spells it, message with
+the fix); nothing here reads the environment (launch.preflight does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ..constants import DDP_ONLY_COMPRESSION, STRATEGIES
+from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
+                       LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
+
+Problems = list[tuple[str, str]]
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def recipe_problems(recipe: Recipe) -> Problems:
+    """Every rule that the recipe alone decides; with strategy.name set, its strategy's rules too. Values that
+    already failed their type check are skipped."""
+    out: Problems = []
+    has_eval = _data_problems(recipe, out)
+    if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
+        out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
+    if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0 and not has_eval:
+        out.append(("eval.exact_match", "needs held-out data: set data.eval_sources or data.eval_fraction"))
+    if isinstance(recipe.compression, CompressionSection):
+        _compression_problems(recipe.compression, out)
+    if isinstance(recipe.moe, MoeSection):
+        _moe_problems(recipe, out)
+    lora = recipe.model.lora if recipe.model is not None else None
+    if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
+        out.append(("model.lora.r", f"must be > 0, got {lora.r}"))
+    if isinstance(recipe.hub, HubSection):
+        out += hub_problems(recipe.hub, lora)
+    if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
+        out += strategy_problems(recipe, recipe.strategy.name)
+    return out
+
+
+def strategy_problems(recipe: Recipe, name: str) -> Problems:
+    """What cannot run under strategy `name`: options it does not read, compression it cannot apply, an optimizer
+    it cannot offload, experts it would shard. Each names what works instead."""
+    out: Problems = []
+    s = recipe.strategy
+    if isinstance(s, StrategySection):
+        for f in fields(s):
+            if f.name not in STRATEGY_OPTIONS[name] and getattr(s, f.name) is not None:
+                users = [n for n in STRATEGIES if f.name in STRATEGY_OPTIONS[n]]
+                out.append((f"strategy.{f.name}",
+                            f"does not apply to strategy '{name}' (it applies to {', '.join(users)})"))
+    c = recipe.compression
+    if isinstance(c, CompressionSection) and c.method in DDP_ONLY_COMPRESSION and name != "ddp":
+        out.append(("compression.method", f"'{c.method}' runs only as a DDP communication hook, not under "
+                    f"'{name}'; use strategy ddp, or compression.method fp16/bf16 (reduce dtype) with '{name}'"))
+    if (isinstance(c, CompressionSection) and c.method == "powersgd"
+            and recipe.training.get("ddp_find_unused_parameters") is True):
+        out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "
+                    "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
+                    "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
+    optim = str(recipe.training_value("optim"))
+    if name in ("zero3_offload", "zero_infinity") and not optim.startswith("adamw"):
+        out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
+                    "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
+    m = recipe.moe
+    if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
+        if name != "ddp":
+            out.append(("moe.expert_parallel_size", f"runs under strategy ddp only, not {name!r}: ZeRO and FSDP "
+                        "would shard or average the per-rank experts. Use strategy.name: ddp, or keep every expert "
+                        "on every rank (expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
+    return out
+
+
+def _data_problems(recipe: Recipe, out: Problems) -> bool:
+    """Rules of the data section; returns whether the recipe has held-out data."""
+    d = recipe.data
+    if d is None:
+        return False
+    if isinstance(d.sources, list) and len(d.sources) == 0:
+        out.append(("data.sources", "needs at least one source, e.g. [{path: data/train.jsonl}]"))
+    if _num(d.eval_fraction) and not 0.0 <= d.eval_fraction < 1.0:
+        out.append(("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
+    if _num(d.eval_fraction) and d.eval_fraction > 0 and d.eval_sources:
+        out.append(("data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"))
+    if _num(d.max_length) and d.max_length < 2:
+        out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
+    for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
+        if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
+            out.append((f"data.sources.{i}.weight", f"must be > 0, got {s.weight}"))
+    return (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
+
+
+def _compression_problems(c: CompressionSection, out: Problems) -> None:
+    for key, methods in COMPRESSION_OPTIONS.items():
+        if getattr(c, key) is not None and c.method not in methods:
+            out.append((f"compression.{key}", f"applies to method {' / '.join(methods)}, not '{c.method}': remove it"))
+    if c.start_step is not None and c.method == "none":
+        out.append(("compression.start_step", "applies only with a compression method: remove it"))
+    if _num(c.start_step) and c.start_step < 0:
+        out.append(("compression.start_step", f"must be >= 0, got {c.start_step}"))
+    if c.method == "powersgd" and c.resolved_error_feedback() and _num(c.start_step) and c.start_step < 2:
+        out.append(("compression.start_step", "must be >= 2 for powersgd with error feedback: DDP rebuilds its "
+                    "buckets after the first step and PyTorch's PowerSGD keys its error by bucket"))
+    if _num(c.powersgd_rank) and c.powersgd_rank < 1:
+        out.append(("compression.powersgd_rank", f"must be >= 1, got {c.powersgd_rank}"))
+    if _num(c.int8_chunk_size) and c.int8_chunk_size < 1:
+        out.append(("compression.int8_chunk_size", f"must be >= 1, got {c.int8_chunk_size}"))
+    if c.int8_chunk_size is not None and c.int8_granularity == "tensor":
+        out.append(("compression.int8_chunk_size", "applies to int8_granularity chunk, not tensor: remove it"))
+    if _num(c.topk_ratio) and not 0 < c.topk_ratio <= 1:
+        out.append(("compression.topk_ratio", f"must be in (0, 1], got {c.topk_ratio}"))
+
+
+def _moe_problems(recipe: Recipe, out: Problems) -> None:
+    m = recipe.moe
+    for key in ("aux_loss_coef", "router_z_loss_coef"):
+        v = getattr(m, key)
+        if _num(v) and v < 0:
+            out.append((f"moe.{key}", f"must be >= 0, got {v}"))
+    if _num(m.capacity_factor) and m.capacity_factor <= 0:
+        out.append(("moe.capacity_factor", f"must be > 0, got {m.capacity_factor}"))
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
+        out.append(("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}"))
+    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
+        why = "with moe.expert_parallel_size > 1 (each rank holds different experts)"
+        if recipe.training_value("max_grad_norm") not in (0, 0.0, None):
+            out.append(("training.max_grad_norm", f"set it to 0 {why}: the clipping norm would differ between "
+                        "ranks and the replicated weights would drift apart"))
+        if recipe.training.get("resume_from_checkpoint"):
+            out.append(("training.resume_from_checkpoint", f"cannot resume {why}: checkpoints hold the optimizer "
+                        "state of rank 0's experts only"))
+        if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
+            out.append(("eval.exact_match", f"set it to 0 {why}: generation lengths differ between ranks and the "
+                        "expert all_to_all needs every rank in every forward"))
+        if recipe.model is not None and recipe.model.lora is not None:
+            out.append(("model.lora", f"cannot be combined {why}; train all weights"))
+    u = m.upcycle
+    if isinstance(u, UpcycleSection):
+        if isinstance(u.num_experts, int) and u.num_experts < 2:
+            out.append(("moe.upcycle.num_experts", f"must be >= 2, got {u.num_experts}"))
+        if isinstance(u.top_k, int) and isinstance(u.num_experts, int) and not 1 <= u.top_k <= u.num_experts:
+            out.append(("moe.upcycle.top_k", f"must be in 1..num_experts ({u.num_experts}), got {u.top_k}"))
+        if recipe.model is not None and recipe.model.lora is not None:
+            out.append(("moe.upcycle", "cannot be combined with model.lora: the copied experts would stay frozen "
+                        "and identical; train all weights, or upcycle with `hftrain moe upcycle` and put LoRA on "
+                        "the result"))
+
+
+def hub_problems(hub: HubSection, lora) -> Problems:
+    """Rules of the `hub:` section (types are already checked)."""
+    out: Problems = []
+    if hub.push is True and not hub.repo_id:
+        out.append(("hub.repo_id", "hub.push is true but no repository is named: set hub.repo_id: "
+                    "your-name/model-name"))
+    if isinstance(hub.repo_id, str) and hub.repo_id:
+        msg = repo_id_problem(hub.repo_id)
+        if msg:
+            out.append(("hub.repo_id", msg))
+    if hub.merge_lora is True and lora is None:
+        out.append(("hub.merge_lora", "needs a LoRA run (model.lora); a full fine-tune is pushed as it is"))
+    elif hub.merge_lora is True and getattr(lora, "merge", None) is False:
+        out.append(("hub.merge_lora", "needs model.lora.merge: true, which writes the merged model to "
+                    "output_dir/merged"))
+    return out
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        return f"{repo_id!r} is not a repository id ({str(e).splitlines()[0]}); write your-name/model-name"
+    return None

@@ -1,0 +1,291 @@
+"""The recipe's sections as typed dataclasses: each field's type, default and help, and nothing that runs.
+
+`loading.py` builds them from YAML and the command line, `rules.py` checks them against each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from ..constants import REDUCE_DTYPES, CompressionMethod, StrategyName
+from .schema import origin_of
+from .training import training_value
+
+
+
+def _f(default=dataclasses.MISSING, help: str = "", factory=None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class LoraSection:
+    r: int = _f(16, "LoRA rank.")
+    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = _f(0.05, "Dropout on the LoRA input.")
+    target_modules: str | list[str] = _f("all-linear", "Modules to adapt: a list of names, or 'all-linear'.")
+    modules_to_save: list[str] | None = _f(None, "Modules trained fully and saved with the adapter (e.g. lm_head).")
+    merge: bool = _f(False, "Also save base + adapter merged into a full model in output_dir/merged.")
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str = _f(help="Local folder or Hub id of the causal LM to fine-tune.")
+    tokenizer_name_or_path: str | None = _f(None, "Tokenizer folder or Hub id; defaults to name_or_path.")
+    revision: str | None = _f(None, "Hub revision (branch, tag or commit) of model and tokenizer.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Dtype the weights are loaded in.")
+    attn_implementation: str | None = _f(None, "Attention kernel: eager, sdpa, flash_attention_2, ...")
+    trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint. Off unless you trust it.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    lora: LoraSection | None = _f(None, "Train a LoRA adapter through peft instead of all weights.")
+
+
+@dataclass
+class DataSource:
+    path: str = _f(help="A local file (.jsonl/.json/.parquet/.csv), a save_to_disk folder, or a Hub dataset id.")
+    format: Literal["auto", "messages", "prompt_completion", "alpaca", "text"] = _f(
+        "auto", "Example format; 'auto' detects it from the columns."
+    )
+    split: str = _f("train", "Split to read (Hub datasets and save_to_disk DatasetDicts).")
+    name: str | None = _f(None, "Dataset configuration name (Hub datasets).")
+    columns: dict[str, str] = _f(
+        help="Rename map from hftrain's column name to yours, e.g. {messages: conversations}.", factory=dict
+    )
+    weight: float = _f(1.0, "Relative sampling weight when several sources are mixed.")
+
+
+@dataclass
+class DataSection:
+    sources: list[DataSource] = _f(help="Training data: one or more sources.")
+    eval_sources: list[DataSource] = _f(help="Held-out data for evaluation.", factory=list)
+    eval_fraction: float = _f(0.0, "Fraction of each training source held out for evaluation (0 = none).")
+    chat_template: str | None = _f(None, "Jinja chat template, or a path to a .jinja file, replacing the tokenizer's.")
+    max_length: int = _f(2048, "Maximum tokens per example.")
+    truncation: Literal["right", "drop"] = _f("right", "Longer examples: cut at max_length ('right') or 'drop' them.")
+    packing: bool = _f(False, "Pack each batch into one row; position_ids restart per example so none attends another.")
+    assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
+    completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
+    skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
+    num_proc: int | None = _f(None, "Processes for tokenisation (datasets.map).")
+
+
+@dataclass
+class StrategySection:
+    name: StrategyName | None = _f(
+        None, "How to distribute. Unset: the launcher's config decides; set: it must agree with the launcher."
+    )
+    num_processes: int | None = _f(None, "Processes in all (all machines); default 2.")
+    num_machines: int | None = _f(None, "Machines (nodes); default 1.")
+    machine_rank: int | None = _f(None, "This machine's rank among the machines; default 0.")
+    main_process_ip: str | None = _f(None, "Address of machine 0 (several machines).")
+    main_process_port: int | None = _f(None, "Port of the rendezvous on machine 0; default 29500.")
+    fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
+    fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
+    fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
+    pin_memory: bool | None = _f(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
+    nvme_path: str | None = _f(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
+    aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
+    aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
+    buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
+    buffer_size: int | None = _f(None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter.")
+    sub_group_size: int | None = _f(
+        None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
+        "one); default: 4x the largest parameter."
+    )
+
+
+# Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
+COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                            "main_process_port"})
+STRATEGY_OPTIONS = {
+    "ddp": COMMON_OPTIONS,
+    "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
+    "zero1": COMMON_OPTIONS,
+    "zero2": COMMON_OPTIONS,
+    "zero3": COMMON_OPTIONS,
+    "zero3_offload": COMMON_OPTIONS | {"pin_memory"},
+    "zero_infinity": COMMON_OPTIONS | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth",
+                                       "buffer_count", "buffer_size", "sub_group_size"},
+}
+DEFAULT_PORT = 29500
+# What an unset option means (the help text of each field says the same).
+STRATEGY_DEFAULTS = {
+    "num_processes": 2,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_port": DEFAULT_PORT,
+    "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False,
+    "pin_memory": False,
+    "nvme_path": "/local_nvme",
+    "aio_block_size": 1048576,
+    "aio_queue_depth": 8,
+    "buffer_count": 5,
+    "buffer_size": 100_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+
+
+def resolved_strategy(s: StrategySection) -> StrategySection:
+    """The section with every option the named strategy reads filled in from STRATEGY_DEFAULTS."""
+    if s.name is None:
+        raise ValueError("strategy.name is unset: name a strategy to resolve its options")
+    values = {k: (getattr(s, k) if getattr(s, k) is not None else STRATEGY_DEFAULTS.get(k))
+              for k in STRATEGY_OPTIONS[s.name] if k != "name"}
+    return dataclasses.replace(s, **values)
+
+
+def strategy_of_deepspeed_config(cfg: dict) -> str:
+    """The strategy name a DeepSpeed config stands for (its ZeRO stage and offload devices)."""
+    zero = cfg.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage != 3:
+        return f"zero{stage}"
+    devices = {zero.get("offload_param", {}).get("device"), zero.get("offload_optimizer", {}).get("device")}
+    return "zero_infinity" if "nvme" in devices else "zero3_offload" if "cpu" in devices else "zero3"
+
+
+@dataclass
+class EvalSection:
+    exact_match: int = _f(
+        0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after training."
+    )
+    max_new_tokens: int = _f(32, "Generation length for exact_match.")
+
+
+@dataclass
+class CompressionSection:
+    method: CompressionMethod = _f(
+        "none", "Gradient compression on the data-parallel reduction. ddp: all methods; fsdp and zero1-3: fp16/bf16."
+    )
+    start_step: int | None = _f(
+        None, "Optimizer steps with uncompressed gradients first; default 2 for powersgd (its error feedback needs "
+        "DDP's rebuilt buckets), else 0."
+    )
+    error_feedback: bool | None = _f(
+        None, "powersgd/int8/topk: add what the last step did not send to this step's gradient; default true."
+    )
+    powersgd_rank: int | None = _f(None, "powersgd: rank of the low-rank approximation; default 4.")
+    int8_granularity: Literal["chunk", "tensor"] | None = _f(
+        None, "int8: one scale per chunk of int8_chunk_size elements, or one per bucket ('tensor'); default chunk."
+    )
+    int8_chunk_size: int | None = _f(None, "int8: elements per scale with granularity chunk; default 2048.")
+    topk_ratio: float | None = _f(None, "topk: share of gradient elements sent each step; default 0.01.")
+
+    def resolved_start_step(self) -> int:
+        return self.start_step if self.start_step is not None else (2 if self.method == "powersgd" else 0)
+
+    def resolved_error_feedback(self) -> bool:
+        return True if self.error_feedback is None else self.error_feedback
+
+    def resolved_powersgd_rank(self) -> int:
+        return self.powersgd_rank or 4
+
+    def resolved_topk_ratio(self) -> float:
+        return self.topk_ratio if self.topk_ratio is not None else 0.01
+
+    def resolved_int8(self) -> tuple[str, int]:
+        return self.int8_granularity or "chunk", self.int8_chunk_size or 2048
+
+    def reduce_dtype(self) -> str | None:
+        """'fp16' / 'bf16' when the method is a reduction dtype (FSDP2's reduce dtype, ZeRO's
+        communication_data_type), else None."""
+        return self.method if self.method in REDUCE_DTYPES else None
+
+
+# Which compression options apply to which method (anything else set is an error, not ignored).
+COMPRESSION_OPTIONS = {
+    "error_feedback": ("powersgd", "int8", "topk"),
+    "powersgd_rank": ("powersgd",),
+    "int8_granularity": ("int8",),
+    "int8_chunk_size": ("int8",),
+    "topk_ratio": ("topk",),
+}
+
+
+@dataclass
+class HubSection:
+    push: bool = _f(False, "After training, validate output_dir and upload it to the Hub (main process; `hftrain push` "
+                    "does the same for a finished run). The token comes from HF_TOKEN or `hf auth login`.")
+    repo_id: str | None = _f(None, "Target repository, e.g. your-name/model-name (created if missing).")
+    private: bool = _f(False, "Create the repository private (an existing repository keeps its visibility).")
+    revision: str | None = _f(None, "Branch to push to, created if missing; default: main.")
+    commit_message: str | None = _f(None, "Commit message; default: 'hftrain: upload <output_dir>'.")
+    merge_lora: bool = _f(False, "LoRA runs: push base + adapter merged into a full model (needs model.lora.merge) "
+                          "instead of the adapter alone.")
+    license: str | None = _f(None, "License id for the model card, e.g. apache-2.0 (the base model's terms apply).")
+
+
+@dataclass
+class UpcycleSection:
+    num_experts: int = _f(8, "Experts per upcycled layer (copies of the dense MLP).")
+    top_k: int = _f(2, "Experts each token is routed to.")
+    layers: list[int] | None = _f(None, "Decoder layers to upcycle (0-based); default all. Mixtral needs all.")
+    router_init_std: float | None = _f(None, "Std of the routers' random init; default the model's initializer_range.")
+
+
+@dataclass
+class MoeSection:
+    upcycle: UpcycleSection | None = _f(
+        None, "Turn the dense model into its native MoE counterpart (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE) "
+        "before training; outputs are unchanged at step 0."
+    )
+    aux_loss_coef: float = _f(0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation.")
+    router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
+    router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
+    expert_parallel_size: int = _f(
+        1, "Place the experts across this many ranks (all_to_all dispatch); must equal the number of processes; "
+        "DDP only, Mixtral-style blocks."
+    )
+    capacity_factor: float | None = _f(
+        None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "
+        "are dropped (logged as moe/dropped_tokens). Unset: no dropping."
+    )
+
+
+@dataclass
+class Recipe:
+    model: ModelSection
+    data: DataSection
+    training: dict[str, Any] = field(default_factory=dict, metadata={"help": "TrainingArguments fields."})
+    strategy: StrategySection = field(default_factory=StrategySection, metadata={"help": "Distribution strategy."})
+    eval: EvalSection = field(default_factory=EvalSection, metadata={"help": "Generation-based evaluation."})
+    compression: CompressionSection = field(default_factory=CompressionSection,
+                                            metadata={"help": "Gradient compression."})
+    hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
+    moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
+    source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
+    origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
+                                                                    "internal": True})
+
+    def where(self, key: str) -> str:
+        """Where a key's value came from: the recipe file, or the command line for an override."""
+        return origin_of(key, self.origins, self.source)
+
+    @property
+    def output_dir(self) -> str:
+        return self.training["output_dir"]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        d.pop("origins")
+        return d
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    @property
+    def resume_from_checkpoint(self) -> str | bool | None:
+        return self.training.get("resume_from_checkpoint")
+
+    def training_value(self, name: str):
+        """A `training:` value as the run will see it: the recipe's, else TrainingArguments' own default."""
+        return training_value(self.training, name)
+
+

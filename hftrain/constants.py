@@ -1,0 +1,23 @@
+"""The words hftrain spells once: strategy and compression names, label and probe ids, the files a run writes."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+StrategyName = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "zero_infinity": 3}
+ZERO3 = frozenset(name for name, stage in ZERO_STAGE.items() if stage == 3)
+SHARDED = ZERO3 | {"fsdp"}  # no rank holds all parameters
+
+CompressionMethod = Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"]
+DDP_ONLY_COMPRESSION = ("powersgd", "int8", "topk")  # communication hooks: DDP only
+REDUCE_DTYPES = ("fp16", "bf16")  # the methods FSDP2 and ZeRO run as their reduction dtype
+
+LossAveraging = Literal["token", "sequence"]
+
+IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's convention)
+PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_info.json records
+
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe beside the model
+RUN_INFO_FILE = "run_info.json"  # what actually ran

@@ -1,0 +1,110 @@
+"""The model card of a run: the recipe, the launcher config, the metrics and how to load the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from ..constants import RECIPE_FILE, RUN_INFO_FILE
+from ..fileio import read_json
+
+def _hub_id(name: str | None) -> bool:
+    """A Hub repository id rather than a local path (the card's metadata may only name Hub repositories)."""
+    if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
+        return False
+    if name.endswith((".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")):
+        return False
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None
+
+
+def _fenced(lang: str, text: str) -> str:
+    fence = "````" if "```" in text else "```"
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}\n"
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def build_card(output_dir: str, files: list[str], repo_id: str | None = None, license: str | None = None,
+               merged: bool = False):
+    """The model card (huggingface_hub.ModelCard): metadata, results, curves, how it was made, the recipe and configs.
+
+    Everything comes from what the run wrote into output_dir: recipe.yaml (resolved), run_info.json (engine, world
+    size, metrics), the strategy's accelerate/DeepSpeed configs and curves.png.
+    """
+    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
+
+    recipe_text = open(os.path.join(output_dir, RECIPE_FILE), encoding="utf-8").read()
+    recipe = yaml.safe_load(recipe_text) or {}
+    info = read_json(os.path.join(output_dir, RUN_INFO_FILE))
+    model, data = recipe.get("model") or {}, recipe.get("data") or {}
+    base = model.get("name_or_path")
+    lora = model.get("lora")
+    adapter = bool(lora) and not merged
+    sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or []) if isinstance(s, dict)]
+    strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
+    tags = ["hftrain", "sft", strategy] + (["lora", "peft"] if lora else [])
+    card_data = ModelCardData(
+        base_model=base if _hub_id(base) else None,
+        datasets=[s for s in sources if _hub_id(s)] or None,
+        library_name="peft" if adapter else "transformers",
+        license=license,
+        pipeline_tag="text-generation",
+        tags=tags,
+    )
+    name = repo_id or os.path.basename(os.path.normpath(output_dir))
+    kind = "A LoRA adapter" if adapter else ("base + LoRA merged" if lora else "A full fine-tune")
+    base_ref = f"[`{base}`](https://huggingface.co/{base})" if _hub_id(base) else f"`{base}` (a local model)"
+    lines = [f"# {name}", "",
+             f"{kind} of {base_ref}, trained by supervised fine-tuning with hftrain"
+             + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
+                if lora else "") + ".", ""]
+
+    metrics = {k: v for k, v in (info.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    lines += ["## Results", ""]
+    if metrics:
+        lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
+    else:
+        lines.append("No metrics were recorded (run_info.json is missing).")
+    if "curves.png" in files:
+        lines += ["", "![Loss, learning rate and throughput against the step](curves.png)"]
+
+    ident = repo_id or "<repo_id>"
+    if adapter:
+        use = (f"from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
+               f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(ident)})\n"
+               f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(ident)})\n")
+    else:
+        use = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+               f"model = AutoModelForCausalLM.from_pretrained({json.dumps(ident)})\n"
+               f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(ident)})\n")
+    use += ('messages = [{"role": "user", "content": "Hello"}]\n'
+            "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
+            "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))\n")
+    lines += ["", "## Use", "", _fenced("python", use)]
+
+    engine = ", ".join(f"{k} {info[k]}" for k in ("wrapper", "zero_stage", "offload_param", "offload_optimizer")
+                       if info.get(k) is not None)
+    lines += ["## How it was made", "",
+              f"- strategy: `{strategy}`" + (f" ({engine})" if engine else ""),
+              f"- world size: {info.get('world_size', '?')} process(es)" + (
+                  f", backend {info['backend']}" if info.get("backend") else ""),
+              f"- optimizer steps: {info.get('global_step', '?')}",
+              f"- data: {', '.join(f'`{s}`' for s in sources) or '?'}"]
+    for section in ("compression", "moe"):  # present in the recipe when the run used them
+        if recipe.get(section):
+            lines += [f"- {section}:", "", _fenced("yaml", yaml.safe_dump(recipe[section], sort_keys=False))]
+    lines += ["", "### Recipe (resolved: defaults + YAML + command line)", "", _fenced("yaml", recipe_text)]
+    configs = [f for f in files if os.path.splitext(f)[0] == strategy and f.endswith((".yaml", ".json"))]
+    if configs:
+        lines += ["### Launcher configs generated for this run", ""]
+        for f in configs:
+            lines += [f"`{f}`:", "", _fenced("json" if f.endswith(".json") else "yaml",
+                                             open(os.path.join(output_dir, f), encoding="utf-8").read())]
+    lines += ["### Files", "", ", ".join(f"`{f}`" for f in files), ""]
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+

@@ -1,0 +1,231 @@
+"""Sharing a finished run on the Hub: validate the exact folder, write its model card, upload it with retries.
+
+    output_dir ──► stage_folder ──► <output_dir>/hub_upload/  (weights, tokenizer, configs, README.md card)
+                                         │ validate_folder: refused with every problem, nothing uploaded
+                                         ▼
+                   push ──► huggingface_hub.HfApi: create_repo(exist_ok) + upload_folder, bounded retries
+
+The token is read by huggingface_hub (HF_TOKEN or the stored `hf auth login`); hftrain never writes or prints it.
+Nothing here speaks HTTP itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import time
+
+from .. import distributed
+from ..config import HubSection, load_recipe
+from ..config.rules import hub_problems, repo_id_problem
+from ..constants import RECIPE_FILE
+from ..errors import HubError
+from .card import build_card
+from .checks import adapter_problems, validate_folder
+
+STAGE_DIR = "hub_upload"  # inside output_dir: the exact folder uploaded, kept for inspection
+CARD_FILE = "README.md"
+# Top-level files of a run that may be shared. Pickles (training_args.bin, *.bin/*.pt weights) and
+# checkpoints, TensorBoard logs and the merged/ folder (pushed only with merge_lora) stay local.
+UPLOAD_SUFFIXES = (".safetensors", ".json", ".jinja", ".yaml", ".yml", ".txt", ".model", ".png")
+NO_TOKEN = ("no Hugging Face token found: set HF_TOKEN in the environment or run `hf auth login` on this machine "
+            "(a recipe never holds the token)")
+# Hub user access tokens: "hf_" + 34 letters/digits. A match in a text file means a pasted token.
+TOKEN_PATTERN = re.compile(rb"\bhf_[A-Za-z0-9]{30,}\b")
+def _shareable(folder: str) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f))
+                  and f.endswith(UPLOAD_SUFFIXES) and ".tmp-" not in f)
+
+
+def _place(src: str, dst: str) -> None:
+    """Hard link when possible (weights can be large; the run never rewrites a saved file in place), else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: str | None = None,
+                 license: str | None = None) -> list[str]:
+    """Write the exact folder to upload into `dest` (replaced whole): model files, run records, README.md card.
+
+    With merge_lora the model files come from output_dir/merged instead of the adapter. Returns the file names.
+    """
+    if not os.path.isfile(os.path.join(output_dir, RECIPE_FILE)):
+        raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (recipes/sft.py writes it)")
+    sources: dict[str, str] = {}
+    if merge_lora:
+        merged = os.path.join(output_dir, "merged")
+        if not os.path.isdir(merged):
+            raise HubError(f"{merged} is missing: merge_lora pushes the merged model that model.lora.merge: true "
+                           "writes at the end of training; rerun with it, or push the adapter")
+        sources = {f: os.path.join(merged, f) for f in _shareable(merged)}
+    for f in _shareable(output_dir):
+        if merge_lora and f.startswith("adapter_"):
+            continue
+        sources.setdefault(f, os.path.join(output_dir, f))
+    partial = dest.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    for f, src in sorted(sources.items()):
+        _place(src, os.path.join(partial, f))
+    files = sorted([*sources, CARD_FILE])
+    build_card(output_dir, files, repo_id=repo_id, license=license, merged=merge_lora).save(
+        os.path.join(partial, CARD_FILE))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(partial, dest)
+    return files
+
+
+def token_problems(folder: str, token: str | None) -> list[str]:
+    """Files that hold a Hub token (this one, or anything shaped like one): they must not be uploaded."""
+    out = []
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            continue  # binary weights
+        with open(os.path.join(folder, f), "rb") as fh:
+            data = fh.read()
+        if (token and token.encode() in data) or TOKEN_PATTERN.search(data):
+            out.append(f"{f} contains a Hugging Face token: remove it from the run's files (tokens belong in HF_TOKEN "
+                       "or `hf auth login`, never in a recipe or config) and revoke it at huggingface.co/settings/tokens")
+    return out
+
+
+def _retryable_errors() -> tuple[type[BaseException], ...]:
+    """What an unreachable or failing Hub raises through huggingface_hub (its HTTP client's transport errors)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    types: list[type[BaseException]] = [HfHubHTTPError, OSError]
+    for mod in ("httpx2", "httpx"):  # huggingface_hub's HTTP client, whichever this version uses
+        try:
+            types.append(__import__(mod).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None = None, endpoint: str | None = None,
+         attempts: int = 3, backoff_s: float = 2.0, trust_remote_code: bool = False) -> str:
+    """Validate and upload output_dir as `hub.repo_id` (a `HubSection`). Returns the commit URL (the staged folder
+    for a dry run). Raises HubError: nothing uploaded when validation fails; after `attempts` failed uploads the
+    local files are untouched and the same command can simply be run again.
+    """
+    from huggingface_hub import get_token
+
+    if not hub.repo_id:
+        raise HubError("no repository named: pass --repo-id your-name/model-name (or set hub.repo_id in the recipe)")
+    problem = repo_id_problem(hub.repo_id)
+    if problem:
+        raise HubError(problem)
+    token = None
+    if not dry_run:
+        token = get_token()  # HF_TOKEN, else the stored login
+        if not token:
+            raise HubError(NO_TOKEN)
+    stage = stage_dir or os.path.join(output_dir, STAGE_DIR)
+    files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license)
+    merged_ref = os.path.join(output_dir, "merged")
+    if hub.merge_lora:
+        # The merged model pushed must equal base + the run's adapter.
+        problems = validate_folder(stage, trust_remote_code=trust_remote_code) + adapter_problems(output_dir, stage)
+    else:
+        problems = validate_folder(stage, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code)
+    problems += token_problems(stage, token)
+    if problems:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise HubError(problems, header=f"refusing to push {output_dir}: {len(problems)} problem(s), nothing uploaded")
+    print(f"hftrain: validated {stage} ({len(files)} files): " + ", ".join(files), flush=True)
+    if dry_run:
+        print(f"hftrain: dry run: this folder is what `hftrain push` would upload to {hub.repo_id}", flush=True)
+        return stage
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint, token=token)
+    message = hub.commit_message or f"hftrain: upload {os.path.basename(os.path.normpath(output_dir))}"
+    retryable = _retryable_errors()
+    last = None
+    for attempt in range(1, attempts + 1):
+        try:
+            api.create_repo(hub.repo_id, private=hub.private, exist_ok=True)
+            if hub.revision:
+                api.create_branch(hub.repo_id, branch=hub.revision, exist_ok=True)
+            info = api.upload_folder(repo_id=hub.repo_id, folder_path=stage, revision=hub.revision,
+                                     commit_message=message)
+            print(f"hftrain: pushed {len(files)} files to {hub.repo_id}"
+                  + (f" (branch {hub.revision})" if hub.revision else "") + f": {info.commit_url}", flush=True)
+            return info.commit_url
+        except ValueError as e:  # huggingface_hub's answer to a card the Hub refuses (not worth retrying)
+            raise HubError(f"the Hub refused the upload to {hub.repo_id}: {e}") from None
+        except retryable as e:
+            if _status(e) in (401, 403):
+                raise HubError(f"the Hub refused the token for {hub.repo_id} ({_one_line(e)}): use a token with write "
+                               "access to that namespace (HF_TOKEN or `hf auth login`)") from None
+            last = e
+            if attempt < attempts:
+                wait = backoff_s * 2 ** (attempt - 1)
+                print(f"hftrain: push attempt {attempt}/{attempts} failed ({_one_line(e)}); retrying in {wait:g}s",
+                      flush=True)
+                time.sleep(wait)
+    raise HubError(
+        f"pushing to {hub.repo_id} failed {attempts} times; last error: {_one_line(last)}. Nothing local changed: "
+        f"{output_dir} is complete and the validated upload is in {stage}. Run `{rerun_command(output_dir, hub)}` "
+        "again once the Hub is reachable") from None
+
+
+def rerun_command(output_dir: str, hub) -> str:
+    import shlex
+
+    cmd = ["hftrain", "push", output_dir, "--repo-id", hub.repo_id]
+    cmd += ["--private"] if hub.private else []
+    cmd += ["--revision", hub.revision] if hub.revision else []
+    cmd += ["--commit-message", hub.commit_message] if hub.commit_message else []
+    cmd += ["--merge-lora"] if hub.merge_lora else []
+    cmd += ["--license", hub.license] if hub.license else []
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def check_token(hub) -> None:
+    """Before training: a run that will push needs a token now, not after hours of training."""
+    from huggingface_hub import get_token
+
+    if hub.push and not get_token():
+        raise HubError(NO_TOKEN + " (hub.push is true)")
+
+
+def push_after_training(recipe) -> str | None:
+    """recipes/sft.py's last step when hub.push is set: the main process validates and uploads output_dir."""
+    if not recipe.hub.push or not distributed.is_main_process():
+        return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    # The run's ZeRO-3 config stays registered with transformers while its TrainingArguments live; validation
+    # loads the saved folder as a plain CPU model, not under zero.Init.
+    unset_hf_deepspeed_config()
+    return push(recipe.output_dir, recipe.hub, trust_remote_code=recipe.model.trust_remote_code)
+
+
+def settings_for_run(output_dir: str, **overrides):
+    """The run's own `hub:` settings (from output_dir/recipe.yaml) with the command line's values on top."""
+    path = os.path.join(output_dir, RECIPE_FILE)
+    if not os.path.isfile(path):
+        raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (recipes/sft.py writes it)")
+    recipe = load_recipe(path)
+    hub = recipe.hub if isinstance(recipe.hub, HubSection) else HubSection()
+    hub = dataclasses.replace(hub, **{k: v for k, v in overrides.items() if v is not None})
+    problems = [f"{k}: {m}" for k, m in hub_problems(dataclasses.replace(hub, push=False), recipe.model.lora)]
+    if problems:
+        raise HubError(problems, header="cannot push")
+    return hub, recipe

@@ -1,0 +1,272 @@
+"""The one validation path: every problem a recipe has in this environment, found before anything is loaded.
+
+`check_recipe` collects the recipe's own problems (config), the rules of the strategy that will run, and what the
+environment says (model and data paths, output_dir, the checkpoint to resume, NVMe, DeepSpeed ops), and raises
+them all at once. `hftrain check`, `config`, `launch` and the run call it; the run adds only what needs the
+launched processes (the launcher's strategy and world size). `check_data` is the data phase that `hftrain check`
+and the run share: tokenizer, datasets (every row), and whether one optimizer step fits in the data.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+import time
+
+from dataclasses import replace
+
+from .. import checkpoints
+from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
+from ..config.rules import strategy_problems as rule_problems
+from ..config.sections import STRATEGY_DEFAULTS
+from ..constants import STRATEGIES, ZERO_STAGE
+from ..data import Datasets, build_datasets
+from ..distributed import accelerator_available, print0
+from ..errors import LaunchError, RecipeError
+from ..modeling import load_tokenizer, path_problems
+from .plan import model_facts, swap_buffer_elems
+
+# Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
+# (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (hftrain.plan).
+NVME_BYTES_PER_PARAM = 4 + 16
+
+
+def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
+    """launch.plan.model_facts, or None when the config cannot be read here (e.g. an unreachable Hub id: loading
+    the model will then say so)."""
+    try:
+        return model_facts(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+
+
+def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
+    """The swap folder exists, is a folder, is writable, and has room for what will be swapped."""
+    if not os.path.exists(path):
+        return [f"strategy.nvme_path: {path} does not exist; create it on a local NVMe disk (mkdir -p {path}) "
+                "or set strategy.nvme_path to one"]
+    if not os.path.isdir(path):
+        return [f"strategy.nvme_path: {path} is not a folder"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return [f"strategy.nvme_path: {path} is not writable ({e.strerror}); fix its permissions or choose another folder"]
+    if need_bytes:
+        free = shutil.disk_usage(path).free
+        if free < need_bytes:
+            return [f"strategy.nvme_path: {path} has {_size(free)} free but the swap needs about "
+                    f"{_size(need_bytes)}; free space or choose a larger disk"]
+    return []
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def async_io_problem() -> str | None:
+    """DeepSpeed's async_io op (ZeRO-Infinity's NVMe I/O) needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        return "strategy.name: zero_infinity needs deepspeed (pip install deepspeed)"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
+                "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
+    return None
+
+
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT-compiled ops live: $TORCH_EXTENSIONS_DIR, else the cache hftrain names (launch.setup
+    exports it, so the build and every later run agree) rather than wherever torch's default cache happens to be."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/hftrain/torch_extensions")
+
+
+# A DeepSpeed op builds in minutes (async_io, the slowest here, in ~4 on 2 cores); a build lock older than this was
+# left by a build that was killed.
+STALE_LOCK_S = 15 * 60
+
+
+def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
+    """torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out
+    (torch.utils.file_baton.FileBaton): a build killed mid-way (a time-out, a scancel) leaves it, and every later
+    run that needs the op then hangs silently before training. (path, age in seconds) of old lock files."""
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(lock)
+        except OSError:  # released meanwhile
+            continue
+        if age > STALE_LOCK_S:
+            found.append((lock, age))
+    return found
+
+
+def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
+    problems = []
+    if strategy.name in ZERO_STAGE:
+        problems += [f"DeepSpeed op build lock {lock} is {age / 60:.0f} min old: a build was interrupted and every "
+                     f"run needing that op would wait for it forever; remove it (rm {lock})"
+                     for lock, age in stale_build_locks(extensions_dir())]
+    if strategy.name == "zero_infinity":
+        s = resolved_strategy(strategy)
+        need = num_parameters * NVME_BYTES_PER_PARAM if num_parameters else None
+        problems += nvme_problems(s.nvme_path, need)
+        p = async_io_problem()
+        if p:
+            problems.append(p)
+    if strategy.name == "fsdp" and strategy.fsdp_offload_params and not accelerator_available():
+        problems.append("strategy.fsdp_offload_params: there is no accelerator to offload from on this machine; "
+                        "remove it (parameters already live in CPU memory)")
+    return problems
+
+
+def output_dir_problems(path: str) -> list[str]:
+    """output_dir, or the folder it will be created in, is a writable folder. Nothing is created here: a refused
+    run leaves nothing behind."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"training.output_dir: {path} cannot be created: {parent} is not a folder; choose another path"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return [f"training.output_dir: cannot write in {parent} ({e.strerror}); fix its permissions or choose "
+                "another folder"]
+    return []
+
+
+def resume_problems(value, output_dir: str, layout: dict | None = None) -> list[str]:
+    """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
+    (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
+    try:
+        path = checkpoints.resolve_resume(value, output_dir, warn=lambda _m: None)
+        if layout is not None:
+            checkpoints.check_layout(path, layout)
+    except checkpoints.CheckpointError as e:
+        return [str(e)]
+    return []
+
+
+def _message(recipe: Recipe, key: str, msg: str) -> str:
+    """'origin: key: message' (a message that already begins with its key keeps its own wording)."""
+    return f"{recipe.where(key)}: {msg if msg.startswith(key) else f'{key}: {msg}'}"
+
+
+def _typed(value, tp) -> bool:
+    return isinstance(value, tp) and not isinstance(value, bool)
+
+
+def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: dict | None = None,
+                 launcher: str | None = None, world_size: int | None = None, environment: bool = True
+                 ) -> tuple[Recipe, StrategySection]:
+    """The recipe and the strategy that will run, or a RecipeError with every problem found.
+
+    `launcher` is the strategy the launcher set up and `world_size` the processes it started (the run passes both;
+    `hftrain check` / `launch` / `config` pass neither, and the strategy is then strategy.name, or ddp as `hftrain
+    launch` runs it, on strategy.num_processes processes). ZeRO-Infinity's swap buffers are sized here to the
+    largest parameter partition. `environment=False` (`hftrain config`, which may render for another machine)
+    leaves out what this machine says."""
+    recipe, problems = parse_recipe(path, overrides, raw)
+    s = recipe.strategy
+    if launcher is not None and s.name is not None and s.name != launcher:
+        problems.append(
+            f"{recipe.where('strategy.name')}: strategy.name is '{s.name}' but the launcher set up '{launcher}'. "
+            f"Launch with `--config_file accelerate_configs/{s.name}.yaml` (or `hftrain launch`), or set "
+            f"strategy.name to '{launcher}', or remove strategy.name to let the launcher decide")
+        raise RecipeError(problems)  # the rules below would judge a strategy that is not the one asked for
+    if world_size is not None and _typed(s.num_processes, int) and s.num_processes != world_size:
+        problems.append(
+            f"{recipe.where('strategy.num_processes')}: strategy.num_processes is {s.num_processes} but the launcher "
+            f"started {world_size} processes; launch with `hftrain launch` (or --num_processes {s.num_processes}), "
+            "or remove strategy.num_processes to let the launcher decide")
+    name = launcher or s.name or "ddp"
+    if name not in STRATEGIES:  # a wrong strategy.name, already reported
+        raise RecipeError(problems)
+    if name != s.name:  # recipe_problems ran the strategy's rules only for a strategy the recipe names
+        problems += [_message(recipe, k, m) for k, m in rule_problems(recipe, name)]
+    world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
+    strategy = replace(s, name=name)
+    if environment:
+        env, strategy = environment_problems(recipe, strategy, world, skip={p.split(": ")[1] for p in problems
+                                                                            if p.count(": ") >= 2})
+        problems += env
+    if problems:
+        raise RecipeError(problems)
+    return recipe, strategy
+
+
+def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str] = frozenset()
+                         ) -> tuple[list[str], StrategySection]:
+    """What this machine says about the recipe: paths that cannot be loaded or written, a checkpoint that cannot be
+    resumed, TrainingArguments' own rules, NVMe and DeepSpeed ops. Keys in `skip` already have a problem."""
+    out: list[tuple[str, str]] = []
+    m, t = recipe.model, recipe.training
+    model_ok = m is not None and _typed(m.name_or_path, str) and not any(k.startswith("model.") for k in skip)
+    template = recipe.data.chat_template if recipe.data is not None else None
+    if model_ok:
+        out += path_problems(m, template if isinstance(template, str) else None)
+    if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
+            recipe.data is not None and m is not None):
+        msg = arguments_problem(arguments_kwargs(recipe, accelerator_available()))
+        if msg:
+            out.append(("training", f"TrainingArguments refuses these values: {msg}"))
+    facts = None
+    if strategy.name == "zero_infinity" and model_ok:
+        facts = facts_or_none(m.name_or_path, m.trust_remote_code)
+    if facts is not None:
+        # DeepSpeed's usual 1e8 and 1e9 elements pin GBs of RAM per rank whatever the model; sized to the largest
+        # parameter partition NVMe holds the rest. DeepSpeed sizes its optimizer swap buffers to the largest
+        # sub-group.
+        part = swap_buffer_elems(facts.largest_tensor, world)
+        if strategy.buffer_size is None:
+            strategy = replace(strategy, buffer_size=part)
+        if strategy.sub_group_size is None:
+            strategy = replace(strategy, sub_group_size=part)
+    if not any(k.startswith("strategy.") for k in skip):
+        out += [(_strategy_key(msg), msg) for msg in strategy_problems(strategy, facts.params if facts else None)]
+    output_dir = t.get("output_dir")
+    if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
+        out += [("training.output_dir", msg) for msg in output_dir_problems(output_dir)]
+        if "training.resume_from_checkpoint" not in skip:
+            now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
+                                     recipe.training_value("gradient_accumulation_steps"), strategy.name)
+            out += [("training.resume_from_checkpoint", msg)
+                    for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now)]
+    return [_message(recipe, k, msg) for k, msg in out], strategy
+
+
+def _strategy_key(msg: str) -> str:
+    key = msg.split(":", 1)[0]
+    return key if key.startswith("strategy.") else "strategy.name"
+
+
+def batch_problem(world: int, per_device: int, accumulation: int, drop_last: bool, n_examples: int) -> str | None:
+    """One optimizer step takes world x micro-batch x accumulation examples; fewer than that trains nothing."""
+    need = world * per_device * accumulation
+    if drop_last and n_examples < need:  # without drop_last a short step still trains
+        return (f"one optimizer step needs {need} examples ({world} processes x per_device_train_batch_size "
+                f"{per_device} x gradient_accumulation_steps {accumulation}) and dataloader_drop_last drops them "
+                f"all: the data has {n_examples}. Lower one of those or add data")
+    return None
+
+
+def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
+    """(tokenizer, Datasets): every row read, rendered and tokenised (errors name the file and row), and one
+    optimizer step's worth of examples present. `hftrain check` and the run share this phase."""
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    seed = recipe.training_value("seed") if seed is None else seed
+    data: Datasets = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+    problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
+                            recipe.training_value("gradient_accumulation_steps"),
+                            recipe.training_value("dataloader_drop_last"), len(data.train))
+    if problem:
+        raise LaunchError(problem)
+    print0(f"hftrain: {len(data.train)} training examples"
+           + (f", {len(data.eval)} held out" if data.eval is not None else ""))
+    return tokenizer, data

@@ -1,0 +1,122 @@
+"""Setting up this process for a run: the one function that changes the process, called once by a recipe script.
+
+`setup_run(argv)` reads the launcher's strategy, runs the one validation path (preflight.check_recipe) with it,
+then exports what the engines read (FSDP_* variables, the DeepSpeed op cache), applies the library patches the
+strategy needs, builds TrainingArguments (which starts the process group) and checks the world it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from transformers import TrainingArguments, set_seed
+
+from ..config import Recipe, StrategySection, arguments_kwargs, split_argv, strategy_of_deepspeed_config
+from ..constants import ZERO_STAGE
+from ..distributed import accelerator_available, launcher_world_size, print0
+from ..errors import LaunchError
+from ..patches.accelerate import apply_fsdp_on_cpu
+from ..patches.deepspeed import share_fp32_master_with_fp32_weights
+from .preflight import check_recipe, extensions_dir
+from .strategies import deepspeed_config, render
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    strategy: StrategySection  # the strategy the launcher set up, with the recipe's options
+    args: TrainingArguments
+
+
+def launcher_strategy() -> str:
+    """The strategy the launcher set up, read from the environment accelerate's launcher exports."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                return strategy_of_deepspeed_config(json.load(fh))
+        return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    return "ddp"
+
+
+def training_arguments(recipe: Recipe, **extra) -> TrainingArguments:
+    """TrainingArguments of a recipe, plus the strategy's `extra` (the DeepSpeed config). Under a launcher this starts
+    the process group (TrainingArguments resolves its device)."""
+    return TrainingArguments(**arguments_kwargs(recipe, accelerator_available()), **extra)
+
+
+def setup_run(argv: list[str], raw: dict | None = None) -> Run:
+    """Validate, then set this process up: environment, patches, process group, TrainingArguments, seed.
+
+    The launcher decides processes and the engine family; the recipe's `strategy:` options apply on top (for ZeRO
+    the DeepSpeed config is rendered from the recipe and given to TrainingArguments, for FSDP the options go into
+    the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
+    dict, for tests and benchmarks) it holds overrides only."""
+    path, overrides = (None, argv) if raw is not None else split_argv(argv)
+    recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
+                                    world_size=launcher_world_size())
+    _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
+    extra = {}
+    if strategy.name in ZERO_STAGE:
+        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # DeepSpeed JIT-builds its ops into this cache
+        share_fp32_master_with_fp32_weights()
+        extra["deepspeed"] = deepspeed_config(strategy, recipe.compression.reduce_dtype())
+    if strategy.name == "fsdp":
+        for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
+                         ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
+            if getattr(strategy, key) is not None:
+                os.environ[env] = str(getattr(strategy, key)).lower()
+        if strategy.fsdp_wrap_class:
+            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = strategy.fsdp_wrap_class
+        if not accelerator_available():
+            apply_fsdp_on_cpu()
+    args = training_arguments(recipe, **extra)
+    if strategy.name in ZERO_STAGE:
+        import deepspeed  # optional dependency: only ZeRO strategies need it
+
+        # DeepSpeed's comm layer must exist before the model is built (ZeRO-3's zero.Init); on CPU it runs on gloo.
+        deepspeed.init_distributed("nccl" if accelerator_available() else "gloo")
+    if args.world_size != launcher_world_size():
+        raise LaunchError(
+            f"the launcher started {launcher_world_size()} processes but training sees a world of {args.world_size}: "
+            "the ranks would train separate copies. On a machine without GPU leave training.use_cpu unset (hftrain "
+            "sets it) and launch with torchrun or a MULTI_GPU accelerate config")
+    set_seed(args.seed)
+    return Run(recipe, strategy, args)
+
+
+def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[str]:
+    """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
+    return render(strategy, recipe.output_dir, recipe.training, communication_data_type=recipe.compression.reduce_dtype())
+
+
+def _isolate_restart_attempt() -> None:
+    """After an elastic restart, start the process group on a store prefixed by the attempt number.
+
+    torchrun's static rendezvous (accelerate's default) hands the restarted workers the agent's TCPStore of the
+    first attempt, with no per-attempt prefix (torch 2.13; pytorch/pytorch#135712 is the same trap with c10d):
+    the new gloo/NCCL group can read the dead attempt's addresses and fail with "connectFullMesh ... Connection
+    refused" (seen in 1 of 2 restarts here). No library option isolates it, so hftrain does, before accelerate
+    creates the group (it keeps an initialised one).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(minutes=30))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank_, world_size=world,
+                            store=dist.PrefixStore(f"hftrain/attempt_{attempt}", store))
+    print0(f"hftrain: restart {attempt}: process group on a fresh store prefix")
+
+

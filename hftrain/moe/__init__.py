@@ -1,0 +1,76 @@
+"""Mixture of experts: upcycling dense models to native MoE classes, router aux / z losses, router health, expert
+parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from ..distributed import print0
+from ..errors import MoeError
+from . import expert_parallel as ep
+from .aux import MaskTap, model_aux_loss, z_loss
+from .blocks import check_moe_model, register_zero3_leaf_modules, routers, unwrap
+from .health import RouterHealthCallback
+
+def attach(trainer, cfg=None) -> dict:
+    """Wire MoE into an HFTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
+    the aux / z losses through `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and
+    accumulation) and the router-health callback. Returns what was done (for the log)."""
+    model = unwrap(trainer.model)
+    done: dict = {}
+    if is_deepspeed_zero3_enabled():
+        done["zero3_leaf_modules"] = register_zero3_leaf_modules(model)
+    if cfg is not None:
+        _attach_section(trainer, model, cfg, done)
+    if done:
+        print0(f"hftrain: moe: {done}")
+    return done
+
+
+def _attach_section(trainer, model, cfg, done: dict) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if cfg.aux_loss_coef or cfg.router_z_loss_coef:
+        check_moe_model(base, "moe.aux_loss_coef / moe.router_z_loss_coef")
+        # The model returns router logits and its load-balancing loss (computed with the attention mask) as
+        # `outputs.aux_loss`; it adds nothing to a loss because hftrain passes no labels (outputs.loss is None).
+        base.config.output_router_logits = True
+        tap = MaskTap(base)
+        if cfg.aux_loss_coef:
+            trainer.aux_losses["moe_aux_loss"] = (model_aux_loss, float(cfg.aux_loss_coef))
+        if cfg.router_z_loss_coef:
+            trainer.aux_losses["moe_z_loss"] = (
+                lambda out: z_loss(out.router_logits, tap.flat(out.router_logits[0].shape[0])),
+                float(cfg.router_z_loss_coef))
+        done["aux_losses"] = sorted(k for k in trainer.aux_losses if k.startswith("moe_"))
+    if cfg.expert_parallel_size > 1 or cfg.capacity_factor:
+        done["expert_parallel"] = _expert_parallel(trainer, base, cfg)
+    if cfg.router_health and routers(base):
+        cb = RouterHealthCallback(base)
+        trainer.add_callback(cb)  # its pop_logs() joins each training log (HFTrainer.log)
+        done["router_health"] = len(cb.layers)
+
+
+def _expert_parallel(trainer, model, cfg) -> str:
+    n = cfg.expert_parallel_size
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        if n > 1:
+            raise MoeError("moe.expert_parallel_size: runs under strategy ddp only (ZeRO and FSDP would shard or "
+                           "average the per-rank experts); launch with accelerate_configs/ddp.yaml, or set "
+                           "expert_parallel_size: 1 and keep every expert on every rank")
+        if is_deepspeed_zero3_enabled() or trainer.is_fsdp_enabled:
+            raise MoeError("moe.capacity_factor: needs the whole MoE block on each rank; not with ZeRO-3 / FSDP")
+    world = trainer.args.world_size
+    if n > 1 and n != world:
+        raise MoeError(f"moe.expert_parallel_size: must equal the number of processes ({world}), got {n} "
+                       "(expert-parallel groups inside data parallelism are not supported)")
+    check_moe_model(model, "moe.expert_parallel_size / moe.capacity_factor")
+    group = dist.group.WORLD if n > 1 else None
+    try:
+        swapped = ep.parallelize(model, group, cfg.capacity_factor)
+    except ValueError as e:
+        raise MoeError(str(e)) from None
+    trainer.add_callback(ep.ExpertParallelCallback(model))
+    return f"{swapped} blocks over {n} rank(s), capacity_factor {cfg.capacity_factor}"
+
+

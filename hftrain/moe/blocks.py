@@ -1,0 +1,44 @@
+"""Finding the sparse MoE blocks and routers of any transformers MoE model, and making them ZeRO-3 leaf modules."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MoeError
+
+def moe_blocks(model) -> list[torch.nn.Module]:
+    """Sparse MoE blocks: modules with a router `gate` and an `experts` child (Mixtral, Qwen2/3-MoE, OLMoE, ...),
+    or hftrain's expert-parallel layer."""
+    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
+            and isinstance(getattr(m, "experts"), torch.nn.Module)]
+
+
+def routers(model) -> list[torch.nn.Module]:
+    return [b.gate for b in moe_blocks(model)]
+
+
+def unwrap(model):
+    while hasattr(model, "module"):  # DDP / DeepSpeed engine
+        model = model.module
+    return model
+
+
+def register_zero3_leaf_modules(model) -> list[str]:
+    """Make every MoE block one ZeRO-3 unit (DeepSpeed gathers all its parameters at once), so a rank whose tokens
+    skip an expert does not wait for a gather the other ranks never issue. Same call as accelerate's
+    `DeepSpeedPlugin.set_moe_leaf_modules`, with the classes found in the model instead of named in an env var."""
+    from deepspeed.utils import set_z3_leaf_modules
+    from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
+
+    classes = sorted({type(b) for b in moe_blocks(model)}, key=lambda t: t.__name__)
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return [f"{c.__name__} x{sum(type(m) is c for m in get_z3_leaf_modules(model))}" for c in classes]
+
+
+def check_moe_model(model, key: str) -> None:
+    if not routers(model) or not hasattr(model.config, "output_router_logits"):
+        raise MoeError(f"{key}: {type(model).__name__} has no MoE router (no sparse block found and no "
+                       "config.output_router_logits); use an MoE model or set moe.upcycle")
+
+

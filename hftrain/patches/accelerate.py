@@ -1,0 +1,75 @@
+"""Changes to accelerate (written against 1.15).
+
+1. `apply_fsdp_on_cpu`: FSDP on a machine without an accelerator. accelerate upgrades the distributed type to FSDP
+   only from GPU-like types, so on a CPU-only machine the launcher's FSDP request ends up as MULTI_CPU and the FSDP
+   plugin is dropped: "FSDP" silently trains as DDP. The patch re-selects FSDP when the launcher asked for it
+   (weights then equal DDP's, tested). Applied only where no accelerator is present. It can go when
+   `accelerate launch` with an FSDP config on a CPU-only machine reports DistributedType.FSDP by itself.
+2. `HookedDDPKwargs`: the Trainer's DistributedDataParallelKwargs registering hftrain's own communication hook.
+   accelerate calls `ddp_handler.register_comm_hook(model)` right after it wraps the model in DDP, exactly where
+   the hook must go, but its own hook types cover only fp16, bf16 on NCCL and PowerSGD, without metering, and it
+   maps handlers by exact class, so a subclass cannot be passed in through `kwargs_handlers`: the trainer installs
+   it as `accelerator.ddp_handler`. It can go when DistributedDataParallelKwargs accepts an arbitrary hook callable
+   and state.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import fields
+
+from accelerate.utils import DistributedDataParallelKwargs
+
+_applied = False
+
+
+def fsdp_requested() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def apply_fsdp_on_cpu() -> None:
+    """Make AcceleratorState keep the FSDP plugin on a CPU-only multi-process run. Idempotent."""
+    global _applied
+    if _applied:
+        return
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU and (fsdp_plugin is not None or fsdp_requested()):
+            self.distributed_type = DistributedType.FSDP
+            if fsdp_plugin is not None:
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = fsdp_plugin
+            # FSDP compares parameter devices with this one: "cpu", not "cpu:0".
+            self.device = torch.device("cpu")
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            PartialState._shared_state["device"] = torch.device("cpu")
+
+    AcceleratorState.__init__ = __init__
+    _applied = True
+
+
+class HookedDDPKwargs(DistributedDataParallelKwargs):
+    """DDP kwargs (every option of `base` kept) whose register_comm_hook registers `hook` with the state
+    `make_state()` returns; `on_register` receives that state (for metering). Constructible without arguments, as
+    accelerate's `to_kwargs` compares against a default instance."""
+
+    def __init__(self, base: DistributedDataParallelKwargs | None = None, make_state=None, hook=None,
+                 on_register=None):
+        super().__init__(**({f.name: getattr(base, f.name) for f in fields(base)} if base is not None else {}))
+        self._make_state, self._hook, self._on_register = make_state, hook, on_register
+
+    def to_dict(self):  # DDP's own options only: the hook wiring is not a DistributedDataParallel argument
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}
+
+    def register_comm_hook(self, model):
+        state = self._make_state()
+        model.register_comm_hook(state, self._hook)
+        self._on_register(state)
