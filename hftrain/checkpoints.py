@@ -1,12 +1,8 @@
 """Checkpoints that become visible only when complete, and the choice of the one to resume from.
 
-transformers 5.23 writes `checkpoint-N` in place (`Trainer._save_checkpoint`) and `resume_from_checkpoint=True`
-takes the highest N whatever is inside (`trainer_utils.get_last_checkpoint`): a save cut short by a kill or a
-full disk leaves a folder that resume picks and then fails on, or silently half-loads. No library offers a
-staged save, so hftrain writes each checkpoint into `output_dir/_incomplete/checkpoint-N` (every rank writes its
-part there), and after a barrier the main process fsyncs it and renames it into place: one atomic rename on the
-same filesystem. `_incomplete` matches neither transformers' `checkpoint-*` patterns (resume, rotation) nor the
-Hub upload (which ignores `_*`).
+The Trainer writes `checkpoint-N` in place and resumes from the highest N whatever is inside, so a save cut short
+would be resumed from. hftrain writes into `output_dir/_incomplete/checkpoint-N` and renames it into place once every
+rank is done; `_incomplete` matches neither transformers' `checkpoint-*` patterns nor the Hub upload (it skips `_*`).
 """
 
 from __future__ import annotations
@@ -130,12 +126,8 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
 
 # -- another world size -------------------------------------------------------------------------------------------
 LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
-# Every format can be loaded by another number of ranks: DDP's is one full copy (model.safetensors, optimizer.pt),
-# FSDP2's a torch.distributed.checkpoint folder that DCP reshards on load. ZeRO partitions the optimizer state per
-# rank; DeepSpeed reshards it only from a "universal" checkpoint, which hftrain makes from the checkpoint when the
-# world size changed (to_universal) and loads with DeepSpeed's `checkpoint.load_universal`. Not with the optimizer
-# on NVMe: DeepSpeed then copies each rank's swap files back instead of loading ZeRO state
-# (DeepSpeedEngine.load_checkpoint), so ZeRO-Infinity keeps its world size.
+# DDP's and FSDP2's checkpoints load on any number of ranks; ZeRO's per-rank optimizer partitions only through a
+# DeepSpeed "universal" checkpoint (to_universal), and not at all with the optimizer on NVMe (per-rank swap files).
 UNIVERSAL = ("zero1", "zero2", "zero3")
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name for the file naming the universal tag
 
@@ -222,7 +214,7 @@ def to_universal(path: str) -> str:
         return target
     staged = os.path.join(path, f"_{name}.partial")
     shutil.rmtree(staged, ignore_errors=True)
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # optional dependency: ZeRO only
 
     # inject_missing_state: a transformers model carries no UNIVERSAL_CHECKPOINT_INFO (Megatron-style tensor
     # parallel layouts); without it the converter refuses even a plain data-parallel checkpoint.
@@ -295,7 +287,7 @@ def remove_staging_root(root: str) -> None:
 
 
 def is_no_space(exc: BaseException, free: int | None) -> bool:
-    """A full disk: errno where there is one; torch.save only says "unexpected pos 5120 vs 5012", so also a
+    """A full disk: errno where there is one; torch.save may only say "unexpected pos ...", so also a
     device left with (almost) no free space when the save failed."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True

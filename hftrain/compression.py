@@ -1,22 +1,12 @@
 """Gradient compression on the data-parallel gradient reduction, and what it costs and saves.
 
-Where each method runs (config.rules refuses the rest):
-- DDP: a communication hook on the wrapped model. fp16 and PowerSGD are PyTorch's own hooks
-  (`default_hooks.fp16_compress_hook`, `powerSGD_hook.powerSGD_hook`). Written here, because PyTorch has none
-  that works: bf16 (PyTorch's refuses anything but CUDA/NCCL or XPU, so it cannot run on gloo), and int8 and
-  top-k with error feedback (PyTorch's `quantization_pertensor_hook` has no error feedback and breaks on gloo).
-- FSDP2: fp16/bf16 as the reduce dtype of its MixedPrecisionPolicy (parameters stay in their own dtype).
-- DeepSpeed ZeRO-1/2/3: fp16/bf16 as DeepSpeed's `communication_data_type`.
+DDP: a communication hook (fp16 and PowerSGD are PyTorch's; bf16, int8 and top-k are written here because PyTorch's
+refuse gloo or lack error feedback). FSDP2 and ZeRO: fp16/bf16 as their reduce dtype (config.rules refuses the rest).
+Each hook here issues one collective, from the hook itself (one issued from a future callback can race DDP's own),
+and returns the MEAN gradient, which hftrain's loss normalisation (losses.py) assumes.
 
-Every hook written here issues exactly one collective, from the hook itself (the autograd thread), and does
-only local work in its future callback: a collective issued from a callback can race the all-reduce DDP issues
-for unused parameters (PowerSGD does that, so it runs with `find_unused_parameters=False`). Every hook returns
-the MEAN gradient: hftrain's loss normalisation (losses.py) assumes DDP's averaging.
-
-Bytes are counted as a ring algorithm puts them on the wire per rank: an all-reduce of B bytes sends
-2(W-1)/W * B, an all-gather of B bytes per rank sends (W-1) * B. int8 and top-k payloads are all-gathered
-(their sum cannot be formed in the compressed format), so their advantage shrinks as W grows; PowerSGD, fp16
-and bf16 are all-reduced and keep theirs.
+Bytes on the wire per rank (ring): all-reduce of B bytes 2(W-1)/W * B, all-gather of B bytes per rank (W-1) * B.
+int8 and top-k are all-gathered (their sum has no compressed form), so their saving shrinks as W grows.
 """
 
 from __future__ import annotations
@@ -28,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from transformers import TrainerCallback
 
 from .patches.accelerate import HookedDDPKwargs
-
 
 
 # -- pure maths (tested single-process) -------------------------------------------------------------------------
@@ -232,13 +222,9 @@ def topk_hook(state: HookState, bucket) -> torch.futures.Future:
 def _powersgd_hook(state: HookState, bucket) -> torch.futures.Future:
     """PyTorch's PowerSGD; its own element counters say how much it sent (all of it in all-reduces).
 
-    It issues its P and Q all-reduces from future callbacks. On NCCL a future completes when the work is enqueued,
-    so the callbacks run inline and every rank issues collectives in the same order. On gloo they run later on
-    gloo's thread while the autograd thread issues the next bucket's all-reduce: with two or more buckets the
-    ranks' orders differ and gloo aborts (measured on the demo model, 2 buckets). So on gloo the whole chain is
-    waited for inside the hook: the same maths, no overlap of communication with backward."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
+    Its P and Q all-reduces come from future callbacks, which on gloo run on gloo's thread and can interleave with
+    the next bucket's all-reduce in a different order on each rank (gloo aborts): on gloo the chain is waited for
+    inside the hook (same maths, no overlap with backward)."""
     ps = state.powersgd
     start = time.perf_counter()
     before = ps.total_numel_after_compression
@@ -255,8 +241,6 @@ def _powersgd_hook(state: HookState, bucket) -> torch.futures.Future:
 
 
 def _fp16_hook(state: HookState, bucket) -> torch.futures.Future:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     buf = bucket.buffer()
     raw = wire_bytes("all_reduce", _raw(bucket), state.world)
     return _timed(state.meter, default_hooks.fp16_compress_hook(state.group, bucket), raw,
@@ -286,14 +270,12 @@ def ddp_hook(state: HookState, bucket):  # no annotations: DDP checks them, and 
 
 
 def make_hook_state(cfg, world: int) -> HookState:
-    """HookState from a resolved CompressionSection (see recipe.py)."""
+    """HookState from a CompressionSection (config.sections), its unset options resolved."""
     granularity, chunk = cfg.resolved_int8()
     state = HookState(method=cfg.method, world=world, start_step=cfg.resolved_start_step(),
                       error_feedback=cfg.resolved_error_feedback(), topk_ratio=cfg.resolved_topk_ratio(),
                       int8_chunk=chunk if granularity == "chunk" else 0)
     if cfg.method == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
         state.powersgd = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=cfg.resolved_powersgd_rank(),
             start_powerSGD_iter=state.start_step, use_error_feedback=state.error_feedback, warm_start=True,

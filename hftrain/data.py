@@ -1,17 +1,20 @@
 """Data: load sources, detect their format, tokenise with loss masks, mix, split, collate (optionally packed).
 
-Loss masks are computed from character spans: the trainable part of each example (assistant turns, the
-completion, or everything) is located in the rendered text, and a token is trainable when it overlaps such a
-span (fast tokenizers' offset mapping). transformers' own `return_assistant_tokens_mask` needs
-`{% generation %}` markers that most chat templates lack, so this works with any prefix-stable template.
+Loss masks come from character spans: a token is trainable when it overlaps the trainable part of the rendered text
+(assistant turns, the completion, or everything; fast tokenizers' offsets). This works with any prefix-stable chat
+template, where transformers' `return_assistant_tokens_mask` needs `{% generation %}` markers most templates lack.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import datasets
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from .config import DataSection, DataSource
 from .constants import IGNORE_INDEX
@@ -46,8 +49,6 @@ def _where(key: str, src: DataSource) -> str:
 
 def load_source(src: DataSource, key: str):
     """A `datasets.Dataset` for one source: local file(s), a save_to_disk folder, or a Hub id."""
-    import datasets
-
     path = src.path
     looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1].lower() in FILE_BUILDERS
     path = os.path.expanduser(path)
@@ -87,8 +88,6 @@ def load_source(src: DataSource, key: str):
 
 def _check_utf8_json_lines(files: list[str], key: str) -> None:
     """Name the file and line of a malformed JSONL row or a non-UTF-8 byte (datasets' own error names neither)."""
-    import json
-
     for f in files:
         if not f.lower().endswith(".jsonl"):
             continue
@@ -280,8 +279,6 @@ def _canonical_eval(ds, fmt: str, has_template: bool, n: int) -> list[dict]:
 
 
 def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int = 0) -> Datasets:
-    import datasets
-
     has_template = bool(getattr(tokenizer, "chat_template", None))
     train_parts, eval_parts, weights, eval_examples = [], [], [], []
     for i, src in enumerate(cfg.sources):
@@ -307,8 +304,6 @@ def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int
 def mix(parts: list, weights: list[float], seed: int):
     """One source as is; several interleaved with probabilities proportional to their weights, until every source
     has been seen whole (datasets' `all_exhausted`)."""
-    import datasets
-
     if len(parts) == 1:
         return parts[0]
     total = sum(weights)
@@ -318,8 +313,6 @@ def mix(parts: list, weights: list[float], seed: int):
 
 
 def make_collator(tokenizer, packing: bool):
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
-
     if packing:
         # One row per batch, position_ids restarting at 0 for each example: the attention mask built from them
         # is block-diagonal, so packed examples never attend to each other; the first label of each is -100.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import socket
 import sys
 
 import torch
@@ -77,12 +78,8 @@ def all_reduce_sum(value: float | int) -> float:
 
 
 def shutdown(wait: bool = True) -> None:
-    """Tear the process group down before interpreter exit.
-
-    torch 2.13 + gloo aborts 10-40% of 2-rank runs at exit ("terminate called without an active exception")
-    when the group is still alive; destroying it explicitly after a gc was measured to cure it
-    (see shared/FEASIBILITY.md).
-    """
+    """Tear the process group down before interpreter exit: a gloo group still alive at exit can abort the process
+    ("terminate called without an active exception"); a gc, then an explicit destroy, avoids it."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         if wait:
@@ -107,8 +104,6 @@ def launcher_world_size() -> int:
 
 def free_port() -> int:
     """A TCP port free on this machine now, for a local launch's rendezvous (tests and benchmarks start many)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

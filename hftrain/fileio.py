@@ -24,11 +24,11 @@ def read_json(path: str) -> dict:
 
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (imported on first use: matplotlib is slow to import)."""
-    import matplotlib
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib  # slow to import: only runs that plot pay for it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen before pyplot loads
 
     return plt
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from .config import ModelSection
 from .errors import ModelError
 from .moe.upcycle import upcycle
@@ -55,8 +58,6 @@ def _raise_if(problem: str | None) -> None:
 
 
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
-    from transformers import AutoTokenizer
-
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
     _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
     _raise_if(_chat_template_problem(chat_template))
@@ -75,9 +76,6 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
@@ -95,7 +93,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
         # attend to each other. Training never needs the cache (generate() turns it back on for itself).
         model.config.use_cache = False
     if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # optional dependency, heavy to import: LoRA runs only
 
         lora = LoraConfig(
             task_type="CAUSAL_LM",

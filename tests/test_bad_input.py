@@ -152,8 +152,10 @@ CASES = [
     ("override_unknown_key", lambda w: [w.recipe(), "training.max_step=3"],
      ["command line: training.max_step: unknown key; did you mean 'training.max_steps'?"]),
     # -- incompatible combinations and the launcher ------------------------------------------------------------
-    ("option_of_another_strategy", lambda w: [w.recipe(both(set_("strategy.name", "zero2"),
-                                                             set_("strategy.fsdp_offload_params", True)))],
+    ("option_of_another_strategy", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                           os.path.join(REPO, "accelerate_configs", "zero2.json")),
+                                              [w.recipe(both(set_("strategy.name", "zero2"),
+                                                             set_("strategy.fsdp_offload_params", True)))])[1],
      ["strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)"]),
     ("launcher_strategy_mismatch", lambda w: [w.recipe(set_("strategy.name", "fsdp"))],
      ["strategy.name is 'fsdp' but the launcher set up 'ddp'", "--config_file accelerate_configs/fsdp.yaml"]),
@@ -330,4 +332,69 @@ def test_cli_refuses_the_same_way(command, tmp_path, tiny_model_dir, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and expected in err and "Traceback" not in err, err
+    assert not os.path.exists(w.out)
+
+
+# Cases only the launched run can see: what the launcher set up against what the recipe asks for.
+RUN_ONLY = {"launcher_strategy_mismatch"}
+
+
+def pin_launcher(argv: list[str], env: dict) -> None:
+    """Write what check cannot see, the launcher's strategy (its DeepSpeed JSON) and world size (1: these runs are
+    in-process), into the recipe file itself as the keys that name them, so that check and the run read one file."""
+    from hftrain.config import strategy_of_deepspeed_config
+
+    try:
+        with open(argv[0], encoding="utf-8") as fh:
+            tree = yaml.safe_load(fh)
+    except (OSError, ValueError, yaml.YAMLError):
+        return
+    if not isinstance(tree, dict):
+        return
+    strategy = tree.setdefault("strategy", {})
+    strategy["num_processes"] = 1
+    if "ACCELERATE_DEEPSPEED_CONFIG_FILE" in env:
+        with open(env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]) as fh:
+            strategy["name"] = strategy_of_deepspeed_config(json.load(fh))
+    with open(argv[0], "w", encoding="utf-8") as fh:
+        yaml.safe_dump(tree, fh, sort_keys=False)
+
+
+def run_check(argv: list[str], capsys) -> tuple[int, str]:
+    from hftrain.cli import main
+
+    try:
+        code = main(["check", *argv])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] not in RUN_ONLY],
+                         ids=[c[0] for c in CASES if c[0] not in RUN_ONLY])
+def test_check_and_the_run_refuse_alike(case, tmp_path, tiny_model_dir, shared_checkpoint, monkeypatch, capsys):
+    """One validation path: `hftrain check` refuses every case of the table with the very message the run gives."""
+    _, build, _ = case
+    w = W(str(tmp_path), tiny_model_dir)
+    argv = build(w)
+    pin_launcher(argv, w.env)
+    before = snapshot(w.out)
+    code, err = run_check(argv, capsys)
+    assert code == 2, f"check accepted what the run refuses (exit {code})\n{err[-3000:]}"
+    assert snapshot(w.out) == before
+    checked = err[err.index("hftrain: error:"):]
+    code = run_main(argv, w.env, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err[err.index("hftrain: error:"):] == checked
+
+
+def test_check_accepts_what_the_run_accepts(tmp_path, tiny_model_dir, capsys):
+    """The negative control of the table: a good recipe passes check (data phase included) and prints it resolved."""
+    from hftrain.cli import main
+
+    w = W(str(tmp_path), tiny_model_dir)
+    assert main(["check", w.recipe(), "strategy.num_processes=1"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["model"]["name_or_path"] == tiny_model_dir
     assert not os.path.exists(w.out)

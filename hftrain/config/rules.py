@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 from ..constants import DDP_ONLY_COMPRESSION, STRATEGIES
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
@@ -168,8 +170,6 @@ def hub_problems(hub: HubSection, lora) -> Problems:
 
 
 def repo_id_problem(repo_id: str) -> str | None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:

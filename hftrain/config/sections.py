@@ -16,7 +16,6 @@ from .schema import origin_of
 from .training import training_value
 
 
-
 def _f(default=dataclasses.MISSING, help: str = "", factory=None):
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})

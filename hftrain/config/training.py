@@ -13,6 +13,9 @@ import typing
 from typing import Any
 from unittest import mock
 
+import torch
+from transformers import TrainingArguments
+
 from ..constants import LossAveraging
 from .schema import Ctx, check, type_name, unknown
 
@@ -58,8 +61,6 @@ NOT_ARGUMENTS = {"resume_from_checkpoint", *HFTRAIN_TRAINING_KEYS}
 
 @functools.cache
 def _training_fields() -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
-    from transformers import TrainingArguments
-
     hints = typing.get_type_hints(TrainingArguments)
     return hints, {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
 
@@ -128,16 +129,12 @@ def arguments_problem(kwargs: dict) -> str | None:
 
 @functools.cache
 def _device_free_class():
-    from transformers import TrainingArguments
-
     @dataclasses.dataclass
     class DeviceFreeArguments(TrainingArguments):
         """TrainingArguments whose `device` is not resolved: resolving it starts the process group."""
 
         @property
         def device(self):
-            import torch
-
             return torch.device("cpu")
 
     return DeviceFreeArguments

@@ -6,8 +6,12 @@ import json
 import os
 import re
 
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
 from ..constants import RECIPE_FILE, RUN_INFO_FILE
 from ..fileio import read_json
+
 
 def _hub_id(name: str | None) -> bool:
     """A Hub repository id rather than a local path (the card's metadata may only name Hub repositories)."""
@@ -34,9 +38,6 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     Everything comes from what the run wrote into output_dir: recipe.yaml (resolved), run_info.json (engine, world
     size, metrics), the strategy's accelerate/DeepSpeed configs and curves.png.
     """
-    import yaml
-    from huggingface_hub import ModelCard, ModelCardData
-
     recipe_text = open(os.path.join(output_dir, RECIPE_FILE), encoding="utf-8").read()
     recipe = yaml.safe_load(recipe_text) or {}
     info = read_json(os.path.join(output_dir, RUN_INFO_FILE))
@@ -106,5 +107,3 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
                                              open(os.path.join(output_dir, f), encoding="utf-8").read())]
     lines += ["### Files", "", ", ".join(f"`{f}`" for f in files), ""]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
-
-

@@ -6,8 +6,14 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
 from ..constants import PROBE_IDS
 from ..fileio import read_json
+
 
 def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False) -> list[str]:
     """Everything wrong with the model folder `path` as a Hub upload; [] when it is fit to push.
@@ -25,8 +31,6 @@ def validate_folder(path: str, merged: str | None = None, trust_remote_code: boo
 
 
 def _safetensors_shapes(path: str, files: list[str]) -> tuple[list[str], dict[str, tuple[int, ...]]]:
-    from safetensors import safe_open
-
     problems, shapes = [], {}
     for f in files:
         fp = os.path.join(path, f)
@@ -63,9 +67,6 @@ def _weight_files(path: str) -> tuple[list[str], list[str]]:
 
 def _expected_shapes(path: str, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
     """The state_dict shapes the config describes, from a model built on the meta device (no memory, no weights)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -96,9 +97,6 @@ def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:
 
 def _load_and_generate(path: str, trust_remote_code: bool) -> list[str]:
     """from_pretrained on CPU (missing/unexpected keys reported) and a few greedy tokens with finite logits."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, device_map="cpu", trust_remote_code=trust_remote_code, output_loading_info=True)
@@ -130,8 +128,6 @@ def _load_and_generate(path: str, trust_remote_code: bool) -> list[str]:
 
 
 def _generation_config_problems(path: str) -> list[str]:
-    from transformers import GenerationConfig
-
     if not os.path.isfile(os.path.join(path, "generation_config.json")):
         return ["generation_config.json is missing, so generate() has no EOS to stop at; write one with "
                 "GenerationConfig(eos_token_id=<the tokenizer's eos id>).save_pretrained(folder)"]
@@ -143,8 +139,6 @@ def _generation_config_problems(path: str) -> list[str]:
 
 
 def _tokenizer_problems(path: str):
-    from transformers import AutoTokenizer
-
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
     if not any(os.path.isfile(os.path.join(path, n)) for n in names):
         return [f"no tokenizer in {path} (tokenizer.json / tokenizer_config.json): copy the base model's tokenizer "
@@ -160,9 +154,6 @@ def _tokenizer_problems(path: str):
 
 
 def adapter_problems(path: str, merged: str | None) -> list[str]:
-    import torch
-    from safetensors.torch import load_file
-
     weights = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights):
         return [f"adapter_model.safetensors is missing in {path}; save the adapter with save_pretrained"]
@@ -183,8 +174,7 @@ def adapter_problems(path: str, merged: str | None) -> list[str]:
     if not base_path:
         return ["adapter_config.json names no base_model_name_or_path; save the adapter with peft's save_pretrained"]
     try:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+        from peft import PeftModel  # optional dependency (LoRA runs only); inside the try: its absence is reported
 
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, device_map="cpu")
         adapted = PeftModel.from_pretrained(base, path).eval()
@@ -209,5 +199,3 @@ def adapter_problems(path: str, merged: str | None) -> list[str]:
         return [f"the merged model in {merged} does not match base + adapter (max logit difference {diff:.3g} > "
                 f"{tol:.3g}): merge again (model.lora.merge) from this adapter"]
     return []
-
-

@@ -14,8 +14,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import time
+
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from .. import distributed
 from ..config import HubSection, load_recipe
@@ -34,6 +39,8 @@ NO_TOKEN = ("no Hugging Face token found: set HF_TOKEN in the environment or run
             "(a recipe never holds the token)")
 # Hub user access tokens: "hf_" + 34 letters/digits. A match in a text file means a pasted token.
 TOKEN_PATTERN = re.compile(rb"\bhf_[A-Za-z0-9]{30,}\b")
+
+
 def _shareable(folder: str) -> list[str]:
     return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f))
                   and f.endswith(UPLOAD_SUFFIXES) and ".tmp-" not in f)
@@ -95,8 +102,6 @@ def token_problems(folder: str, token: str | None) -> list[str]:
 
 def _retryable_errors() -> tuple[type[BaseException], ...]:
     """What an unreachable or failing Hub raises through huggingface_hub (its HTTP client's transport errors)."""
-    from huggingface_hub.errors import HfHubHTTPError
-
     types: list[type[BaseException]] = [HfHubHTTPError, OSError]
     for mod in ("httpx2", "httpx"):  # huggingface_hub's HTTP client, whichever this version uses
         try:
@@ -122,8 +127,6 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
     for a dry run). Raises HubError: nothing uploaded when validation fails; after `attempts` failed uploads the
     local files are untouched and the same command can simply be run again.
     """
-    from huggingface_hub import get_token
-
     if not hub.repo_id:
         raise HubError("no repository named: pass --repo-id your-name/model-name (or set hub.repo_id in the recipe)")
     problem = repo_id_problem(hub.repo_id)
@@ -150,8 +153,6 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
     if dry_run:
         print(f"hftrain: dry run: this folder is what `hftrain push` would upload to {hub.repo_id}", flush=True)
         return stage
-
-    from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)
     message = hub.commit_message or f"hftrain: upload {os.path.basename(os.path.normpath(output_dir))}"
@@ -186,8 +187,6 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
 
 
 def rerun_command(output_dir: str, hub) -> str:
-    import shlex
-
     cmd = ["hftrain", "push", output_dir, "--repo-id", hub.repo_id]
     cmd += ["--private"] if hub.private else []
     cmd += ["--revision", hub.revision] if hub.revision else []
@@ -199,8 +198,6 @@ def rerun_command(output_dir: str, hub) -> str:
 
 def check_token(hub) -> None:
     """Before training: a run that will push needs a token now, not after hours of training."""
-    from huggingface_hub import get_token
-
     if hub.push and not get_token():
         raise HubError(NO_TOKEN + " (hub.push is true)")
 
@@ -209,8 +206,6 @@ def push_after_training(recipe) -> str | None:
     """recipes/sft.py's last step when hub.push is set: the main process validates and uploads output_dir."""
     if not recipe.hub.push or not distributed.is_main_process():
         return None
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
     # The run's ZeRO-3 config stays registered with transformers while its TrainingArguments live; validation
     # loads the saved folder as a plain CPU model, not under zero.Init.
     unset_hf_deepspeed_config()

@@ -14,12 +14,9 @@ trained, N GPUs in all:
     zero_infinity: P and O on NVMe (per node: /nodes), G and the swap buffers in CPU memory; the GPU holds the
                    largest layer
 
-DeepSpeed keeps a separate fp32 master partition even when the weights already are fp32: ZeRO-1/2 always clone
-it, and so does ZeRO-3 with an offloaded optimizer (in CPU memory or on NVMe), which also keeps an fp32 copy of the
-gradient partition for its CPU Adam, as under mixed precision (so zero3_offload in fp32 holds 4 + 4 + 16 bytes
-per parameter / N). Plain ZeRO-3 would reuse the weights
-but for a device comparison that never succeeds (DeepSpeed 0.19.8); hftrain.patches.deepspeed repairs it, so its
-fp32 ZeRO-3 holds 16 bytes per parameter / N (bench/memory.py measures it).
+In fp32, DeepSpeed still keeps its own fp32 master copy (ZeRO-1/2, and ZeRO-3 with an offloaded optimizer, which
+also keeps an fp32 gradient copy for its CPU Adam); plain ZeRO-3 reuses the weights once hftrain.patches.deepspeed
+repairs its device check.
 
 Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
 recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
@@ -28,6 +25,9 @@ recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES
@@ -130,9 +130,6 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
 def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code: bool = False,
                 dtype: str = "auto") -> ModelFacts:
     """Parameter counts from the model's config, built on the meta device (no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)

@@ -1,10 +1,7 @@
 """The one validation path: every problem a recipe has in this environment, found before anything is loaded.
 
-`check_recipe` collects the recipe's own problems (config), the rules of the strategy that will run, and what the
-environment says (model and data paths, output_dir, the checkpoint to resume, NVMe, DeepSpeed ops), and raises
-them all at once. `hftrain check`, `config`, `launch` and the run call it; the run adds only what needs the
-launched processes (the launcher's strategy and world size). `check_data` is the data phase that `hftrain check`
-and the run share: tokenizer, datasets (every row), and whether one optimizer step fits in the data.
+`check_recipe` (called by `hftrain check`, `config`, `launch` and the run) raises the recipe's own problems, its
+strategy's and this machine's all at once; `check_data` is the data phase `hftrain check` and the run share.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import os
 import shutil
 import tempfile
 import time
-
 from dataclasses import replace
 
 from .. import checkpoints
@@ -29,7 +25,7 @@ from ..modeling import load_tokenizer, path_problems
 from .plan import model_facts, swap_buffer_elems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
-# (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (hftrain.plan).
+# (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (launch.plan).
 NVME_BYTES_PER_PARAM = 4 + 16
 
 
@@ -69,7 +65,7 @@ def _size(n: int) -> str:
 def async_io_problem() -> str | None:
     """DeepSpeed's async_io op (ZeRO-Infinity's NVMe I/O) needs libaio."""
     try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # optional dependency: zero_infinity only
     except ImportError:
         return "strategy.name: zero_infinity needs deepspeed (pip install deepspeed)"
     if not AsyncIOBuilder().is_compatible(verbose=False):
@@ -84,8 +80,7 @@ def extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/hftrain/torch_extensions")
 
 
-# A DeepSpeed op builds in minutes (async_io, the slowest here, in ~4 on 2 cores); a build lock older than this was
-# left by a build that was killed.
+# A DeepSpeed op builds in minutes; a build lock older than this was left by a build that was killed.
 STALE_LOCK_S = 15 * 60
 
 
@@ -174,7 +169,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     leaves out what this machine says."""
     recipe, problems = parse_recipe(path, overrides, raw)
     s = recipe.strategy
-    if launcher is not None and s.name is not None and s.name != launcher:
+    if launcher is not None and s.name in STRATEGIES and s.name != launcher:
         problems.append(
             f"{recipe.where('strategy.name')}: strategy.name is '{s.name}' but the launcher set up '{launcher}'. "
             f"Launch with `--config_file accelerate_configs/{s.name}.yaml` (or `hftrain launch`), or set "

@@ -99,14 +99,9 @@ def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[st
 
 
 def _isolate_restart_attempt() -> None:
-    """After an elastic restart, start the process group on a store prefixed by the attempt number.
-
-    torchrun's static rendezvous (accelerate's default) hands the restarted workers the agent's TCPStore of the
-    first attempt, with no per-attempt prefix (torch 2.13; pytorch/pytorch#135712 is the same trap with c10d):
-    the new gloo/NCCL group can read the dead attempt's addresses and fail with "connectFullMesh ... Connection
-    refused" (seen in 1 of 2 restarts here). No library option isolates it, so hftrain does, before accelerate
-    creates the group (it keeps an initialised one).
-    """
+    """After an elastic restart, start the process group on a store prefixed by the attempt number: torchrun's static
+    rendezvous hands restarted workers the first attempt's store unprefixed, so the new group can read the dead
+    attempt's addresses ("connectFullMesh ... Connection refused"). Runs before accelerate creates the group."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return

@@ -1,16 +1,15 @@
 """Strategies: the recipe's `strategy:` section rendered into an accelerate config and a DeepSpeed config.
 
-Pure functions of the typed `StrategySection` (and, when a recipe is at hand, the mixed precision its
-`training:` section asks for). Everything TrainingArguments owns (batch sizes, accumulation, learning rate,
-clipping, bf16/fp16) is "auto" in the DeepSpeed config, so the two can never disagree. The shipped files in
-`accelerate_configs/` are this module's output (`hftrain config --strategy NAME --output accelerate_configs`),
-and a test regenerates them.
+Everything TrainingArguments owns (batch sizes, accumulation, learning rate, clipping, bf16/fp16) is "auto" in the
+DeepSpeed config, so the two never disagree. `accelerate_configs/` is this module's output (`hftrain config --all
+--output accelerate_configs`); a test regenerates it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import yaml
 
@@ -70,10 +69,10 @@ def deepspeed_config(s: StrategySection, communication_data_type: str | None = N
         zero["offload_optimizer"] = {**swap, "buffer_count": optimizer_swap_buffers(s.buffer_count), "fast_init": False}
         # The optimizer's swap buffers each hold one sub-group: 1e9 elements pins GBs of RAM per rank.
         zero["sub_group_size"] = s.sub_group_size
-        # Measured: a non-zero prefetch bucket with NVMe params fails "param N already assigned swap buffer id".
+        # With NVMe params, a non-zero prefetch bucket fails "param N already assigned swap buffer id".
         zero["stage3_prefetch_bucket_size"] = 0
-        # Measured: parameters kept for reuse hold their swap buffer, and once buffer_count of them are held the
-        # next fetch fails "Not enough swap in buffers"; release each parameter after use instead.
+        # Parameters kept for reuse hold their swap buffer, and once buffer_count of them are held the next fetch
+        # fails "Not enough swap in buffers"; release each parameter after use instead.
         zero["stage3_max_reuse_distance"] = 0
         # aio is a TOP-LEVEL key, not part of zero_optimization.
         cfg["aio"] = {"block_size": s.aio_block_size, "queue_depth": s.aio_queue_depth, "thread_count": 1,
@@ -190,8 +189,6 @@ srun --kill-on-bad-exit=1 bash -c 'accelerate launch --config_file {config} \\
 def slurm_script(s: StrategySection, config_path: str, recipe_path: str, overrides: list[str] = (),
                  script: str = "recipes/sft.py") -> str:
     """An sbatch script starting one accelerate launch per node; ranks and the main address come from SLURM."""
-    import shlex
-
     s = resolved_strategy(s)
     recipe_path = " ".join(shlex.quote(a) for a in [recipe_path, *overrides, f"strategy.name={s.name}"])
     per_node = max(1, s.num_processes // s.num_machines)

@@ -13,6 +13,7 @@ from .aux import MaskTap, model_aux_loss, z_loss
 from .blocks import check_moe_model, register_zero3_leaf_modules, routers, unwrap
 from .health import RouterHealthCallback
 
+
 def attach(trainer, cfg=None) -> dict:
     """Wire MoE into an HFTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
     the aux / z losses through `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and
@@ -72,5 +73,3 @@ def _expert_parallel(trainer, model, cfg) -> str:
         raise MoeError(str(e)) from None
     trainer.add_callback(ep.ExpertParallelCallback(model))
     return f"{swapped} blocks over {n} rank(s), capacity_factor {cfg.capacity_factor}"
-
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+
 class MaskTap:
     """Keeps the attention mask of the current forward: the z-loss and router statistics must skip padding, and
     the model output does not carry the mask. (transformers' own load-balancing loss gets it inside the forward.)"""
@@ -41,5 +42,3 @@ def model_aux_loss(outputs) -> torch.Tensor:
     if aux is None or not torch.is_tensor(aux):
         raise RuntimeError("the MoE model returned no aux_loss although config.output_router_logits is set")
     return aux
-
-

@@ -6,6 +6,7 @@ import torch
 
 from ..errors import MoeError
 
+
 def moe_blocks(model) -> list[torch.nn.Module]:
     """Sparse MoE blocks: modules with a router `gate` and an `experts` child (Mixtral, Qwen2/3-MoE, OLMoE, ...),
     or hftrain's expert-parallel layer."""
@@ -27,6 +28,7 @@ def register_zero3_leaf_modules(model) -> list[str]:
     """Make every MoE block one ZeRO-3 unit (DeepSpeed gathers all its parameters at once), so a rank whose tokens
     skip an expert does not wait for a gather the other ranks never issue. Same call as accelerate's
     `DeepSpeedPlugin.set_moe_leaf_modules`, with the classes found in the model instead of named in an env var."""
+    # optional dependency: only ZeRO-3 runs call this
     from deepspeed.utils import set_z3_leaf_modules
     from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
 
@@ -40,5 +42,3 @@ def check_moe_model(model, key: str) -> None:
     if not routers(model) or not hasattr(model.config, "output_router_logits"):
         raise MoeError(f"{key}: {type(model).__name__} has no MoE router (no sparse block found and no "
                        "config.output_router_logits); use an MoE model or set moe.upcycle")
-
-

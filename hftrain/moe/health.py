@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..fileio import pyplot, save_figure
 from .aux import MaskTap
 from .blocks import moe_blocks, routers
+
 
 class RouterStats:
     """Per-layer top-k selection counts and router entropy, accumulated by forward hooks between two logs (on the
@@ -59,8 +62,6 @@ class RouterStats:
 
     def collect(self) -> dict:
         """Stats since the last call, summed over ranks (every rank logs at the same step)."""
-        import torch.distributed as dist
-
         flat = torch.cat([*self.counts, self.sums])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
@@ -88,10 +89,7 @@ EXPERT_LOAD_FILE = "expert_load.png"
 
 def plot_expert_load(log_history: list[dict], path: str) -> str | None:
     """One panel per MoE layer: each expert's share of the routed tokens against the step. None without data."""
-    import re
-
     plt = pyplot()
-
     pat = re.compile(r"^moe/layer(\d+)/load_e(\d+)$")
     series: dict[int, dict[int, list[tuple[int, float]]]] = {}
     for h in log_history:
@@ -124,8 +122,8 @@ def plot_expert_load(log_history: list[dict], path: str) -> str | None:
 
 class RouterHealthCallback(TrainerCallback):
     """MoE router health: per-layer expert load, normalised router entropy (1 = uniform), max load (1 = balanced),
-    dropped tokens; logged each logging step through `pop_logs` (HFTrainer.log) (so they land in trainer_state.json; the
-    aux / z losses are logged by the trainer's aux_losses), and `expert_load.png` in output_dir at the end."""
+    dropped tokens; logged each logging step through `pop_logs` (HFTrainer.log), so they land in trainer_state.json
+    (the aux / z losses are logged by the trainer's aux_losses), and `expert_load.png` in output_dir at the end."""
 
     def __init__(self, model):
         self.stats = RouterStats(model)

@@ -1,0 +1,77 @@
+"""The house plan, enforced: imports go one way (the import-linter contract in pyproject.toml), no import cycle,
+no function-local import of hftrain's own modules, modules and recipe scripts that stay readable in one sitting."""
+
+import ast
+import glob
+import os
+
+import grimp
+import pytest
+from importlinter.cli import lint_imports
+
+from .conftest import REPO
+
+PACKAGE = os.path.join(REPO, "hftrain")
+SOURCES = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+
+
+def test_import_linter_contract_is_kept(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    code = lint_imports(config_filename=os.path.join(REPO, "pyproject.toml"), no_cache=True)
+    assert code == 0, capsys.readouterr().out[-4000:]
+
+
+def test_no_import_cycle_between_modules():
+    graph = grimp.build_graph("hftrain")
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+
+
+def function_local_imports(path: str) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and (sub.level > 0 or (sub.module or "").startswith("hftrain")):
+                    found.append((sub.lineno, ast.unparse(sub)))
+                elif isinstance(sub, ast.Import) and any(a.name.startswith("hftrain") for a in sub.names):
+                    found.append((sub.lineno, ast.unparse(sub)))
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[os.path.relpath(p, REPO) for p in SOURCES])
+def test_no_function_local_import_of_hftrain(path):
+    """A function-local import of hftrain's own modules hides a cycle; only optional or heavy libraries are
+    imported inside functions."""
+    assert function_local_imports(path) == []
+
+
+def test_the_check_sees_a_function_local_import(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("def f():\n    from .config import Recipe\n    import hftrain.data\n    import json\n")
+    assert [line for line, _ in function_local_imports(str(p))] == [2, 3]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[os.path.relpath(p, REPO) for p in SOURCES])
+def test_modules_stay_small(path):
+    n = sum(1 for _ in open(path, encoding="utf-8"))
+    assert n <= 400, f"{os.path.relpath(path, REPO)} has {n} lines; split it by what it does"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "recipes", "*.py"))))
+def test_recipe_scripts_read_as_a_table_of_contents(path):
+    n = sum(1 for _ in open(path, encoding="utf-8"))
+    assert n <= 150, f"{path} has {n} lines"
