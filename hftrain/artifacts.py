@@ -53,8 +53,6 @@ def plot_curves(log_history: list[dict], path: str) -> str | None:
     return save_figure(fig, path)
 
 
-
-
 def write_recipe(recipe: Recipe) -> None:
     """The resolved recipe (defaults + YAML + command line) in output_dir/recipe.yaml."""
     if distributed.is_main_process():
@@ -112,7 +110,6 @@ def describe(trainer, strategy: StrategySection) -> dict:
             shared = all(a is b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat))
             out["fp32_master"] = "the weights" if shared else "a copy"
     if strategy.name == "fsdp":
-
         out["fsdp2_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
         root = trainer.model if isinstance(trainer.model, FSDPModule) else None
         out["fsdp_reduce_dtype"] = str(root._get_fsdp_state()._mp_policy.reduce_dtype) if root is not None else None

@@ -8,6 +8,7 @@ from transformers import TrainerCallback
 
 from .artifacts import CURVES_FILE, plot_curves
 
+
 class CurvesCallback(TrainerCallback):
     """Saves `curves.png` (loss, learning rate, tokens/s) in output_dir at the end of training."""
 

@@ -9,6 +9,7 @@ STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "zero_infinity": 3}
 ZERO3 = frozenset(name for name, stage in ZERO_STAGE.items() if stage == 3)
 SHARDED = ZERO3 | {"fsdp"}  # no rank holds all parameters
+OFFLOADED = frozenset({"zero3_offload", "zero_infinity"})  # optimizer states off the GPU, updated by DeepSpeed's Adam
 
 CompressionMethod = Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"]
 DDP_ONLY_COMPRESSION = ("powersgd", "int8", "topk")  # communication hooks: DDP only

@@ -10,6 +10,10 @@ import json
 import os
 from typing import Iterable
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token).
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -19,7 +23,7 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-TINY_LLAMA = {  # ~0.9M parameters: learns the demo task in a few CPU-minutes
+TINY_LLAMA = {  # ~0.9M parameters: small enough to learn the demo task on a CPU
     "hidden_size": 128,
     "intermediate_size": 384,
     "num_hidden_layers": 4,
@@ -32,9 +36,6 @@ TINY_LLAMA = {  # ~0.9M parameters: learns the demo task in a few CPU-minutes
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on `texts`, with ChatML special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -80,9 +81,6 @@ def build_tiny_model(
     output: str, texts: list[str], config: dict | None = None, vocab_size: int = 512, seed: int = 0
 ) -> str:
     """Train a tokenizer on `texts`, build a Llama-style model with random weights, save both to `output`."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
     cfg = dict(TINY_LLAMA, **(config or {}))
     model_config = LlamaConfig(

@@ -1,17 +1,13 @@
 """hftrain's Trainer: transformers' Trainer with the loss normalisation of `losses.py`.
 
-Small overrides, nothing else:
-- `_get_num_items_in_batch`: count the step's target tokens and sequences over all micro-batches and ranks
-  (one all-gather), instead of tokens only;
-- `compute_loss`: the model returns logits only (no labels are passed, so no model-internal loss or aux loss is
-  scaled behind our back) and the loss is `losses.loss_sum / global count * dp_size`, plus registered aux terms;
-- `log`: adds the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
-- `_save_checkpoint`: writes into a staging folder and publishes it by rename once every rank is done, and
-  `train` resumes from the newest *complete* checkpoint (hftrain/checkpoints.py says why);
-- gradient compression (compression.py): the DDP options get hftrain's comm hook, FSDP2 its reduce dtype;
-- the staging folder and the DeepSpeed universal-checkpoint fix are changes to libraries: hftrain.patches.
-Why a subclass: `compute_loss_func` receives neither position_ids (sequence averaging of packed rows needs them)
-nor a way to count sequences, and the Trainer multiplies its result by the world size only in some branches.
+A subclass because `compute_loss_func` receives neither position_ids (packed sequence averaging needs them) nor a
+way to count sequences, and the Trainer multiplies its result by the world size only in some branches. Overrides:
+- `_get_num_items_in_batch`: the step's target tokens and sequences over all micro-batches and ranks (one gather);
+- `compute_loss`: logits only (no labels passed, so no model-internal loss), then
+  `losses.loss_sum / global count * dp_size` plus registered aux terms;
+- `log`: the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
+- `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
+- gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import shutil
 from typing import Callable
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -58,8 +55,6 @@ class HFTrainer(Trainer):
         reduce_dtype = comp.fsdp_reduce_dtype(self.compression) if self.compression is not None else None
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if plugin is not None and reduce_dtype is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
             old = plugin.mixed_precision_policy
             plugin.mixed_precision_policy = MixedPrecisionPolicy(
                 param_dtype=getattr(old, "param_dtype", None), reduce_dtype=reduce_dtype,

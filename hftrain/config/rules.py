@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, STRATEGIES
+from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, STRATEGIES
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
@@ -64,7 +64,7 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
                     "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
                     "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
     optim = str(recipe.training_value("optim"))
-    if name in ("zero3_offload", "zero_infinity") and not optim.startswith("adamw"):
+    if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     m = recipe.moe

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.sections import STRATEGY_DEFAULTS
-from ..constants import STRATEGIES
+from ..constants import OFFLOADED, STRATEGIES
 from .strategies import optimizer_swap_buffers
 
 GiB = 2**30
@@ -90,7 +90,7 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
     if mixed:  # DeepSpeed keeps an fp32 copy of the gradient partition beside the optimizer states
         return 2 * f.params, 2 * f.trainable, 16 * f.trainable
     master = 0 if strategy == "zero3" else 4  # a redundant fp32 master copy (module docstring)
-    cpu_grads = 4 if strategy in ("zero3_offload", "zero_infinity") else 0  # the CPU Adam's fp32 gradient copy
+    cpu_grads = 4 if strategy in OFFLOADED else 0  # the CPU Adam's fp32 gradient copy
     return 4 * f.params, 4 * f.trainable, (8 + master + cpu_grads) * f.trainable
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from ..config import StrategySection, resolved_strategy
 from ..config.sections import DEFAULT_PORT
-from ..constants import ZERO_STAGE
+from ..constants import OFFLOADED, ZERO_STAGE
 from ..fileio import atomic_write
 
 
@@ -77,7 +77,7 @@ def deepspeed_config(s: StrategySection, communication_data_type: str | None = N
         # aio is a TOP-LEVEL key, not part of zero_optimization.
         cfg["aio"] = {"block_size": s.aio_block_size, "queue_depth": s.aio_queue_depth, "thread_count": 1,
                       "single_submit": False, "overlap_events": True}
-    if s.name in ("zero3_offload", "zero_infinity"):
+    if s.name in OFFLOADED:
         # Offloaded optimizer states need DeepSpeed's own (CPU) Adam; lr/betas/eps/decay still come from
         # TrainingArguments through "auto".
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",

@@ -1,21 +1,14 @@
 """Expert parallelism for transformers' fused MoE blocks (Mixtral-style: `gate` router + `experts` with 3-D
 `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I), top-k weights renormalised by the router).
 
-Each of the N ranks of the expert-parallel group holds E/N experts; the router stays replicated. A forward:
-route locally -> drop assignments over capacity -> `all_to_all_single` the kept tokens to the ranks holding their
-experts (uneven splits; the counts go first in a small all_to_all) -> run the local experts -> send the results
-back -> combine with the router weights. Autograd goes through `torch.distributed.nn.functional.all_to_all_single`.
-
-Why hand-written: transformers' `ep_plan` dispatch needs its distributed/tensor-parallel loading path (GPU, a device
-mesh at from_pretrained), and DeepSpeed's MoE layer is its own module class (not the native Mixtral block, so the
-model would no longer export as Mixtral) and refuses ZeRO-3. This layer keeps the native parameter names, so the
-model still saves as the native class (the experts are gathered for saving).
+Each of the N ranks holds E/N experts and a replica of the router; tokens go to their experts' ranks and back by
+`all_to_all_single` (autograd through torch.distributed.nn.functional). Hand-written because transformers' `ep_plan`
+needs its tensor-parallel loading path and DeepSpeed's MoE layer is not the native block; this one keeps the native
+parameter names, so the model still saves as the native class (the experts are gathered for saving).
 
 Capacity: with `capacity_factor` c, each source rank keeps at most ceil(c * tokens * k / E) assignments per expert
-(first come, first kept, in token order); a dropped assignment contributes nothing (the token keeps its other
-experts and the residual). Counting on the source rank makes the result independent of the other ranks: the same
-layer with N = 1 gives the same output, which the test checks. `last_dropped` holds the assignments dropped by the
-last forward (the router-health callback logs them).
+(first come, first kept, in token order); a dropped assignment contributes nothing, and counting on the source rank
+makes the output independent of N. `last_dropped` holds the assignments the last forward dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 from transformers import TrainerCallback
 
 from .blocks import moe_blocks
@@ -144,8 +138,7 @@ class ExpertParallelMoE(nn.Module):
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
-
+    """all_to_all_single with autograd: the backward sends the gradients back the way the tokens came."""
     out = x.new_empty((sum(out_splits), x.shape[1]))
     return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
@@ -157,12 +150,11 @@ def expert_param_names(model: nn.Module) -> list[str]:
 
 def parallelize(model: nn.Module, group=None, capacity_factor: float | None = None) -> int:
     """Swap every native sparse MoE block of `model` for an ExpertParallelMoE over `group` (None: local experts,
-    e.g. for a capacity factor without parallelism).
+    e.g. for a capacity factor without parallelism); returns how many were swapped.
 
-    Under DDP: the expert parameters differ between ranks, so they are excluded from DDP's all-reduce
-    (`_ddp_params_and_buffers_to_ignore`, read by DDP's constructor) and their gradients divided by the world size:
-    a local expert's gradient already sums every rank's tokens (the backward all_to_all brings them), and hftrain's
-    per-rank loss is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
+    The expert parameters differ between ranks, so DDP skips them (`_ddp_params_and_buffers_to_ignore`) and their
+    gradients are divided by the world size: the backward all_to_all already sums every rank's tokens, and the loss
+    is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
     world = dist.get_world_size(group) if group is not None else 1
     blocks = {id(b) for b in moe_blocks(model) if not isinstance(b, ExpertParallelMoE)}
     swapped = 0

@@ -1,19 +1,9 @@
-"""Mixture-of-experts: sparse upcycling with native export, the router aux / z losses, router health, ZeRO-3 leaves.
-
-Upcycling (Komatsuzaki et al. 2022, "Sparse Upcycling"): each chosen dense MLP becomes E experts that are copies
-of it, plus a small random router. The result is built as the *native* transformers MoE class of the family
-(Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE), so `AutoModelForCausalLM.from_pretrained` loads the saved folder
-with no hftrain code. Its outputs equal the dense model's at step 0:
-- Mixtral's router renormalises the softmax over the k chosen experts (weights sum to 1), and the experts are
-  identical, so the mixture is the dense MLP whatever the router picks.
-- Qwen2-MoE adds a shared expert gated by sigmoid(w.x): with w = 0 the gate is exactly 0.5, the shared expert is the
-  dense MLP and the routed experts' down projections are halved (norm_topk_prob on): 0.5 MLP + 0.5 MLP = MLP.
-  (Scaling by 0.5 is exact in floating point.) The shared expert keeps training as a dense path.
-Experts start identical; the random router sends different tokens to different experts, so their gradients, and
-then their weights, differ from the first step (tested).
-
-transformers has no upcycling; the weight mapping below is hftrain's, and everything else (the MoE classes, the
-load-balancing loss, saving) is transformers'.
+"""Sparse upcycling (Komatsuzaki et al. 2022), which transformers lacks: each chosen dense MLP becomes E copies of it
+plus a small random router, built as the family's native MoE class (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE)
+so the saved folder loads with `AutoModelForCausalLM` alone. Outputs equal the dense model's at step 0:
+- Mixtral renormalises the router's softmax over the k chosen experts, and the experts are identical;
+- Qwen2-MoE's shared expert, gated by sigmoid(0) = 0.5, is the dense MLP and the routed experts' down projections
+  are halved (norm_topk_prob on): 0.5 MLP + 0.5 MLP = MLP, exact in floating point.
 """
 
 from __future__ import annotations
@@ -22,6 +12,9 @@ import os
 from typing import Iterable
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen2MoeConfig
+from transformers.initialization import no_init_weights
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..errors import MoeError
 
@@ -47,8 +40,6 @@ def _layer_list(layers: Iterable[int] | None, n: int, key: str) -> list[int]:
 
 def moe_config(dense_config, num_experts: int, top_k: int, layers: list[int]):
     """The native MoE config equivalent to `dense_config` with `layers` sparse."""
-    from transformers import MixtralConfig, Qwen2MoeConfig
-
     c = dense_config
     target = UPCYCLE_TARGETS[c.model_type]
     common = dict(
@@ -86,9 +77,6 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
     `router_init_std`: std of the routers' normal init (default: the config's initializer_range); the routers are
     seeded with `seed` so every rank builds the same model.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     c = model.config
     if c.model_type not in UPCYCLE_TARGETS:
         raise MoeError(f"--model / moe.upcycle: model type {c.model_type!r} has no MoE counterpart in transformers "
@@ -131,9 +119,7 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
             state[p + "shared_expert.up_proj.weight"] = up.clone()
             state[p + "shared_expert.down_proj.weight"] = down.clone()
             state[p + "shared_expert_gate.weight"] = torch.zeros(1, c.hidden_size, dtype=gate.dtype)
-    from transformers import initialization as init
-
-    with init.no_init_weights():  # every weight is set below; skip the random init
+    with no_init_weights():  # every weight is set below; skip the random init
         moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype,
                                                attn_implementation=c._attn_implementation)
     missing, unexpected = moe.load_state_dict(state, strict=False)
@@ -150,8 +136,6 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
 def upcycle_folder(src: str, output: str, num_experts: int, top_k: int, layers: list[int] | None = None,
                    router_init_std: float | None = None, seed: int = 0) -> str:
     """`hftrain moe upcycle`: load `src` (safetensors), upcycle, save model + tokenizer to `output`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     if not os.path.isdir(src):
         raise MoeError(f"--model: {src} is not a folder (a local model folder, e.g. from save_pretrained)")
     model_type = AutoConfig.from_pretrained(src).model_type
@@ -167,5 +151,3 @@ def upcycle_folder(src: str, output: str, num_experts: int, top_k: int, layers: 
     except (OSError, ValueError):  # a folder with weights only: nothing to copy
         pass
     return output
-
-

@@ -1,16 +1,11 @@
 """Changes to accelerate (written against 1.15).
 
-1. `apply_fsdp_on_cpu`: FSDP on a machine without an accelerator. accelerate upgrades the distributed type to FSDP
-   only from GPU-like types, so on a CPU-only machine the launcher's FSDP request ends up as MULTI_CPU and the FSDP
-   plugin is dropped: "FSDP" silently trains as DDP. The patch re-selects FSDP when the launcher asked for it
-   (weights then equal DDP's, tested). Applied only where no accelerator is present. It can go when
-   `accelerate launch` with an FSDP config on a CPU-only machine reports DistributedType.FSDP by itself.
-2. `HookedDDPKwargs`: the Trainer's DistributedDataParallelKwargs registering hftrain's own communication hook.
-   accelerate calls `ddp_handler.register_comm_hook(model)` right after it wraps the model in DDP, exactly where
-   the hook must go, but its own hook types cover only fp16, bf16 on NCCL and PowerSGD, without metering, and it
-   maps handlers by exact class, so a subclass cannot be passed in through `kwargs_handlers`: the trainer installs
-   it as `accelerator.ddp_handler`. It can go when DistributedDataParallelKwargs accepts an arbitrary hook callable
-   and state.
+1. `apply_fsdp_on_cpu`: without an accelerator, accelerate turns the launcher's FSDP request into MULTI_CPU and drops
+   the FSDP plugin, so "FSDP" silently trains as DDP; the patch re-selects FSDP (CPU-only machines only). It can go
+   when an FSDP launch on a CPU-only machine reports DistributedType.FSDP by itself.
+2. `HookedDDPKwargs`: registers hftrain's DDP communication hook where accelerate registers its own (whose types cover
+   only fp16, bf16 on NCCL and PowerSGD, unmetered); installed as `accelerator.ddp_handler`, since accelerate maps
+   `kwargs_handlers` by exact class. It can go when DistributedDataParallelKwargs accepts any hook callable and state.
 """
 
 from __future__ import annotations
@@ -19,7 +14,9 @@ import copy
 import os
 from dataclasses import fields
 
-from accelerate.utils import DistributedDataParallelKwargs
+import torch
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 _applied = False
 
@@ -33,10 +30,6 @@ def apply_fsdp_on_cpu() -> None:
     global _applied
     if _applied:
         return
-    import torch
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
     original = AcceleratorState.__init__
 
     def __init__(self, *args, fsdp_plugin=None, **kwargs):

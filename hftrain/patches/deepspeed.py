@@ -19,14 +19,11 @@ def _patch_once(cls, name: str, make):
 
 
 def share_fp32_master_with_fp32_weights() -> None:
-    """ZeRO-3 keeps a second fp32 copy of each partition even when the weights already are fp32: the branch meant
-    to reuse them compares the partition's `torch.device` with `self.device`, a string ("cpu", "cuda:0"), and
-    `torch.device("cpu") == "cpu"` is False (stage3.py, _create_fp32_partitions). That costs 4 bytes per parameter
-    / N on every rank of an fp32 run (bench/memory.py measures it).
-    Making `self.device` a torch.device lets the branch DeepSpeed wrote for fp32 weights (its torch-autocast path)
-    run; every other use of it accepts either. Offloaded optimizers take another branch and are untouched.
-    Tested by tests/test_strategies.py (run_info's fp32_master is "the weights"; ZeRO-3 losses equal DDP's)."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    """ZeRO-3 keeps a second fp32 copy of each partition (4 bytes per parameter / N) even when the weights are fp32:
+    the branch meant to reuse them compares a `torch.device` with `self.device`, a string, and
+    `torch.device("cpu") == "cpu"` is False (stage3.py, _create_fp32_partitions). Making `self.device` a torch.device
+    lets that branch run (offloaded optimizers take another). Tested by tests/test_strategies.py."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # optional dependency
 
     def make(create):
         def create_fp32_partitions(self):
@@ -39,12 +36,11 @@ def share_fp32_master_with_fp32_weights() -> None:
 
 
 def untie_zero3_universal_steps() -> None:
-    """ZeRO-3's universal-checkpoint load hands every sub-group's optimizer state the *same* `step` tensor
-    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3). torch's Adam increments it in place once per
-    sub-group, so every sub-group after the first runs a step ahead in its bias correction and a resumed run drifts
-    from the uninterrupted one. Each sub-group gets its own copy.
-    Tested by tests/test_resume.py (ZeRO checkpoints on another world size)."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    """ZeRO-3's universal-checkpoint load gives every sub-group's optimizer state the *same* `step` tensor
+    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which Adam increments in place once per
+    sub-group, so a resumed run drifts from the uninterrupted one; each sub-group gets its own copy. Tested by
+    tests/test_resume.py (ZeRO checkpoints on another world size)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # optional dependency
 
     def make(load):
         def load_untied(self, checkpoint_dir):

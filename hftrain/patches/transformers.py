@@ -1,10 +1,8 @@
 """Changes to transformers (written against 5.23).
 
-`staged_checkpoint_dir`: for one call of `Trainer._save_checkpoint`, the folder it writes `checkpoint-N` into (and
-rotates old checkpoints in) becomes hftrain's staging folder. `_save_checkpoint` writes in place under
-`_get_output_dir()` and takes no argument naming another folder, so a save cut short leaves a `checkpoint-N` that
-resume would trust; hftrain publishes the staged folder by rename once complete (hftrain.checkpoints). It can go
-when `Trainer._save_checkpoint` writes atomically itself, or takes the folder to write into.
+`staged_checkpoint_dir`: for one call of `Trainer._save_checkpoint`, which writes in place under `_get_output_dir()`
+and takes no other folder, that folder becomes hftrain's staging folder (hftrain.checkpoints publishes it once
+complete). It can go when `_save_checkpoint` writes atomically itself, or takes the folder to write into.
 """
 
 from __future__ import annotations
