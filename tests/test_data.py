@@ -4,9 +4,9 @@ import datasets
 import pytest
 import torch
 
+from hftrain.errors import DataError
+from hftrain.constants import IGNORE_INDEX
 from hftrain.data import (
-    IGNORE_INDEX,
-    DataError,
     build_datasets,
     make_collator,
     tokenize_example,

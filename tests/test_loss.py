@@ -9,7 +9,8 @@ import yaml
 from safetensors.torch import load_file
 
 from hftrain import losses
-from hftrain.data import IGNORE_INDEX, make_collator, tokenize_example
+from hftrain.constants import IGNORE_INDEX
+from hftrain.data import make_collator, tokenize_example
 from hftrain.distributed import free_port
 
 from .conftest import ACCELERATE_LAUNCH, PY, run
