@@ -163,6 +163,15 @@ CASES = [
                                                  os.path.join(REPO, "accelerate_configs", "zero3_offload.json")),
                                     [w.recipe(set_("training.optim", "sgd"))])[1],
      ["training.optim: 'sgd' cannot be used with 'zero3_offload'", "use an adamw_* optim"]),
+    ("int8_under_zero2", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                 os.path.join(REPO, "accelerate_configs", "zero2.json")),
+                                    [w.recipe(set_("compression.method", "int8"))])[1],
+     ["compression.method: 'int8' runs only as a DDP communication hook, not under 'zero2'", "fp16/bf16"]),
+    ("powersgd_with_unused_parameters", lambda w: [w.recipe(both(set_("compression.method", "powersgd"),
+                                                                 set_("training.ddp_find_unused_parameters", True)))],
+     ["training.ddp_find_unused_parameters: must be false with compression.method powersgd"]),
+    ("training_arguments_own_rule", lambda w: [w.recipe(set_("training.load_best_model_at_end", True))],
+     ["training: TrainingArguments refuses these values: --load_best_model_at_end requires the save and eval strategy"]),
     ("nvme_path_missing", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
                                                   os.path.join(REPO, "accelerate_configs", "zero_infinity.json")),
                                      [w.recipe(set_("strategy.nvme_path", os.path.join(w.tmp, "nvme")))])[1],
