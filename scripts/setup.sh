@@ -18,3 +18,5 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 .venv/bin/pip install -q -e ".[test]"
 .venv/bin/python -c "import hftrain, torch, transformers; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+# DeepSpeed's CPU ops are JIT-built on first use: build them here, once (cached), not inside a run or a test.
+.venv/bin/python scripts/build_deepspeed_ops.py

@@ -2,11 +2,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from hftrain.launch.preflight import extensions_dir, stale_build_locks
+from hftrain.launch.preflight import deepspeed_op_builders, extensions_dir, op_is_built
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")
@@ -54,23 +53,11 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subproce
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# DeepSpeed JIT-compiles these on CPU the first time a run needs them (~6 min on 2 cores, once per machine).
-DEEPSPEED_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-
-
 @pytest.fixture(scope="session")
 def deepspeed_ops():
-    """Build DeepSpeed's CPU ops once, one at a time, before the first DeepSpeed launch: otherwise the first test
-    to need an op pays its build inside its own time-out, with two ranks racing for the build lock."""
-    for lock, age in stale_build_locks(EXTENSIONS):  # no build of this session runs yet: a killed build's
-        print(f"conftest: removing {lock}, {age / 60:.0f} min old")
-        os.remove(lock)
-    code = textwrap.dedent(f"""
-        from deepspeed.accelerator import get_accelerator
-        for name in {DEEPSPEED_OPS!r}:
-            builder = get_accelerator().create_op_builder(name)
-            if name != "AsyncIOBuilder" or builder.is_compatible(verbose=False):  # async_io needs libaio
-                builder.load(verbose=False)
-    """)
-    r = run([PY, "-c", code], timeout=1500)
-    assert r.returncode == 0, f"building DeepSpeed's ops into {EXTENSIONS} failed:\n{r.stdout[-3000:]}{r.stderr[-5000:]}"
+    """DeepSpeed's CPU ops must be built before the first DeepSpeed launch (scripts/setup.sh builds them): a build
+    inside a test would run within that test's time-out, with two ranks racing for the build lock."""
+    missing = [b.name for b in deepspeed_op_builders() if not op_is_built(b, EXTENSIONS)]
+    if missing:
+        pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS}: run "
+                    "`.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)", pytrace=False)

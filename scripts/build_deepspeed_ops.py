@@ -1,0 +1,36 @@
+"""Build DeepSpeed's CPU ops once into hftrain's extension cache, with a progress line per op.
+
+    .venv/bin/python scripts/build_deepspeed_ops.py
+
+scripts/setup.sh runs it, so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own
+time-out. Ops already in the cache are loaded, not rebuilt; a build lock left by a killed build is removed first.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hftrain.launch.preflight import deepspeed_op_builders, extensions_dir, op_is_built, stale_build_locks  # noqa: E402
+
+
+def main() -> int:
+    root = os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    for lock, age in stale_build_locks(root):
+        print(f"setup: removing {lock}, left {age / 60:.0f} min ago by a build that was killed", flush=True)
+        os.remove(lock)
+    builders = deepspeed_op_builders()
+    for i, builder in enumerate(builders, 1):
+        cached = op_is_built(builder, root)
+        verb = "loading cached" if cached else "building (a few minutes on 2 cores)"
+        print(f"setup: DeepSpeed op {builder.name} ({i}/{len(builders)}): {verb} ...", end=" ", flush=True)
+        t0 = time.time()
+        builder.load(verbose=False)
+        print(f"done in {time.time() - t0:.0f} s", flush=True)
+    print(f"setup: DeepSpeed ops ready in {root}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
