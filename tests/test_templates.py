@@ -16,13 +16,16 @@ import transformers.utils.chat_template_utils as ctu
 from transformers import AutoTokenizer
 
 from hftrain.config import DataSection, DataSource
+from hftrain.config.loading import parse_recipe
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import build_datasets, tokenize_example
 from hftrain.data.templates import FIXED_DATE, eos_problem, template_kwargs
 from hftrain.errors import DataError
+from hftrain.evaluate import prompt_ids
 from hftrain.tiny import train_tokenizer
 
-TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "templates")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATES = os.path.join(REPO, "tests", "data", "templates")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -260,3 +263,19 @@ def test_chat_template_kwargs_reach_the_dataset_build(tmp_path):
     cfg = DataSection(sources=[DataSource(path=str(path))], chat_template_kwargs={"tools": []})
     with pytest.raises(DataError, match=r"data.chat_template_kwargs: \['tools'\] are arguments hftrain sets"):
         build_datasets(cfg, family("qwen3"))
+
+
+def test_exact_match_prompts_are_rendered_with_the_training_kwargs():
+    tok = family("qwen3")
+    ids = prompt_ids(tok, {"messages": [ASK], "reference": "It is sunny."}, {"enable_thinking": False})
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.decode(prompt_ids(tok, {"messages": [ASK]})).endswith("<|im_start|>assistant\n")
+    assert f"Today Date: {FIXED_DATE}" in family("llama3_2").decode(prompt_ids(family("llama3_2"), {"messages": [ASK]}))
+
+
+def test_chat_template_kwargs_is_a_recipe_key():
+    recipe, problems = parse_recipe(os.path.join(REPO, "recipes", "demo", "sft.yaml"),
+                                    ["data.chat_template_kwargs={enable_thinking: false}"])
+    assert problems == [] and recipe.data.chat_template_kwargs == {"enable_thinking": False}
+    _, problems = parse_recipe(os.path.join(REPO, "recipes", "demo", "sft.yaml"), ["data.chat_template_kwargs=[1]"])
+    assert problems == ["command line: data.chat_template_kwargs: expected a mapping, got [1]"]
