@@ -49,6 +49,8 @@ FAMILIES = {
     "llama3_2": ("llama3_2", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
     "gemma": ("gemma", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>"),
     "mistral": ("mistral", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+    "phi3_5": ("phi3_5", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], None,
+               "<|endoftext|>"),
     "deepseek_r1": ("deepseek_r1", DEEPSEEK, DEEPSEEK[0], DEEPSEEK[1]),
 }
 CORPUS = ["Be brief. Weather in Paris? It is sunny. And tomorrow? Rain. get_weather city sunny",
@@ -118,6 +120,9 @@ CASES = {
                   "Rain.<|eot_id|>"], {"date_string": FIXED_DATE}),
     "gemma": (PLAIN, None, "<start_of_turn>model\n", ["It is sunny.<end_of_turn>\n", "Rain.<end_of_turn>\n"], {}),
     "mistral": (PLAIN, None, "[/INST]", ["It is sunny.</s>", "Rain.</s>"], {}),
+    # eos_token only after the conversation's last message: trained there, and nowhere else.
+    "phi3_5": ([SYSTEM] + PLAIN, None, "<|assistant|>\n", ["It is sunny.<|end|>\n", "Rain.<|end|>\n<|endoftext|>"],
+               {}),
 }
 
 
@@ -127,7 +132,7 @@ def test_real_templates_train_exactly_the_assistant_turns(name):
     tok = family(name)
     out = tokenize_example({"messages": msgs, "tools": tools}, tok, train_on_prompt=False)
     check(tok, out, msgs, header, pieces, tools, **kwargs)
-    eot = tok.convert_tokens_to_ids(FAMILIES[name][3] if name != "gemma" else "<end_of_turn>")
+    eot = tok.convert_tokens_to_ids({"gemma": "<end_of_turn>", "phi3_5": "<|end|>"}.get(name, FAMILIES[name][3]))
     assert sum(1 for t in out["labels"] if t == eot) == len(pieces)  # every turn's end-of-turn token is a label
     with pytest.raises(AssertionError):  # negative control: the check sees a mask one token off
         check(tok, shifted(out), msgs, header, pieces, tools, **kwargs)

@@ -38,6 +38,19 @@ def _unstable(at: str, turn: int, part: str, full: str, what: str) -> DataError:
     )
 
 
+def _closing_starts(tokenizer, plain: str, prompted: str) -> int:
+    """Where the text a template writes only after a conversation's last message begins in `plain` (Phi-3's
+    eos_token, written unless a generation prompt is asked for): the first token at which the renderings without
+    and with the generation prompt part. Such text is trained after the last turn only, where the template
+    writes it."""
+    a = tokenizer(plain, add_special_tokens=False, return_offsets_mapping=True)
+    b = tokenizer(prompted, add_special_tokens=False)["input_ids"]
+    for k, (tok, (s, _)) in enumerate(zip(a["input_ids"], a["offset_mapping"])):
+        if k >= len(b) or tok != b[k]:
+            return s
+    return len(plain)
+
+
 def assistant_spans(msgs: list[dict], tools, tokenizer, kwargs: dict, at: str) -> tuple[str, list[tuple[int, int]]]:
     """(the whole conversation's text, the character span of each assistant turn), by rendering turn by turn."""
     full = apply(tokenizer, msgs, tools, kwargs, at, tokenize=False)
@@ -53,7 +66,11 @@ def assistant_spans(msgs: list[dict], tools, tokenizer, kwargs: dict, at: str) -
             raise _unstable(at, i, start, full, "the conversation before it with the generation prompt")
         end = apply(tokenizer, msgs[: i + 1], tools, kwargs, at, tokenize=False)
         if not full.startswith(end):
-            raise _unstable(at, i, end, full, "the conversation up to and including it")
+            prompted = apply(tokenizer, msgs[: i + 1], tools, kwargs, at, tokenize=False, add_generation_prompt=True)
+            cut = _closing_starts(tokenizer, end, prompted)
+            if not (full.startswith(end[:cut]) and full.endswith(end[cut:]) and cut > len(start)):
+                raise _unstable(at, i, end, full, "the conversation up to and including it")
+            end = end[:cut]
         if len(end) <= len(start):
             raise DataError(f"{at}: assistant message {i} adds no text after the template's generation prompt; "
                             "give it content or tool calls, or remove it")
