@@ -235,7 +235,10 @@ def test_eos_agreement(tmp_path, capsys):
     tokenize_example({"messages": PLAIN}, base, False)
     tokenize_example({"messages": PLAIN}, base, False)
     assert capsys.readouterr().out.count("warning: the chat template ends each assistant turn") == 1
+    assert "no generation_config.json found" in problem
     base.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": base.eos_token_id}))
+    assert f"generation_config.json's eos_token_id {base.eos_token_id}" in eos_problem(AutoTokenizer.from_pretrained(tmp_path), {})
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [base.convert_tokens_to_ids("<|im_end|>"), base.eos_token_id]}))
     assert eos_problem(AutoTokenizer.from_pretrained(tmp_path), {}) is None  # the model stops at <|im_end|> too
@@ -284,3 +287,11 @@ def test_chat_template_kwargs_is_a_recipe_key():
     assert problems == [] and recipe.data.chat_template_kwargs == {"enable_thinking": False}
     _, problems = parse_recipe(os.path.join(REPO, "recipes", "demo", "sft.yaml"), ["data.chat_template_kwargs=[1]"])
     assert problems == ["command line: data.chat_template_kwargs: expected a mapping, got [1]"]
+
+
+def test_a_template_refusal_in_a_source_names_the_source_and_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": PLAIN}) + "\n" + json.dumps({"messages": [SYSTEM] + PLAIN}) + "\n")
+    with pytest.raises(DataError, match=rf"^data.sources.0 \({path}\)(, row 1)?: the chat template refused the "
+                                        "conversation: System role not supported. Fix: merge the system message"):
+        build_datasets(DataSection(sources=[DataSource(path=str(path))]), family("gemma"))

@@ -8,6 +8,8 @@ import json
 import os
 import re
 
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError
 from jinja2.exceptions import TemplateError
 
 from ..distributed import print0
@@ -92,21 +94,36 @@ def end_of_turn(tokenizer, kwargs: dict) -> int | None:
     return ids[0] if ids[0] in special else None
 
 
+def _generation_config(name_or_path: str) -> str | None:
+    """The generation_config.json beside the tokenizer: in its folder, or in the Hub cache (never downloaded)."""
+    if not name_or_path:
+        return None
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, "generation_config.json")
+        return path if os.path.isfile(path) else None
+    try:
+        path = try_to_load_from_cache(name_or_path, "generation_config.json")
+    except HFValidationError:  # neither a folder nor a Hub id
+        return None
+    return path if isinstance(path, str) else None
+
+
 def stop_ids(tokenizer) -> tuple[set[int], str]:
-    """The ids that end generation: the tokenizer's eos_token and, when the tokenizer's folder has a
-    generation_config.json, its eos_token_id (an int or a list); and a description of where they come from."""
+    """The ids that end generation: the tokenizer's eos_token and, when there is a generation_config.json beside
+    the tokenizer, its eos_token_id (an int or a list); and a description of where they come from."""
     ids, said = set(), []
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
         said.append(f"the tokenizer's eos_token {tokenizer.eos_token!r} (id {tokenizer.eos_token_id})")
-    path = os.path.join(str(getattr(tokenizer, "name_or_path", "") or ""), "generation_config.json")
-    if os.path.isfile(path):
+    path = _generation_config(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if path is not None:
         with open(path, encoding="utf-8") as fh:
             eos = json.load(fh).get("eos_token_id")
         if eos is not None:
             ids.update(eos if isinstance(eos, list) else [eos])
             said.append(f"{path}'s eos_token_id {eos}")
-    return ids, " and ".join(said) or "no eos_token"
+    note = "" if path else " (no generation_config.json found beside the tokenizer)"
+    return ids, (" and ".join(said) or "no eos token") + note
 
 
 def eos_problem(tokenizer, kwargs: dict) -> str | None:
@@ -120,9 +137,9 @@ def eos_problem(tokenizer, kwargs: dict) -> str | None:
     token = tokenizer.convert_ids_to_tokens(eot)
     return (f"hftrain: warning: the chat template ends each assistant turn with {token!r} (id {eot}), which is "
             f"trained, but generation stops at {said}: the fine-tuned model will write {token!r} and then go on "
-            f"instead of stopping. Fix: add {eot} to eos_token_id in the saved model's generation_config.json (a "
-            f"list may hold several ids) or set the tokenizer's eos_token to {token!r}; or use a chat template that "
-            "ends turns with the eos_token")
+            f"instead of stopping. Fix: add {eot} to eos_token_id in the model's generation_config.json (a list "
+            f"may hold several ids; the fine-tuned model's too) or set the tokenizer's eos_token to {token!r}; or "
+            "use a chat template that ends turns with the eos_token")
 
 
 def warn_eos_once(tokenizer, kwargs: dict) -> None:
