@@ -108,7 +108,8 @@ CASES = {
     # Reasoning in every turn after the last user query: Qwen3 keeps it there, so those turns are prefix-stable.
     "qwen3": ([SYSTEM, ASK, {"role": "assistant", "content": "<think>\nI should look it up.\n</think>\n\n",
                              "tool_calls": [CALL]},
-               TOOL_RESULT, {"role": "assistant", "content": "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny."}],
+               TOOL_RESULT,
+               {"role": "assistant", "content": "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny."}],
               TOOLS, "<|im_start|>assistant\n",
               ["<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>\n",
                "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>\n"], {}),
@@ -121,8 +122,8 @@ CASES = {
     "gemma": (PLAIN, None, "<start_of_turn>model\n", ["It is sunny.<end_of_turn>\n", "Rain.<end_of_turn>\n"], {}),
     "mistral": (PLAIN, None, "[/INST]", ["It is sunny.</s>", "Rain.</s>"], {}),
     # eos_token only after the conversation's last message: trained there, and nowhere else.
-    "phi3_5": ([SYSTEM] + PLAIN, None, "<|assistant|>\n", ["It is sunny.<|end|>\n", "Rain.<|end|>\n<|endoftext|>"],
-               {}),
+    "phi3_5": ([SYSTEM] + PLAIN, None, "<|assistant|>\n",
+               ["It is sunny.<|end|>\n", "Rain.<|end|>\n<|endoftext|>"], {}),
 }
 
 
@@ -238,7 +239,8 @@ def test_eos_agreement(tmp_path, capsys):
     assert "no generation_config.json found" in problem
     base.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": base.eos_token_id}))
-    assert f"generation_config.json's eos_token_id {base.eos_token_id}" in eos_problem(AutoTokenizer.from_pretrained(tmp_path), {})
+    problem = eos_problem(AutoTokenizer.from_pretrained(tmp_path), {})
+    assert f"generation_config.json's eos_token_id {base.eos_token_id}" in problem
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [base.convert_tokens_to_ids("<|im_end|>"), base.eos_token_id]}))
     assert eos_problem(AutoTokenizer.from_pretrained(tmp_path), {}) is None  # the model stops at <|im_end|> too
