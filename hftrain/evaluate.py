@@ -5,10 +5,22 @@ from __future__ import annotations
 import torch
 
 from . import distributed
+from .data.templates import template_kwargs
+
+
+def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The ids a held-out example's answer is generated after: its messages with the generation prompt, rendered
+    with the same data.chat_template_kwargs (and pinned date) as training; or its plain prompt."""
+    if "messages" in example:
+        kwargs = template_kwargs(tokenizer, chat_template_kwargs)
+        return tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, return_dict=True,
+                                             **kwargs)["input_ids"]
+    return tokenizer(example["prompt"])["input_ids"]
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32, lockstep: bool = False) -> float:
+def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32, lockstep: bool = False,
+                chat_template_kwargs: dict | None = None) -> float:
     """Share of `examples` whose greedy answer equals the reference (whitespace-stripped).
 
     Replicated models: each rank generates its slice (rank::world) and counts are summed over ranks.
@@ -23,11 +35,7 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32
     correct = 0
     mine = examples if lockstep else examples[distributed.rank() :: distributed.world_size()]
     for ex in mine:
-        if "messages" in ex:
-            ids = tokenizer.apply_chat_template(ex["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(ex["prompt"])["input_ids"]
-        inp = torch.tensor([ids], device=device)
+        inp = torch.tensor([prompt_ids(tokenizer, ex, chat_template_kwargs)], device=device)
         out = model.generate(
             input_ids=inp,
             attention_mask=torch.ones_like(inp),

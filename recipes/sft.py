@@ -26,7 +26,8 @@ def exact_match_now(trainer, data, recipe, sharded: bool) -> dict:
     if not recipe.eval.exact_match:
         return {}
     return {"exact_match": exact_match(trainer.model, trainer.processing_class, data.eval_examples,
-                                       recipe.eval.max_new_tokens, lockstep=sharded)}
+                                       recipe.eval.max_new_tokens, lockstep=sharded,
+                                       chat_template_kwargs=recipe.data.chat_template_kwargs)}
 
 
 def main(argv: list[str]) -> None:

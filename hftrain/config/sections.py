@@ -64,6 +64,11 @@ class DataSection:
     eval_sources: list[DataSource] = _f(help="Held-out data for evaluation.", factory=list)
     eval_fraction: float = _f(0.0, "Fraction of each training source held out for evaluation (0 = none).")
     chat_template: str | None = _f(None, "Jinja chat template, or a path to a .jinja file, replacing the tokenizer's.")
+    chat_template_kwargs: dict[str, Any] = _f(
+        help="Extra variables for every chat template rendering, e.g. {enable_thinking: false} (Qwen3) or "
+        "{date_string: 26 Jul 2024} (Llama 3; a template's today's date is pinned to 26 Jul 2024 otherwise).",
+        factory=dict,
+    )
     max_length: int = _f(2048, "Maximum tokens per example.")
     truncation: Literal["right", "drop"] = _f("right", "Longer examples: cut at max_length ('right') or 'drop' them.")
     packing: bool = _f(False, "Pack each batch into one row; position_ids restart per example so none attends another.")

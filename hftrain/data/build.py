@@ -40,7 +40,8 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     max_length, drop = cfg.max_length, cfg.truncation == "drop"
 
     def fn(example, idx):
-        out = tokenize_example(to_messages_or_text(example, fmt, has_template), tokenizer, train_on_prompt)
+        out = tokenize_example(to_messages_or_text(example, fmt, has_template), tokenizer, train_on_prompt,
+                               cfg.chat_template_kwargs, f"{key} ({src.path})")
         n = len(out["input_ids"])
         if not drop:
             out = {k: v[:max_length] for k, v in out.items()}
