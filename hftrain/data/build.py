@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import datasets
+from datasets.fingerprint import Hasher
 
 from ..config import DataSection, DataSource
 from ..distributed import main_process_first
@@ -32,7 +34,8 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if fmt in ("messages", "sharegpt") and not has_template:
         raise DataError(
-            f"{key}: messages need a chat template and the tokenizer has none; set data.chat_template "
+            f"{key}: {'messages' if fmt == 'messages' else 'sharegpt conversations'} need a chat template and the "
+            "tokenizer has none; set data.chat_template "
             "(a Jinja string or a .jinja file)"
         )
     train_on_prompt = {
@@ -53,11 +56,17 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
         out["n_trainable"] = trainable_tokens(out["labels"])
         return out
 
+    # The canonical dataset lives in memory, where datasets caches nothing: name the cache file by the data's content
+    # fingerprint and the function (tokenizer and settings), so the main process tokenises and the others read it.
+    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain",
+                         f"tokenised-{Hasher.hash((ds._fingerprint, fn))}.arrow")
     with main_process_first():
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
         tok = ds.map(
             fn,
             remove_columns=[CANON],
             num_proc=cfg.num_proc,
+            cache_file_name=cache,
             desc=f"Tokenising {src.path}",
         )
     if drop:
