@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-model", allow_abbrev=False,
         help="Build a tiny Llama-style model (random weights) with a tokenizer trained on data files. No Hub needed.",
     )
-    t.add_argument("--data", nargs="+", required=True, help="data files (any layout and file type a recipe's data.sources reads) whose texts train the tokenizer")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
     t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
     t.add_argument("--config", default=None, help='JSON of LlamaConfig overrides, e.g. \'{"num_hidden_layers": 4}\'')
     t.add_argument("--vocab-size", type=int, default=512)

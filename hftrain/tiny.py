@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from .config import DataSource
-from .data import read_canonical
+from .data import canonicalise, detect_format, read_rows
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token).
 CHATML_TEMPLATE = (
@@ -59,7 +59,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
 
 def texts_of_data(paths: Iterable[str]) -> list[str]:
     """Every string of the canonical examples of data files (any layout and file type the data loader reads: the
-    same reader, the same row errors), for tokenizer training: contents, tool names and arguments, tools."""
+    same reader, the same row errors), for tokenizer training: contents, tool names and arguments, tools. Rows of
+    no layout (a JSONL of questions and answers, say) give all their strings."""
     out: list[str] = []
 
     def walk(v):
@@ -73,8 +74,12 @@ def texts_of_data(paths: Iterable[str]) -> list[str]:
                 walk(x)
 
     for p in paths:
-        for _, canon in read_canonical(DataSource(path=p), f"--data {p}", has_template=True)[1]:
-            walk(canon)
+        src, key = DataSource(path=p), f"--data {p}"
+        rows = read_rows(src, key)
+        if detect_format(rows.columns) is None:  # rows of no training layout: their strings are text all the same
+            walk([row for _, row in rows.iterate()])
+        else:
+            walk([canon for _, canon in canonicalise(rows, src, key, has_template=True)[1]])
     return out
 
 

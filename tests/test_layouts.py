@@ -127,6 +127,12 @@ def test_column_and_role_mappings(tmp_path):
     fmt, out = read_canonical(DataSource(path=path, columns={"messages": "chat"},
                                          roles={"customer": "user", "agent": "assistant"}), KEY, True)
     assert fmt == "messages" and [m["role"] for m in out[0][1]["messages"]] == ["user", "assistant"]
+    # ShareGPT turns mapped to `messages` by columns keep ShareGPT's role names; `roles` still wins
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": "hi"},
+                                                                 {"from": "gpt", "value": "yo"}]}])
+    fmt, out = read_canonical(DataSource(path=path, columns={"messages": "conversations"}, roles={"gpt": "system"}),
+                              KEY, True)
+    assert fmt == "messages" and [m["role"] for m in out[0][1]["messages"]] == ["user", "system"]
 
 
 def test_roles_mapping_targets_are_validated(tmp_path):
@@ -235,6 +241,8 @@ def test_tiny_model_reads_a_json_array_and_sharegpt(tmp_path, capsys):
                      "--config", json.dumps({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                              "num_attention_heads": 2, "num_key_value_heads": 1})]) == 0
     assert "layout sharegpt, 3 rows" in capsys.readouterr().out and (out / "tokenizer.json").exists()
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": "why", "answer": "because"}])  # no layout: all strings
+    assert texts_of_data([qa]) == ["why", "because"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([chat(), {"messages": []}]))
     with pytest.raises(DataError, match=r"--data \S+bad.json: \S+bad.json index 1: empty conversation"):

@@ -16,7 +16,7 @@ from ..config import DataSource
 from ..constants import ROLE_TARGETS, ROLES
 from ..distributed import print0
 from ..errors import DataError
-from .sources import read_rows
+from .sources import Rows, read_rows
 
 LAYOUT_COLUMNS = {  # the columns that identify each layout (constants.DataLayout), tried in this order
     "messages": ("messages",),
@@ -38,7 +38,11 @@ def detect_format(columns) -> str | None:
 
 def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
     """(layout, [(where, canonical example)]) for every row of a source; the first bad row stops with a DataError."""
-    rows = read_rows(src, key)
+    return canonicalise(read_rows(src, key), src, key, has_template)
+
+
+def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
+    """read_canonical for rows already read."""
     rename = {theirs: ours for ours, theirs in src.columns.items()}
     missing = [c for c in rename if c not in rows.columns]
     if missing:
@@ -91,8 +95,7 @@ def to_messages_or_text(example: dict, fmt: str, has_template: bool, roles: dict
     roles = roles or {}
     if fmt in ("messages", "sharegpt"):
         col = LAYOUT_COLUMNS[fmt][0]
-        aliases = SHAREGPT_ROLES if fmt == "sharegpt" else {}
-        msgs = _conversation(_column(example, col, fmt), col, {**aliases, **roles}, key)
+        msgs = _conversation(_column(example, col, fmt), col, roles, key, sharegpt=fmt == "sharegpt")
         system = example.get("system")
         if system is not None and _text(system, "system") and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system})
@@ -135,7 +138,7 @@ def _content(value, what: str) -> str:
     return "".join(parts)
 
 
-def _conversation(msgs, col: str, roles: dict[str, str], key: str) -> list[dict]:
+def _conversation(msgs, col: str, roles: dict[str, str], key: str, sharegpt: bool) -> list[dict]:
     if isinstance(msgs, str):
         raise DataError(f"'{col}' is a string, not a list of messages; store it as a JSON list of "
                         "{\"role\": ..., \"content\": ...} objects, not as JSON text inside a string")
@@ -146,11 +149,11 @@ def _conversation(msgs, col: str, roles: dict[str, str], key: str) -> list[dict]
         raise DataError(f"empty conversation ('{col}' is []); give the row its turns or remove it")
     out: list[dict] = []
     for j, m in enumerate(msgs):
-        out.append(_message(m, f"{col}[{j}]", roles, key, out[-1] if out else None))
+        out.append(_message(m, f"{col}[{j}]", roles, key, sharegpt, out[-1] if out else None))
     return out
 
 
-def _message(m, what: str, roles: dict[str, str], key: str, previous: dict | None) -> dict:
+def _message(m, what: str, roles: dict[str, str], key: str, sharegpt: bool, previous: dict | None) -> dict:
     if not isinstance(m, dict):
         raise DataError(f"{what} is {type(m).__name__}, not a message object; write it as "
                         "{\"role\": ..., \"content\": ...}")
@@ -158,7 +161,8 @@ def _message(m, what: str, roles: dict[str, str], key: str, previous: dict | Non
     if m.get(role_key) is None:
         raise DataError(f"{what} has no role (keys {list(m)}); give every message a 'role' (or ShareGPT 'from')")
     theirs = _text(m[role_key], f"{what}.{role_key}")
-    role = roles.get(theirs, theirs)
+    # ShareGPT's role names hold in its layout, and for {from, value} messages mapped to `messages` by columns.
+    role = roles.get(theirs, SHAREGPT_ROLES.get(theirs, theirs) if sharegpt or role_key == "from" else theirs)
     if role not in ROLE_TARGETS:
         raise DataError(f"{what}: unknown role '{theirs}'; map it with {key}.roles (e.g. {{{theirs}: assistant}}) "
                         f"to one of {', '.join(ROLES)} (or function_call, an assistant's tool call as JSON text)")
