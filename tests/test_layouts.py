@@ -72,7 +72,7 @@ def test_example_files_load_detect_and_canonicalise(name, tokenizer, capsys):
     fmt, rows = read_canonical(DataSource(path=path), KEY, has_template=True)
     assert fmt == layout and 3 <= len(rows) <= 6
     assert rows[0][1] == expected
-    assert f"hftrain: {KEY} ({path}): layout {layout}, {len(rows)} rows" in capsys.readouterr().out
+    assert f"hftrain: {KEY} ({path}): layout {layout}, {len(rows)} rows" in capsys.readouterr().err
     data = build_datasets(section({"path": path}), tokenizer)  # and they train: rendered, tokenised, trainable
     assert len(data.train) == len(rows)
 
@@ -240,7 +240,7 @@ def test_tiny_model_reads_a_json_array_and_sharegpt(tmp_path, capsys):
     assert cli_main(["tiny-model", "--data", str(array), sharegpt, "--output", str(out), "--vocab-size", "300",
                      "--config", json.dumps({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                              "num_attention_heads": 2, "num_key_value_heads": 1})]) == 0
-    assert "layout sharegpt, 3 rows" in capsys.readouterr().out and (out / "tokenizer.json").exists()
+    assert "layout sharegpt, 3 rows" in capsys.readouterr().err and (out / "tokenizer.json").exists()
     qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": "why", "answer": "because"}])  # no layout: all strings
     assert texts_of_data([qa]) == ["why", "because"]
     bad = tmp_path / "bad.json"

@@ -12,6 +12,7 @@ file's own numbering (see sources.py), what is wrong and the fix.
 from __future__ import annotations
 
 import json
+import sys
 from ..config import DataSource
 from ..constants import ROLE_TARGETS, ROLES
 from ..distributed import print0
@@ -74,7 +75,8 @@ def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> t
             out.append((where, to_messages_or_text(row, fmt, has_template, src.roles, key)))
         except DataError as e:
             raise DataError(f"{key}: {where}: {e}") from None
-    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows")
+    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
+    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
     return fmt, out
 
 
