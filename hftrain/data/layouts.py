@@ -89,7 +89,7 @@ def _check_layout(row: dict, fmt: str) -> None:
 
 
 def to_messages_or_text(example: dict, fmt: str, has_template: bool, roles: dict[str, str] | None = None,
-                        key: str = "the source") -> dict:
+                        key: str = "data.sources.<i>") -> dict:
     """The canonical form of one row (see the module docstring); a problem raises DataError saying what and how to fix.
 
     `roles` maps the data's role names to hftrain's; alpaca rows become a conversation when the tokenizer has a chat
