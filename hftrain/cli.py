@@ -21,7 +21,7 @@ from .launch import check_data, check_recipe
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.strategies import render, slurm_script
 from .moe.upcycle import upcycle_folder
-from .tiny import build_tiny_model, texts_of_jsonl
+from .tiny import build_tiny_model, texts_of_data
 
 # recipes/sft.py of this checkout (hftrain is installed editable from the repository).
 DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
@@ -37,7 +37,7 @@ def _check(ns) -> int:
 
 def _tiny_model(ns) -> int:
     config = json.loads(ns.config) if ns.config else None
-    out = build_tiny_model(ns.output, texts_of_jsonl(ns.data), config=config, vocab_size=ns.vocab_size, seed=ns.seed)
+    out = build_tiny_model(ns.output, texts_of_data(ns.data), config=config, vocab_size=ns.vocab_size, seed=ns.seed)
     print(f"hftrain: tiny model with a locally trained tokenizer written to {out}")
     return 0
 
@@ -174,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "tiny-model", allow_abbrev=False,
-        help="Build a tiny Llama-style model (random weights) with a tokenizer trained on JSONL files. No Hub needed.",
+        help="Build a tiny Llama-style model (random weights) with a tokenizer trained on data files. No Hub needed.",
     )
-    t.add_argument("--data", nargs="+", required=True, help="JSONL files whose strings train the tokenizer")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
     t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
     t.add_argument("--config", default=None, help='JSON of LlamaConfig overrides, e.g. \'{"num_hidden_layers": 4}\'')
     t.add_argument("--vocab-size", type=int, default=512)

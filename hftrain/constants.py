@@ -17,6 +17,11 @@ REDUCE_DTYPES = ("fp16", "bf16")  # the methods FSDP2 and ZeRO run as their redu
 
 LossAveraging = Literal["token", "sequence"]
 
+DataLayout = Literal["messages", "sharegpt", "prompt_completion", "alpaca", "text"]  # detected in this order
+ROLES = ("system", "user", "assistant", "tool")  # the roles of a canonical conversation
+# what a recipe's `roles` mapping may map to: a canonical role, or ShareGPT's assistant tool call
+ROLE_TARGETS = ROLES + ("function_call",)
+
 IGNORE_INDEX = -100  # a label the loss skips (transformers' and torch's convention)
 PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_info.json records
 

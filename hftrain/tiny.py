@@ -6,13 +6,15 @@ the model is built from a config.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from .config import DataSource
+from .data import canonicalise, detect_format, read_rows
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token).
 CHATML_TEMPLATE = (
@@ -55,8 +57,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     )
 
 
-def texts_of_jsonl(paths: Iterable[str]) -> list[str]:
-    """Every string value found in JSONL rows (messages' contents included), for tokenizer training."""
+def texts_of_data(paths: Iterable[str]) -> list[str]:
+    """Every string of the canonical examples of data files (any layout and file type the data loader reads: the
+    same reader, the same row errors), for tokenizer training: contents, tool names and arguments, tools. Rows of
+    no layout (a JSONL of questions and answers, say) give all their strings."""
     out: list[str] = []
 
     def walk(v):
@@ -70,11 +74,16 @@ def texts_of_jsonl(paths: Iterable[str]) -> list[str]:
                 walk(x)
 
     for p in paths:
-        with open(p, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    walk(json.loads(line))
+        src, key = DataSource(path=p), f"--data {p}"
+        rows = read_rows(src, key)
+        if detect_format(rows.columns) is None:  # rows of no training layout: their strings are text all the same
+            walk([row for _, row in rows.iterate()])
+        else:
+            walk([canon for _, canon in canonicalise(rows, src, key, has_template=True)[1]])
     return out
+
+
+texts_of_jsonl = texts_of_data  # the name tests, benches and other branches call
 
 
 def build_tiny_model(

@@ -215,6 +215,11 @@ CASES = [
      ["data.sources.0.format: cannot detect the format", "map yours with data.sources.0.columns"]),
     ("data_format_needs_columns", lambda w: [w.data("m.jsonl", GOOD_LINE + "\n", format="prompt_completion")],
      ["data.sources.0: format 'prompt_completion' needs column(s) ['prompt', 'completion']"]),
+    ("data_unknown_role", lambda w: [w.data("r.jsonl", GOOD_LINE + "\n" + json.dumps(
+        {"messages": [MSG, {"role": "bot", "content": "b a"}]}) + "\n")],
+     ["data.sources.0:", "r.jsonl:2: messages[1]: unknown role 'bot'; map it with data.sources.0.roles"]),
+    ("data_json_array_bad_row", lambda w: [w.data("a.json", json.dumps([{"messages": [MSG, ANS]}, {"text": 5}]))],
+     ["data.sources.0:", "a.json index 1: mixed layouts: this row is"]),
     ("no_trainable_token", lambda w: [w.data("n.jsonl", json.dumps({"messages": [MSG]}) + "\n")],
      ["data.sources.0: 1 of 1 examples", "have no trainable token", "set data.skip_untrainable: true"]),
     ("max_length_below_every_prompt", lambda w: [w.recipe(), "data.max_length=4"],

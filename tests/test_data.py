@@ -121,7 +121,7 @@ def test_all_masked_examples_are_an_error_naming_them(tmp_path, tokenizer):
     long_prompt = {"prompt": "a " * 40, "completion": "b"}
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "completion": "c"}, long_prompt, long_prompt])
     cfg = section(sources=[{"path": path}], max_length=16)
-    with pytest.raises(DataError, match=r"2 of 3 examples .* no trainable token \(rows 1, 2; 0-based\).*max_length=16"):
+    with pytest.raises(DataError, match=r"2 of 3 examples .* no trainable token \(\S*d.jsonl:2, \S*d.jsonl:3\).*max_length=16"):
         build_datasets(cfg, tokenizer)
     cfg.skip_untrainable = True
     assert len(build_datasets(cfg, tokenizer).train) == 1

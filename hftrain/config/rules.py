@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, STRATEGIES
+from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
@@ -92,6 +92,12 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
     for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
         if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
             out.append((f"data.sources.{i}.weight", f"must be > 0, got {s.weight}"))
+    for group in ("sources", "eval_sources"):
+        for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
+            for theirs, ours in (s.roles.items() if isinstance(s, DataSource) and isinstance(s.roles, dict) else ()):
+                if ours not in ROLE_TARGETS:
+                    out.append((f"data.{group}.{i}.roles.{theirs}", f"unknown role '{ours}': map {theirs} to one of "
+                                f"{', '.join(ROLE_TARGETS)}"))
     return (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..constants import REDUCE_DTYPES, CompressionMethod, StrategyName
+from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout, StrategyName
 from .schema import origin_of
 from .training import training_value
 
@@ -47,13 +47,18 @@ class ModelSection:
 @dataclass
 class DataSource:
     path: str = _f(help="A local file (.jsonl/.json/.parquet/.csv), a save_to_disk folder, or a Hub dataset id.")
-    format: Literal["auto", "messages", "prompt_completion", "alpaca", "text"] = _f(
-        "auto", "Example format; 'auto' detects it from the columns."
+    format: Literal["auto", DataLayout] = _f(
+        "auto", "Layout of the rows (messages, sharegpt, prompt_completion, alpaca, text); 'auto' detects it from the "
+        "columns."
     )
     split: str = _f("train", "Split to read (Hub datasets and save_to_disk DatasetDicts).")
     name: str | None = _f(None, "Dataset configuration name (Hub datasets).")
     columns: dict[str, str] = _f(
         help="Rename map from hftrain's column name to yours, e.g. {messages: conversations}.", factory=dict
+    )
+    roles: dict[str, str] = _f(
+        help="Role map from your role names to hftrain's (system, user, assistant, tool, function_call), e.g. "
+        "{human: user, bot: assistant}.", factory=dict
     )
     weight: float = _f(1.0, "Relative sampling weight when several sources are mixed.")
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import datasets
+from datasets.fingerprint import Hasher
 
 from ..config import DataSection, DataSource
 from ..distributed import main_process_first
 from ..errors import DataError
 from .collate import make_collator
-from .layouts import prepare_columns, to_messages_or_text
+from .layouts import read_canonical
 from .render import tokenize_example, trainable_tokens
-from .sources import load_source
+
+# The columns of a source's canonical dataset: the example as JSON text (Arrow would merge the keys of every row's
+# tool arguments into one struct), and where it came from in the user's numbering (removed before training).
+CANON, WHERE = "canonical", "where"
 
 
 @dataclass
@@ -26,36 +32,43 @@ class Datasets:
 
 def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: DataSource):
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    if fmt in ("messages",) and not has_template:
+    if fmt in ("messages", "sharegpt") and not has_template:
         raise DataError(
-            f"{key}: messages need a chat template and the tokenizer has none; set data.chat_template "
+            f"{key}: {'messages' if fmt == 'messages' else 'sharegpt conversations'} need a chat template and the "
+            "tokenizer has none; set data.chat_template "
             "(a Jinja string or a .jinja file)"
         )
     train_on_prompt = {
         "messages": not cfg.assistant_only_loss,
+        "sharegpt": not cfg.assistant_only_loss,
         "alpaca": not (cfg.assistant_only_loss if has_template else cfg.completion_only_loss),
         "prompt_completion": not cfg.completion_only_loss,
         "text": True,
     }[fmt]
     max_length, drop = cfg.max_length, cfg.truncation == "drop"
 
-    def fn(example, idx):
-        out = tokenize_example(to_messages_or_text(example, fmt, has_template), tokenizer, train_on_prompt,
-                               cfg.chat_template_kwargs, f"{key} ({src.path})")
+    def fn(example):
+        # A template's refusal names the key and the file's own row: 'data.sources.0 (train.jsonl:12)'.
+        out = tokenize_example(json.loads(example[CANON]), tokenizer, train_on_prompt, cfg.chat_template_kwargs,
+                               f"{key} ({example[WHERE]})")
         n = len(out["input_ids"])
         if not drop:
             out = {k: v[:max_length] for k, v in out.items()}
         out["too_long"] = n > max_length
         out["n_trainable"] = trainable_tokens(out["labels"])
-        out["row"] = idx
         return out
 
+    # The canonical dataset lives in memory, where datasets caches nothing: name the cache file by the data's content
+    # fingerprint and the function (tokenizer and settings), so the main process tokenises and the others read it.
+    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain",
+                         f"tokenised-{Hasher.hash((ds._fingerprint, fn))}.arrow")
     with main_process_first():
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
         tok = ds.map(
             fn,
-            with_indices=True,
-            remove_columns=ds.column_names,
+            remove_columns=[CANON],
             num_proc=cfg.num_proc,
+            cache_file_name=cache,
             desc=f"Tokenising {src.path}",
         )
     if drop:
@@ -63,26 +76,32 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
         if len(tok) == 0:
             raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}; "
                             "raise data.max_length, or set data.truncation: right to cut them")
-    bad = [r for r, n in zip(tok["row"], tok["n_trainable"]) if n == 0]
+    bad = [r for r, n in zip(tok[WHERE], tok["n_trainable"]) if n == 0]
     if bad:
         if not cfg.skip_untrainable:
-            shown = ", ".join(str(b) for b in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
             raise DataError(
-                f"{key}: {len(bad)} of {len(tok)} examples of {src.path} have no trainable token (rows {shown}; "
-                f"0-based) after masking and truncation to data.max_length={max_length}. Raise data.max_length, "
+                f"{key}: {len(bad)} of {len(tok)} examples of {src.path} have no trainable token ({shown}) "
+                f"after masking and truncation to data.max_length={max_length}. Raise data.max_length, "
                 "fix those rows, or set data.skip_untrainable: true to drop them"
             )
         tok = tok.filter(lambda n: n > 0, input_columns="n_trainable")
         if len(tok) == 0:
             raise DataError(f"{key}: no example of {src.path} has a trainable token")
-    return tok.remove_columns(["too_long", "n_trainable", "row"])
+    return tok.remove_columns(["too_long", "n_trainable", WHERE])
 
 
-def _canonical_eval(ds, fmt: str, has_template: bool, n: int) -> list[dict]:
+def canonical_source(src: DataSource, key: str, has_template: bool):
+    """(dataset of CANON and WHERE, layout) of one source, every row checked (errors name the file and row)."""
+    fmt, rows = read_canonical(src, key, has_template)
+    return datasets.Dataset.from_dict({CANON: [json.dumps(c) for _, c in rows], WHERE: [w for w, _ in rows]}), fmt
+
+
+def _canonical_eval(ds, n: int) -> list[dict]:
     """Held-out examples split into what the model sees and the reference answer."""
     out = []
     for ex in ds.select(range(min(n, len(ds)))):
-        canon = to_messages_or_text(ex, fmt, has_template)
+        canon = json.loads(ex[CANON])
         if "messages" in canon and canon["messages"] and canon["messages"][-1]["role"] == "assistant":
             out.append({"messages": canon["messages"][:-1], "reference": canon["messages"][-1]["content"]})
         elif "prompt" in canon:
@@ -95,19 +114,19 @@ def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int
     train_parts, eval_parts, weights, eval_examples = [], [], [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources.{i}"
-        ds, fmt = prepare_columns(load_source(src, key), src, key)
+        ds, fmt = canonical_source(src, key, has_template)
         if cfg.eval_fraction > 0:
             split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
             ds, held = split["train"], split["test"]
             eval_parts.append(_tokenize_source(held, fmt, tokenizer, cfg, key, src))
-            eval_examples += _canonical_eval(held, fmt, has_template, exact_match)
+            eval_examples += _canonical_eval(held, exact_match)
         train_parts.append(_tokenize_source(ds, fmt, tokenizer, cfg, key, src))
         weights.append(src.weight)
     for i, src in enumerate(cfg.eval_sources):
         key = f"data.eval_sources.{i}"
-        ds, fmt = prepare_columns(load_source(src, key), src, key)
+        ds, fmt = canonical_source(src, key, has_template)
         eval_parts.append(_tokenize_source(ds, fmt, tokenizer, cfg, key, src))
-        eval_examples += _canonical_eval(ds, fmt, has_template, exact_match - len(eval_examples))
+        eval_examples += _canonical_eval(ds, exact_match - len(eval_examples))
     train = mix(train_parts, weights, seed)
     evald = datasets.concatenate_datasets(eval_parts) if eval_parts else None
     return Datasets(train, evald, make_collator(tokenizer, cfg.packing), eval_examples[:exact_match])

@@ -1,11 +1,21 @@
-"""Reading a data source: local files (.jsonl, .json, .parquet, .csv), a save_to_disk folder, or a Hub id, with
-errors that name the source, the file and the row."""
+"""Reading a data source: local files (.jsonl, .json, .parquet, .csv, or a glob of one kind), a save_to_disk folder, a
+folder of data files or a Hub id, as rows that each carry where they came from.
+
+Each row's place is kept as text in the user's own numbering, so that an error found later (after renaming,
+shuffling or an eval_fraction split) still points at the row to fix: `file.jsonl:12` (line, 1-based), `file.json
+index 3` (0-based position in the array), `file.parquet row 7` (0-based), `folder row 7`. JSON and JSONL are
+parsed here with Python's json rather than by Arrow, which would merge the keys of every row's tool arguments
+into one struct (filling the others with nulls) and refuses a column that is text in one row and a list in
+another before a row can be named.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import datasets
 
@@ -15,12 +25,17 @@ from ..errors import DataError
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _where(key: str, src: DataSource) -> str:
-    return f"{key} ({src.path})"
+@dataclass
+class Rows:
+    """A source as read: its column names (first seen first), its size, and its (where, row) pairs."""
+
+    columns: list[str]
+    count: int
+    iterate: Callable[[], Iterator[tuple[str, dict]]]
 
 
-def load_source(src: DataSource, key: str):
-    """A `datasets.Dataset` for one source: local file(s), a save_to_disk folder, or a Hub id."""
+def read_rows(src: DataSource, key: str) -> Rows:
+    """The rows of one source: local file(s), a save_to_disk folder, a folder of data files, or a Hub id."""
     path = src.path
     looks_local = path.startswith((".", "/", "~")) or os.path.splitext(path)[1].lower() in FILE_BUILDERS
     path = os.path.expanduser(path)
@@ -34,46 +49,78 @@ def load_source(src: DataSource, key: str):
                 if src.split not in ds:
                     raise DataError(f"{key}.split: '{src.split}' not in {path} (splits: {', '.join(ds)})")
                 ds = ds[src.split]
-            return ds
+            return _arrow_rows([(path, ds)])
         files = sorted(glob.glob(path)) if any(c in path for c in "*?[") else ([path] if os.path.isfile(path) else [])
         if files:
-            exts = {os.path.splitext(f)[1].lower() for f in files}
-            if len(exts) != 1 or next(iter(exts)) not in FILE_BUILDERS:
-                raise DataError(
-                    f"{key}.path: cannot read {path}: use .jsonl, .json, .parquet or .csv files (found {sorted(exts)})"
-                )
-            for f in files:
-                if os.path.getsize(f) == 0:
-                    raise DataError(f"{key}.path: {f} is empty; fill it or remove this source")
-            _check_utf8_json_lines(files, key)
-            return datasets.load_dataset(FILE_BUILDERS[exts.pop()], data_files=files, split="train")
-        if looks_local or os.path.isdir(path):
-            if os.path.isdir(path):
-                return datasets.load_dataset(path, name=src.name, split=src.split)
+            return _file_rows(files, path, key)
+        if looks_local and not os.path.isdir(path):
             raise DataError(f"{key}.path: {path} does not exist (a local path; check the spelling or the working directory)")
-        return datasets.load_dataset(path, name=src.name, split=src.split)
+        return _arrow_rows([(path, datasets.load_dataset(path, name=src.name, split=src.split))])
     except DataError:
         raise
     except Exception as e:  # datasets raises many types; say which source failed and why
         raise DataError(f"{key}.path: cannot load {path}: {type(e).__name__}: {e}") from e
 
 
-def _check_utf8_json_lines(files: list[str], key: str) -> None:
-    """Name the file and line of a malformed JSONL row or a non-UTF-8 byte (datasets' own error names neither)."""
+def _file_rows(files: list[str], path: str, key: str) -> Rows:
+    exts = {os.path.splitext(f)[1].lower() for f in files}
+    if len(exts) != 1 or next(iter(exts)) not in FILE_BUILDERS:
+        raise DataError(
+            f"{key}.path: cannot read {path}: use .jsonl, .json, .parquet or .csv files (found {sorted(exts)})"
+        )
     for f in files:
-        if not f.lower().endswith(".jsonl"):
+        if os.path.getsize(f) == 0:
+            raise DataError(f"{key}.path: {f} is empty; fill it or remove this source")
+    builder = FILE_BUILDERS[exts.pop()]
+    if builder != "json":
+        return _arrow_rows([(f, datasets.load_dataset(builder, data_files=[f], split="train")) for f in files])
+    rows = [r for f in files for r in _json_rows(f, key)]
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    return Rows(columns, len(rows), lambda: iter(rows))
+
+
+def _json_rows(f: str, key: str) -> list[tuple[str, dict]]:
+    """A .json file holding an array of objects (rows named by index), or JSON lines (rows named by line)."""
+    with open(f, "rb") as fh:
+        raw = fh.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{key}.path: {f}:{line}: not UTF-8 ({e.reason} at byte {e.start}); save the file as "
+                        "UTF-8") from None
+    if f.lower().endswith(".json") and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{key}.path: {f}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        return [(f"{f} index {i}", _object(item, f"{f} index {i}", key)) for i, item in enumerate(items)]
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
             continue
-        with open(f, "rb") as fh:
-            for n, raw in enumerate(fh, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{key}.path: {f}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
-                if not line.strip():
-                    continue
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{key}.path: {f}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{key}.path: {f}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+        out.append((f"{f}:{n}", _object(item, f"{f}:{n}", key)))
+    return out
 
 
+def _object(item, where: str, key: str) -> dict:
+    if not isinstance(item, dict):
+        raise DataError(f"{key}: {where}: a row must be a JSON object of named columns, got {type(item).__name__} "
+                        f"{json.dumps(item)[:80]}; write each row as {{\"messages\": [...]}}, {{\"text\": ...}}, ...")
+    return item
+
+
+def _arrow_rows(parts: list[tuple[str, datasets.Dataset]]) -> Rows:
+    """Rows of datasets read by Arrow (parquet, csv, saved or Hub datasets), named `<file or folder> row <i>`."""
+    columns = list(dict.fromkeys(c for _, ds in parts for c in ds.column_names))
+
+    def iterate():
+        for name, ds in parts:
+            for i, row in enumerate(ds):
+                yield f"{name} row {i}", row
+
+    return Rows(columns, sum(len(ds) for _, ds in parts), iterate)
