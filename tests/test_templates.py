@@ -294,6 +294,6 @@ def test_chat_template_kwargs_is_a_recipe_key():
 def test_a_template_refusal_in_a_source_names_the_source_and_file(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": PLAIN}) + "\n" + json.dumps({"messages": [SYSTEM] + PLAIN}) + "\n")
-    with pytest.raises(DataError, match=rf"^data.sources.0 \({path}\)(, row 1)?: the chat template refused the "
+    with pytest.raises(DataError, match=rf"^data.sources.0 \({path}:2\): the chat template refused the "
                                         "conversation: System role not supported. Fix: merge the system message"):
         build_datasets(DataSection(sources=[DataSource(path=str(path))]), family("gemma"))
