@@ -1,5 +1,5 @@
-"""The `hftrain` command: `check` a recipe, render its strategy `config`, `plan` memory, `launch`, `push`,
-`tiny-model`, `moe upcycle`."""
+"""The `hftrain` command: `check` a recipe, show its `data`, render its strategy `config`, `plan` memory, `launch`,
+`push`, `tiny-model`, `moe upcycle`."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from .constants import STRATEGIES
 from .errors import exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
+from .data.preview import preview
 from .launch import check_data, check_recipe
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.strategies import render, slurm_script
+from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
@@ -32,6 +34,12 @@ def _check(ns) -> int:
     if not ns.no_data:
         check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
     print(recipe.to_yaml(), end="")
+    return 0
+
+
+def _data(ns) -> int:
+    recipe, _ = check_recipe(ns.recipe, ns.overrides)
+    print(preview(recipe.data, load_tokenizer(recipe.model, recipe.data.chat_template), ns.examples))
     return 0
 
 
@@ -126,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the data phase (tokenizer and every row of every source)")
     c.set_defaults(fn=_check)
 
+    d = sub.add_parser("data", allow_abbrev=False,
+                       help="Show what the recipe trains on: per source its layout, token counts, truncation and "
+                       "drops, and rendered examples with the trained tokens between [[ and ]].")
+    d.add_argument("recipe", help="recipe YAML")
+    d.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    d.add_argument("--examples", type=int, default=2, help="rendered examples per source (default 2)")
+    d.set_defaults(fn=_data)
+
     g = sub.add_parser(
         "config", allow_abbrev=False,
         help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, or for --strategy NAME / --all.",
@@ -206,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "launch", "plan"):
+    if extra and ns.command in ("check", "config", "data", "launch", "plan"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

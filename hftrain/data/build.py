@@ -30,7 +30,8 @@ class Datasets:
     eval_examples: list[dict]  # canonical held-out examples (prompt + reference) for generation metrics
 
 
-def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: DataSource):
+def train_on_prompt(fmt: str, cfg: DataSection, tokenizer, key: str) -> bool:
+    """Whether a layout trains on every token (else only on the assistant turns or the completion)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if fmt in ("messages", "sharegpt") and not has_template:
         raise DataError(
@@ -38,18 +39,22 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
             "tokenizer has none; set data.chat_template "
             "(a Jinja string or a .jinja file)"
         )
-    train_on_prompt = {
+    return {
         "messages": not cfg.assistant_only_loss,
         "sharegpt": not cfg.assistant_only_loss,
         "alpaca": not (cfg.assistant_only_loss if has_template else cfg.completion_only_loss),
         "prompt_completion": not cfg.completion_only_loss,
         "text": True,
     }[fmt]
+
+
+def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: DataSource):
+    on_prompt = train_on_prompt(fmt, cfg, tokenizer, key)
     max_length, drop = cfg.max_length, cfg.truncation == "drop"
 
     def fn(example):
         # A template's refusal names the key and the file's own row: 'data.sources.0 (train.jsonl:12)'.
-        out = tokenize_example(json.loads(example[CANON]), tokenizer, train_on_prompt, cfg.chat_template_kwargs,
+        out = tokenize_example(json.loads(example[CANON]), tokenizer, on_prompt, cfg.chat_template_kwargs,
                                f"{key} ({example[WHERE]})")
         n = len(out["input_ids"])
         if not drop:
