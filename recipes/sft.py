@@ -13,6 +13,7 @@ from hftrain import distributed, moe
 from hftrain.artifacts import first_eval, save_final, write_recipe
 from hftrain.callbacks import CurvesCallback
 from hftrain.constants import SHARDED, ZERO3
+from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.hub.push import check_token, push_after_training
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> None:
     #    cache by the others), so a bad row stops the run before any weight is loaded.
     tokenizer, data = check_data(recipe, args.world_size, seed=args.seed)
     model = load_model(recipe.model, packing=recipe.data.packing, moe=recipe.moe)
+    stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
     write_recipe(recipe)
     if distributed.is_main_process():
         write_strategy_configs(recipe, strategy)

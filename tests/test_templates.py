@@ -297,3 +297,21 @@ def test_a_template_refusal_in_a_source_names_the_source_and_file(tmp_path):
     with pytest.raises(DataError, match=rf"^data.sources.0 \({path}:2\): the chat template refused the "
                                         "conversation: System role not supported. Fix: merge the system message"):
         build_datasets(DataSection(sources=[DataSource(path=str(path))]), family("gemma"))
+
+
+def test_the_fine_tuned_model_stops_where_turns_end():
+    """The fix for the disagreement: the end-of-turn token joins generation_config.eos_token_id (saved with the
+    model); nothing changes when it already stops there."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hftrain.data.templates import stop_at_end_of_turn
+
+    base = train_tokenizer(CORPUS * 20, vocab_size=400)
+    base.eos_token, base.chat_template = "<|endoftext|>", family("qwen2_5").chat_template
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=base.eos_token_id))
+    assert stop_at_end_of_turn(model, base) == im_end
+    assert model.generation_config.eos_token_id == [base.eos_token_id, im_end]
+    assert stop_at_end_of_turn(model, base) is None and model.generation_config.eos_token_id[-1] == im_end

@@ -137,9 +137,9 @@ def eos_problem(tokenizer, kwargs: dict) -> str | None:
     token = tokenizer.convert_ids_to_tokens(eot)
     return (f"hftrain: warning: the chat template ends each assistant turn with {token!r} (id {eot}), which is "
             f"trained, but generation stops at {said}: the fine-tuned model will write {token!r} and then go on "
-            f"instead of stopping. Fix: add {eot} to eos_token_id in the model's generation_config.json (a list "
-            f"may hold several ids; the fine-tuned model's too) or set the tokenizer's eos_token to {token!r}; or "
-            "use a chat template that ends turns with the eos_token")
+            f"instead of stopping. hftrain adds {eot} to eos_token_id in the fine-tuned model's generation_config.json; "
+            f"for the base model add it to its generation_config.json too, or set the tokenizer's eos_token to "
+            f"{token!r}, or use a chat template that ends turns with the eos_token")
 
 
 def warn_eos_once(tokenizer, kwargs: dict) -> None:
@@ -151,3 +151,21 @@ def warn_eos_once(tokenizer, kwargs: dict) -> None:
     problem = eos_problem(tokenizer, kwargs)
     if problem:
         print0(problem)
+
+
+def stop_at_end_of_turn(model, tokenizer, chat_template_kwargs: dict | None = None) -> int | None:
+    """Make the model's generation stop where the template ends an assistant turn: the end-of-turn token is added
+    to `model.generation_config.eos_token_id` (saved with the fine-tuned model) when it is not there yet. Returns
+    the id added, or None."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    eot = end_of_turn(tokenizer, template_kwargs(tokenizer, chat_template_kwargs))
+    ids = config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if eot is None or eot in ids:
+        return None
+    config.eos_token_id = ids + [eot]
+    print0(f"hftrain: generation stops at {tokenizer.convert_ids_to_tokens(eot)!r} (id {eot}) too: added to "
+           "generation_config.eos_token_id")
+    return eot
