@@ -30,14 +30,58 @@ SECTIONS = {
 }
 
 
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML; data lives in data files
+MAX_RECIPE_NODES = 100_000  # values after alias expansion: a few aliases can expand to billions (an alias bomb)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error naming both lines (YAML keeps the last
+    silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def _node_count_exceeds(tree: Any, cap: int) -> bool:
+    """Whether the tree, with every alias expanded, holds more than `cap` values (stops counting at the cap)."""
+    stack, n = [tree], 0
+    while stack:
+        node = stack.pop()
+        n += 1
+        if n > cap:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _list_index(node: list, part: str, dotted: str) -> int:
+    idx = int(part)
+    if not 0 <= idx <= len(node):  # the next free index appends; anything further would invent entries
+        raise RecipeError([f"command line: {dotted}: index {idx} is out of range: the list has {len(node)} "
+                           f"entr{'y' if len(node) == 1 else 'ies'}, so use 0..{len(node)} ({len(node)} appends one)"])
+    return idx
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node: Any = tree
     for i, part in enumerate(parts[:-1]):
         nxt = parts[i + 1]
         if isinstance(node, list):
-            idx = int(part)
-            while len(node) <= idx:
+            idx = _list_index(node, part, dotted)
+            if idx == len(node):
                 node.append({})
             node = node[idx]
             continue
@@ -46,8 +90,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         node = node[part]
     last = parts[-1]
     if isinstance(node, list):
-        idx = int(last)
-        while len(node) <= idx:
+        idx = _list_index(node, last, dotted)
+        if idx == len(node):
             node.append({})
         node[idx] = value
     else:
@@ -90,6 +134,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
 def read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise RecipeError([f"{path}: recipe file not found"])
+    if os.path.getsize(path) > MAX_RECIPE_BYTES:
+        raise RecipeError([f"{path}: {os.path.getsize(path)} bytes is not a recipe (at most {MAX_RECIPE_BYTES}); "
+                           "put data in data files and name them in data.sources"])
     with open(path, "rb") as fh:
         data = fh.read()
     try:
@@ -98,11 +145,15 @@ def read_yaml(path: str) -> dict:
         line = data[: e.start].count(b"\n") + 1
         raise RecipeError([f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_RecipeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise RecipeError([f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}"]) from None
+        what = "" if isinstance(e, yaml.constructor.ConstructorError) else "YAML syntax error: "
+        raise RecipeError([f"{where}: {what}{getattr(e, 'problem', None) or e}"]) from None
+    if _node_count_exceeds(raw, MAX_RECIPE_NODES):
+        raise RecipeError([f"{path}: expands to more than {MAX_RECIPE_NODES} values (YAML aliases repeat what they "
+                           "point to); write the recipe out without nested aliases"])
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -167,6 +218,8 @@ def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict
     for key, value in parse_overrides(overrides or []):
         try:
             _set_dotted(tree, key, value)
+        except RecipeError:
+            raise
         except (ValueError, TypeError, AttributeError):
             raise RecipeError([f"command line: cannot set '{key}'"]) from None
         origins[key] = "command line"

@@ -5,6 +5,7 @@ the fix); nothing here reads the environment (launch.preflight does).
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -24,6 +25,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     """Every rule that the recipe alone decides; with strategy.name set, its strategy's rules too. Values that
     already failed their type check are skipped."""
     out: Problems = []
+    _training_ranges(recipe, out)
     has_eval = _data_problems(recipe, out)
     if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
@@ -76,6 +78,48 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     return out
 
 
+# training: values that must be at least 1, and values that must be finite numbers in a range. TrainingArguments
+# accepts all of these silently (a batch of 0 fails late, a learning rate of inf trains to NaN and exits 0).
+_AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+_RANGES = {  # name: (low, low inclusive, high, high inclusive, what)
+    "learning_rate": (0.0, False, math.inf, False, "> 0"),
+    "num_train_epochs": (0.0, False, math.inf, False, "> 0 (or set max_steps)"),
+    "warmup_ratio": (0.0, True, 1.0, False, "in [0, 1)"),
+    "weight_decay": (0.0, True, math.inf, False, ">= 0"),
+    "max_grad_norm": (0.0, True, math.inf, False, ">= 0 (0 turns clipping off)"),
+    "adam_epsilon": (0.0, False, math.inf, False, "> 0"),
+}
+
+
+def _training_ranges(recipe: Recipe, out: Problems) -> None:
+    t = recipe.training
+    for name in _AT_LEAST_ONE:
+        v = t.get(name)
+        if _num(v) and v < 1:
+            out.append((f"training.{name}", f"must be at least 1, got {v}"))
+    for name, (lo, lo_in, hi, hi_in, what) in _RANGES.items():
+        v = t.get(name)
+        if name == "num_train_epochs" and _num(t.get("max_steps")) and t["max_steps"] > 0:
+            continue  # max_steps decides the length
+        if _num(v) and not (math.isfinite(v) and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)):
+            out.append((f"training.{name}", f"must be a finite number {what}, got {v}"))
+    steps = t.get("max_steps")
+    if _num(steps) and (steps == 0 or steps < -1):
+        out.append(("training.max_steps", f"must be > 0, or -1 to train num_train_epochs, got {steps} (0 would "
+                    "still run a step)"))
+    warm = t.get("warmup_steps")
+    if _num(warm) and warm < 0:
+        out.append(("training.warmup_steps", f"must be >= 0, got {warm}"))
+
+
+def _chat_template_problem(template) -> str | None:
+    """A chat_template value that is neither template text nor a .jinja file would be used as the template."""
+    if not isinstance(template, str) or template.endswith(".jinja") or "{{" in template or "{%" in template:
+        return None
+    return (f"{template!r} is neither a Jinja template (no {{{{ or {{%) nor a .jinja file: give the path of a .jinja "
+            "file, or the template text itself")
+
+
 def _data_problems(recipe: Recipe, out: Problems) -> bool:
     """Rules of the data section; returns whether the recipe has held-out data."""
     d = recipe.data
@@ -87,6 +131,9 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
         out.append(("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
     if _num(d.eval_fraction) and d.eval_fraction > 0 and d.eval_sources:
         out.append(("data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"))
+    problem = _chat_template_problem(d.chat_template)
+    if problem:
+        out.append(("data.chat_template", problem))
     if _num(d.max_length) and d.max_length < 2:
         out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
     for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
