@@ -252,6 +252,12 @@ CASES = [
     # -- output_dir and checkpoints ----------------------------------------------------------------------------
     ("output_dir_under_a_file", lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.file("f", "x"), "out")))],
      ["training.output_dir:", "cannot be created:", "is not a folder; choose another path"]),
+    ("output_dir_is_the_base_model", lambda w: [w.recipe(set_("training.output_dir", w.model))],
+     ["training.output_dir:", "is model.name_or_path's folder", "the final save would overwrite it"]),
+    ("output_dir_inside_the_base_model", lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.model, "o")))],
+     ["training.output_dir:", "overlaps model.name_or_path's folder"]),
+    ("output_dir_is_root", lambda w: [w.recipe(set_("training.output_dir", "/"))],
+     ["training.output_dir: / is the filesystem root; give the run a folder of its own"]),
     ("resume_without_checkpoint", lambda w: [w.recipe(set_("training.resume_from_checkpoint", True))],
      ["training.resume_from_checkpoint is true but", "holds no complete checkpoint-N folder"]),
     ("resume_path_missing", lambda w: [w.recipe(set_("training.resume_from_checkpoint", "/no/checkpoint-5"))],

@@ -137,9 +137,33 @@ def strategy_problems(strategy: StrategySection, num_parameters: int | None = No
     return problems
 
 
-def output_dir_problems(path: str) -> list[str]:
-    """output_dir, or the folder it will be created in, is a writable folder. Nothing is created here: a refused
-    run leaves nothing behind."""
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def guarded_folder_problem(path: str, protected: dict[str, str]) -> str | None:
+    """output_dir must not be `/`, the home folder or the working folder (a run writes and rotates files there), nor
+    be, contain or lie inside a folder the run reads from (`protected`: description -> path), which its save would
+    overwrite."""
+    real = os.path.realpath(path)
+    for what, folder in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
+                         ("the folder you run from", os.getcwd())):
+        if real == os.path.realpath(folder):
+            return f"training.output_dir: {path} is {what}; give the run a folder of its own (e.g. runs/my-run)"
+    for what, folder in protected.items():
+        other = os.path.realpath(folder)
+        if _within(real, other) or _within(other, real):
+            return (f"training.output_dir: {path} {'is' if real == other else 'overlaps'} {what} ({folder}): the "
+                    "final save would overwrite it; choose another folder")
+    return None
+
+
+def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> list[str]:
+    """output_dir is a folder of its own (guarded_folder_problem), and it, or the folder it will be created in, is
+    writable. Nothing is created here: a refused run leaves nothing behind."""
+    guarded = guarded_folder_problem(path, protected or {})
+    if guarded:
+        return [guarded]
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -245,7 +269,10 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         out += [(_strategy_key(msg), msg) for msg in strategy_problems(strategy, facts.params if facts else None)]
     output_dir = t.get("output_dir")
     if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
-        out += [("training.output_dir", msg) for msg in output_dir_problems(output_dir)]
+        reads = {"model.name_or_path": m.name_or_path if model_ok else None,
+                 "model.tokenizer_name_or_path": m.tokenizer_name_or_path if model_ok else None}
+        protected = {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
+        out += [("training.output_dir", msg) for msg in output_dir_problems(output_dir, protected)]
         if "training.resume_from_checkpoint" not in skip:
             now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
                                      recipe.training_value("gradient_accumulation_steps"), strategy.name)
