@@ -358,8 +358,45 @@ def test_a_pasted_token_is_refused(pushed_run, hub, tmp_path, monkeypatch):
     out = copy_run(pushed_run[0], tmp_path / "run")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    (out / "notes.txt").write_text("push with hf_PastedByMistake0123456789abcdefghij\n")
-    with pytest.raises(HubError, match="notes.txt contains a Hugging Face token"):
+    with open(out / "chat_template.jinja", "a") as fh:
+        fh.write("{# push with hf_PastedByMistake0123456789abcdefghij #}\n")
+    with pytest.raises(HubError, match="chat_template.jinja contains a Hugging Face token"):
+        push(str(out), HubSection(repo_id="me/leak"), dry_run=True)
+
+
+def test_only_what_a_model_repository_needs_is_staged(pushed_run, tmp_path, monkeypatch):
+    """An allow-list, not a list of suffixes: credentials, keys and stray files in output_dir stay local."""
+    out = copy_run(pushed_run[0], tmp_path / "run")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    for name in ("credentials.json", "id_rsa", ".secrets.yaml", "notes.txt", "modeling_evil.py"):
+        (out / name).write_text("secret\n")
+    stage = push(str(out), HubSection(repo_id="me/clean"), dry_run=True)
+    staged = set(os.listdir(stage))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "recipe.yaml", "README.md"} <= staged
+    assert not staged & {"credentials.json", "id_rsa", ".secrets.yaml", "notes.txt", "modeling_evil.py",
+                         "training_args.bin"}
+
+
+@pytest.mark.parametrize("secret, what", [
+    ("-----BEGIN OPENSSH PRIVATE KEY----- b3BlbnNzaC1rZXk=\n", "a private key"),
+    ("aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n", "an AWS access key"),
+    ("token: ghp_abcdefghijklmnopqrstuvwxyz0123456789AB\n", "a GitHub token"),
+])
+def test_secrets_of_other_kinds_are_refused(pushed_run, tmp_path, monkeypatch, secret, what):
+    out = copy_run(pushed_run[0], tmp_path / "run")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with open(out / "recipe.yaml", "a") as fh:
+        fh.write("# " + secret)
+    with pytest.raises(HubError, match=f"recipe.yaml contains {what}"):
+        push(str(out), HubSection(repo_id="me/leak"), dry_run=True)
+
+
+def test_a_symlink_is_never_followed(pushed_run, tmp_path, monkeypatch):
+    out = copy_run(pushed_run[0], tmp_path / "run")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    os.remove(out / "run_info.json")
+    os.symlink("/etc/passwd", out / "run_info.json")
+    with pytest.raises(HubError, match=r"run_info.json is a symbolic link \(to /etc/passwd\)"):
         push(str(out), HubSection(repo_id="me/leak"), dry_run=True)
 
 

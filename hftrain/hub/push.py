@@ -25,25 +25,49 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from .. import distributed
 from ..config import HubSection, load_recipe
 from ..config.rules import hub_problems, repo_id_problem
-from ..constants import RECIPE_FILE
+from ..constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
 from ..errors import HubError
 from .card import build_card
 from .checks import adapter_problems, validate_folder
 
 STAGE_DIR = "hub_upload"  # inside output_dir: the exact folder uploaded, kept for inspection
 CARD_FILE = "README.md"
-# Top-level files of a run that may be shared. Pickles (training_args.bin, *.bin/*.pt weights) and
-# checkpoints, TensorBoard logs and the merged/ folder (pushed only with merge_lora) stay local.
-UPLOAD_SUFFIXES = (".safetensors", ".json", ".jinja", ".yaml", ".yml", ".txt", ".model", ".png")
 NO_TOKEN = ("no Hugging Face token found: set HF_TOKEN in the environment or run `hf auth login` on this machine "
             "(a recipe never holds the token)")
-# Hub user access tokens: "hf_" + 34 letters/digits. A match in a text file means a pasted token.
-TOKEN_PATTERN = re.compile(rb"\bhf_[A-Za-z0-9]{30,}\b")
+# What a model repository needs, by name: everything else in output_dir (checkpoints, logs, pickles such as
+# training_args.bin, and any file a user or tool left there) stays local.
+ALLOWED = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|adapter_model\.safetensors"
+    r"|config\.json|generation_config\.json|adapter_config\.json"
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json|tokenizer\.model"
+    r"|vocab\.json|vocab\.txt|merges\.txt|chat_template\.(jinja|json)"
+    rf"|{re.escape(RECIPE_FILE)}|{re.escape(RUN_INFO_FILE)}|trainer_state\.json|curves\.png|expert_load\.png"
+    rf"|({'|'.join(STRATEGIES)})\.(yaml|json))$")
+# Secrets that must never leave the machine: a Hub token ("hf_" + 34 letters/digits), private keys, and the token
+# formats of common services (AWS access keys, GitHub, OpenAI-style "sk-" keys).
+SECRETS = {
+    "a Hugging Face token": re.compile(rb"\bhf_[A-Za-z0-9]{30,}\b"),
+    "a private key": re.compile(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "an AWS access key": re.compile(rb"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
+    "a GitHub token": re.compile(rb"\bgh[pousr]_[A-Za-z0-9]{36,}\b"),
+    "an API key (sk-...)": re.compile(rb"\bsk-[A-Za-z0-9_-]{32,}\b"),
+}
 
 
-def _shareable(folder: str) -> list[str]:
-    return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f))
-                  and f.endswith(UPLOAD_SUFFIXES) and ".tmp-" not in f)
+def _shareable(folder: str, trust_remote_code: bool = False) -> tuple[list[str], list[str]]:
+    """(files to upload, problems): allowed names that are plain files; a symlink among them is a problem (it is
+    never followed: it could point anywhere on the machine). The model's own .py files go with trust_remote_code."""
+    names, problems = [], []
+    for f in sorted(os.listdir(folder)):
+        if not (ALLOWED.match(f) or (trust_remote_code and f.endswith(".py"))) or ".tmp-" in f:
+            continue
+        path = os.path.join(folder, f)
+        if os.path.islink(path):
+            problems.append(f"{path} is a symbolic link (to {os.readlink(path)}); hftrain uploads plain files only: "
+                            "replace it by the file itself")
+        elif os.path.isfile(path):
+            names.append(f)
+    return names, problems
 
 
 def _place(src: str, dst: str) -> None:
@@ -55,7 +79,7 @@ def _place(src: str, dst: str) -> None:
 
 
 def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: str | None = None,
-                 license: str | None = None) -> list[str]:
+                 license: str | None = None, trust_remote_code: bool = False) -> list[str]:
     """Write the exact folder to upload into `dest` (replaced whole): model files, run records, README.md card.
 
     With merge_lora the model files come from output_dir/merged instead of the adapter. Returns the file names.
@@ -68,8 +92,14 @@ def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: 
         if not os.path.isdir(merged):
             raise HubError(f"{merged} is missing: merge_lora pushes the merged model that model.lora.merge: true "
                            "writes at the end of training; rerun with it, or push the adapter")
-        sources = {f: os.path.join(merged, f) for f in _shareable(merged)}
-    for f in _shareable(output_dir):
+        names, problems = _shareable(merged, trust_remote_code)
+        if problems:
+            raise HubError(problems)
+        sources = {f: os.path.join(merged, f) for f in names}
+    names, problems = _shareable(output_dir, trust_remote_code)
+    if problems:
+        raise HubError(problems)
+    for f in names:
         if merge_lora and f.startswith("adapter_"):
             continue
         sources.setdefault(f, os.path.join(output_dir, f))
@@ -87,16 +117,19 @@ def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: 
 
 
 def token_problems(folder: str, token: str | None) -> list[str]:
-    """Files that hold a Hub token (this one, or anything shaped like one): they must not be uploaded."""
+    """Files that hold a secret (this machine's Hub token, or anything shaped like a token or a private key): they
+    must not be uploaded."""
     out = []
     for f in sorted(os.listdir(folder)):
         if f.endswith(".safetensors"):
             continue  # binary weights
         with open(os.path.join(folder, f), "rb") as fh:
             data = fh.read()
-        if (token and token.encode() in data) or TOKEN_PATTERN.search(data):
-            out.append(f"{f} contains a Hugging Face token: remove it from the run's files (tokens belong in HF_TOKEN "
-                       "or `hf auth login`, never in a recipe or config) and revoke it at huggingface.co/settings/tokens")
+        found = ["the Hugging Face token of this machine"] if token and token.encode() in data else []
+        found += [what for what, pattern in SECRETS.items() if pattern.search(data)]
+        if found:
+            out.append(f"{f} contains {' and '.join(dict.fromkeys(found))}: remove it from the run's files (tokens "
+                       "belong in the environment or `hf auth login`, never in a recipe or config) and revoke it")
     return out
 
 
@@ -138,7 +171,7 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
         if not token:
             raise HubError(NO_TOKEN)
     stage = stage_dir or os.path.join(output_dir, STAGE_DIR)
-    files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license)
+    files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license, trust_remote_code)
     merged_ref = os.path.join(output_dir, "merged")
     if hub.merge_lora:
         # The merged model pushed must equal base + the run's adapter.
