@@ -1,4 +1,6 @@
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -24,6 +26,27 @@ def tiny_model_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "base")
     build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config=SMALL, vocab_size=300, seed=0)
     return out
+
+
+def uneven_data(path, n=24, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            k = rng.choice([1, 1, 2, 8, 12])  # very uneven completion lengths, hence target counts
+            fh.write(json.dumps({"prompt": f"reverse: {' '.join(rng.choice('abc') for _ in range(3))} ->",
+                                 "completion": " " + " ".join(rng.choice("abcdefghij") for _ in range(k))}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def spiky_model_dir(tmp_path_factory):
+    """Like tiny_model_dir, with large initial weights: per-token losses differ a lot between examples (at the
+    usual small init every token costs ~ln(vocab), and no averaging scheme can be told from another)."""
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    out = str(tmp_path_factory.mktemp("spiky") / "base")
+    return build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config={**SMALL, "initializer_range": 0.3},
+                            vocab_size=300, seed=0)
 
 
 @pytest.fixture(scope="session")
