@@ -14,40 +14,15 @@ from hftrain.data import build_datasets
 from hftrain.distributed import free_port
 from hftrain.evaluate import greedy_answer, shard
 
-from .conftest import ACCELERATE_LAUNCH, PY, run, uneven_data
+from .conftest import ACCELERATE_LAUNCH, PY, eval_token_mean_and_old, run, uneven_data
 
 N_EVAL = 7  # odd: no eval batch size > 1 and no world size > 1 divides it
-
-
-def eval_reference(model_dir, eval_path):
-    """Plain PyTorch, one example at a time: (sum of CE over every target / number of targets, and the old
-    Trainer's number for an eval batch size: the mean over examples of their batch's mean)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    data = build_datasets(DataSection(sources=[DataSource(path=eval_path)], max_length=64), tok)
-    per_example = []
-    with torch.no_grad():
-        for ex in data.train:
-            logits = model(input_ids=torch.tensor([ex["input_ids"]])).logits[0, :-1]
-            tgt = torch.tensor(ex["labels"][1:])
-            m = tgt != IGNORE_INDEX
-            per_example.append((float(torch.nn.functional.cross_entropy(logits[m], tgt[m], reduction="sum")),
-                                int(m.sum())))
-    ref = sum(s for s, _ in per_example) / sum(n for _, n in per_example)
-
-    def old(batch_size):
-        batches = [per_example[i:i + batch_size] for i in range(0, len(per_example), batch_size)]
-        return sum(len(b) * sum(s for s, _ in b) / sum(n for _, n in b) for b in batches) / len(per_example)
-
-    return ref, old
 
 
 @pytest.fixture(scope="module")
 def eval_set(tmp_path_factory, spiky_model_dir):
     path = uneven_data(tmp_path_factory.mktemp("eval") / "eval.jsonl", n=N_EVAL, seed=1)
-    return path, *eval_reference(spiky_model_dir, path)
+    return path, *eval_token_mean_and_old(spiky_model_dir, path)
 
 
 def test_example_sums_one_row_per_example_padded_or_packed(spiky_model_dir, tokenizer):
@@ -135,7 +110,7 @@ def matched_eval(tmp_path_factory, spiky_model_dir):
                                       max_length=64), tok, exact_match=N_EVAL).eval_examples
     for i, ex in enumerate(held):  # the expected share holds by construction
         assert (greedy_answer(model, tok, ex, max_new_tokens=6).strip() == ex["reference"].strip()) == (i in matched)
-    return str(path), len(matched) / N_EVAL, eval_reference(spiky_model_dir, str(path))[0]
+    return str(path), len(matched) / N_EVAL, eval_token_mean_and_old(spiky_model_dir, str(path))[0]
 
 
 @pytest.fixture(scope="module")
