@@ -18,35 +18,58 @@ def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = Non
     return tokenizer(example["prompt"])["input_ids"]
 
 
+def shard(n: int, rank: int, world: int, lockstep: bool) -> list[tuple[int, bool]]:
+    """(example index, counted) for one rank: examples rank, rank + world, ...
+
+    Under `lockstep` every rank must call generate() as often as the others (each forward is a collective), so the
+    shorter shards end with a repeat of example 0 whose answer is not counted: each example is counted once."""
+    mine = [(i, True) for i in range(rank, n, world)]
+    if lockstep and n > 0:
+        mine += [(0, False)] * (-(-n // world) - len(mine))
+    return mine
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """Where generation stops: the tokenizer's eos and the model's generation_config eos ids (which hold the
+    template's end-of-turn token, data.templates.stop_at_end_of_turn)."""
+    config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if config is None else [config] if isinstance(config, int) else list(config)
+    return list(dict.fromkeys([i for i in [tokenizer.eos_token_id, *ids] if i is not None]))
+
+
 @torch.no_grad()
+def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
+                  chat_template_kwargs: dict | None = None) -> str:
+    """The model's greedy answer to a held-out example's prompt (prompt_ids), decoded without special tokens."""
+    inp = torch.tensor([prompt_ids(tokenizer, example, chat_template_kwargs)], device=next(model.parameters()).device)
+    out = model.generate(
+        input_ids=inp,
+        attention_mask=torch.ones_like(inp),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stop_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=synced,
+    )
+    return tokenizer.decode(out[0, inp.shape[1] :], skip_special_tokens=True)
+
+
 def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32, lockstep: bool = False,
                 chat_template_kwargs: dict | None = None) -> float:
-    """Share of `examples` whose greedy answer equals the reference (whitespace-stripped).
+    """Share of `examples` whose greedy answer equals the reference (whitespace-stripped), each example once.
 
-    Replicated models: each rank generates its slice (rank::world) and counts are summed over ranks.
-    Sharded models (`lockstep`: FSDP, ZeRO-3): every forward is a collective, so every rank generates every
-    example (greedy decoding makes the ranks agree on each answer's length) with `synced_gpus`.
+    Each rank generates its shard (`shard`) and the counts are summed over ranks. Sharded models (`lockstep`:
+    FSDP, ZeRO-3) generate with `synced_gpus`: a rank whose answer is finished keeps stepping until every rank's is.
     """
     if not examples:
         return float("nan")
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    synced = lockstep and distributed.world_size() > 1
     correct = 0
-    mine = examples if lockstep else examples[distributed.rank() :: distributed.world_size()]
-    for ex in mine:
-        inp = torch.tensor([prompt_ids(tokenizer, ex, chat_template_kwargs)], device=device)
-        out = model.generate(
-            input_ids=inp,
-            attention_mask=torch.ones_like(inp),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            synced_gpus=lockstep and distributed.world_size() > 1,
-        )
-        answer = tokenizer.decode(out[0, inp.shape[1] :], skip_special_tokens=True)
-        correct += int(answer.strip() == ex["reference"].strip())
+    for i, counted in shard(len(examples), distributed.rank(), distributed.world_size(), lockstep):
+        answer = greedy_answer(model, tokenizer, examples[i], max_new_tokens, synced, chat_template_kwargs)
+        correct += int(counted and answer.strip() == examples[i]["reference"].strip())
     if was_training:
         model.train()
-    return (correct if lockstep else distributed.all_reduce_sum(correct)) / len(examples)
+    return distributed.all_reduce_sum(correct) / len(examples)

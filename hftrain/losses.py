@@ -9,6 +9,9 @@ Each micro-batch contributes `loss_sum(micro-batch) / global_count * dp_size`: t
 FSDP, DeepSpeed) averages gradients over the `dp_size` ranks, which cancels the factor, and the micro-batches of
 an accumulation window add up. Nothing is divided by the accumulation steps again.
 
+The eval loss is the mean CE over every target token of the eval set (`eval_loss` of the per-example
+`example_sums`), whatever the loss mode, the number of processes or the eval batch size.
+
 A target is a label != -100 after the causal shift (labels[..., 1:]). Sequences are rows, or, in packed rows,
 the runs of position_ids that restart at 0.
 """
@@ -49,6 +52,18 @@ def count_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = None
     return int(mask.sum()), int(torch.unique(seg[mask]).numel())
 
 
+def target_ce(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """CE of each position 0..T-2 against its shifted target, flattened; 0 where the target is ignored."""
+    logits = logits[:, :-1].float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
+
+
 def loss_sum(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -58,14 +73,7 @@ def loss_sum(
 ) -> torch.Tensor:
     """The micro-batch's share of the numerator: sum of target CE (token) or of per-sequence mean CE (sequence)."""
     targets, seg = shifted(labels, position_ids)
-    logits = logits[:, :-1].float()
-    ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-        label_smoothing=label_smoothing,
-    )
+    ce = target_ce(logits, targets, label_smoothing)
     mask = targets.reshape(-1) != IGNORE_INDEX
     if mode == "token":
         return ce[mask].sum()
@@ -77,6 +85,26 @@ def loss_sum(
     sums = torch.zeros(n, dtype=ce.dtype, device=ce.device).index_add(0, inverse, ce[mask])
     counts = torch.zeros(n, dtype=ce.dtype, device=ce.device).index_add(0, inverse, torch.ones_like(ce[mask]))
     return (sums / counts).sum()
+
+
+def example_sums(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(examples, 2) float64, in batch order: each example's CE summed over its targets, and its number of targets.
+
+    One row per example (a padded row, or a packed sequence), so that rows a distributed sampler added to fill its
+    last batch can be dropped by position before anything is summed."""
+    targets, seg = shifted(labels, position_ids)
+    ce = target_ce(logits, targets).double()
+    mask = (targets.reshape(-1) != IGNORE_INDEX).double()
+    _, example = torch.unique(seg.reshape(-1), return_inverse=True)  # ids increase along the batch
+    n = int(example.max()) + 1 if example.numel() else 0
+    sums = torch.zeros(n, 2, dtype=torch.float64, device=ce.device)
+    return sums.index_add_(0, example, torch.stack([ce * mask, mask], dim=1))
+
+
+def eval_loss(sums: torch.Tensor) -> float:
+    """Mean CE over every target token of the examples of `example_sums` rows (each example once)."""
+    total = sums.sum(dim=0)
+    return float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
 
 
 def normalise(loss_sum_: torch.Tensor, global_count: torch.Tensor | int, dp_size: int) -> torch.Tensor:

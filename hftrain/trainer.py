@@ -5,6 +5,9 @@ way to count sequences, and the Trainer multiplies its result by the world size 
 - `_get_num_items_in_batch`: the step's target tokens and sequences over all micro-batches and ranks (one gather);
 - `compute_loss`: logits only (no labels passed, so no model-internal loss), then
   `losses.loss_sum / global count * dp_size` plus registered aux terms;
+- `evaluation_loop` / `prediction_step`: eval_loss = mean CE over every target token of the eval set, each example
+  once (per-example sums through `gather_for_metrics`, which drops the rows the sampler repeated to fill its last
+  batch), whatever the number of processes, the eval batch size or the strategy;
 - `log`: the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
 - `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
 - gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype.
@@ -45,6 +48,7 @@ class HFTrainer(Trainer):
         self._step_counts: list[tuple[int, int]] = []
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
+        self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
 
     # -- gradient compression ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -82,15 +86,20 @@ class HFTrainer(Trainer):
         return batch_samples, num_items
 
     # -- loss ------------------------------------------------------------------------------------------------
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        outputs = model(**inputs)
+    def _forward(self, model, inputs: dict):
+        """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits."""
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         if getattr(outputs, "logits", None) is None:
             raise ValueError(
                 f"{type(self.accelerator.unwrap_model(model)).__name__} returned no logits; hftrain computes the loss "
                 "from logits so that it is exact over the global batch (a fused-loss kernel cannot be used)"
             )
+        return outputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        outputs = self._forward(model, inputs)
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
             tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
             num_items_in_batch = max(tokens if self.loss_averaging == "token" else seqs, 1)
@@ -107,6 +116,32 @@ class HFTrainer(Trainer):
                 total = total + losses.aux_loss_term(aux, coef, self.current_gradient_accumulation_steps)
                 self._aux_logged.setdefault(name, []).append(float(aux.detach()))
         return (total, outputs) if return_outputs else total
+
+    # -- evaluation ------------------------------------------------------------------------------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """super()'s loop (model preparation, batches, callbacks) with `prediction_step` collecting per-example
+        sums; the Trainer's own eval loss (a mean of per-batch means, the padded repeats included) is replaced."""
+        self._eval_sums = []
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self._eval_sums:
+            output.metrics[f"{metric_key_prefix}_loss"] = losses.eval_loss(torch.cat(self._eval_sums))
+        self._eval_sums = []
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if inputs.get("labels") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = self._forward(model, inputs).logits
+        sums = losses.example_sums(logits, inputs["labels"], inputs.get("position_ids"))
+        # Every rank gathers the same number of rows; at the end of the eval set the rows beyond its length (the
+        # sampler's repeats of its first examples) are dropped.
+        self._eval_sums.append(self.accelerator.gather_for_metrics(sums).cpu())
+        if prediction_loss_only:
+            return None, None, None
+        return None, logits.detach(), inputs["labels"]
 
     # -- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict, start_time=None) -> None:

@@ -1,4 +1,6 @@
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,6 +25,61 @@ def tiny_model_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "base")
     build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config=SMALL, vocab_size=300, seed=0)
     return out
+
+
+def uneven_data(path, n=24, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for i in range(n):
+            k = rng.choice([1, 1, 2, 8, 12])  # very uneven completion lengths, hence target counts
+            fh.write(json.dumps({"prompt": f"reverse: {' '.join(rng.choice('abc') for _ in range(3))} ->",
+                                 "completion": " " + " ".join(rng.choice("abcdefghij") for _ in range(k))}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def spiky_model_dir(tmp_path_factory):
+    """Like tiny_model_dir, with large initial weights: per-token losses differ a lot between examples (at the
+    usual small init every token costs ~ln(vocab), and no averaging scheme can be told from another)."""
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    out = str(tmp_path_factory.mktemp("spiky") / "base")
+    return build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config={**SMALL, "initializer_range": 0.3},
+                            vocab_size=300, seed=0)
+
+
+def eval_token_mean_and_old(model_dir, eval_path):
+    """Plain PyTorch, one example at a time: (sum of CE over every target / number of targets, and the old
+    Trainer's number for an eval batch size: the mean over examples of their batch's mean)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.config import DataSection, DataSource
+    from hftrain.constants import IGNORE_INDEX
+    from hftrain.data import build_datasets
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    data = build_datasets(DataSection(sources=[DataSource(path=eval_path)], max_length=64), tok)
+    per_example = []
+    with torch.no_grad():
+        for ex in data.train:
+            logits = model(input_ids=torch.tensor([ex["input_ids"]])).logits[0, :-1]
+            tgt = torch.tensor(ex["labels"][1:])
+            m = tgt != IGNORE_INDEX
+            per_example.append((float(torch.nn.functional.cross_entropy(logits[m], tgt[m], reduction="sum")),
+                                int(m.sum())))
+    ref = sum(s for s, _ in per_example) / sum(n for _, n in per_example)
+
+    def old(batch_size):
+        batches = [per_example[i:i + batch_size] for i in range(0, len(per_example), batch_size)]
+        return sum(len(b) * sum(s for s, _ in b) / sum(n for _, n in b) for b in batches) / len(per_example)
+
+    return ref, old
+
+
+def eval_token_mean(model_dir, eval_path) -> float:
+    return eval_token_mean_and_old(model_dir, eval_path)[0]
 
 
 @pytest.fixture(scope="session")

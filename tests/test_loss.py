@@ -1,7 +1,6 @@
 """Exact loss averaging: unit maths, and invariance across world size and accumulation on real 2-rank runs."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
 from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, run
+from .conftest import ACCELERATE_LAUNCH, PY, run, uneven_data
 
 
 def rand_batch(b=3, t=9, v=11, seed=0):
@@ -101,29 +100,6 @@ CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, m
     "2x_ga2_zero3": (2, 2, 2, False, "zero3", ("token",)),
 }
 LR = 0.5
-
-
-def uneven_data(path, n=24, seed=0):
-    rng = random.Random(seed)
-    with open(path, "w") as fh:
-        for i in range(n):
-            k = rng.choice([1, 1, 2, 8, 12])  # very uneven completion lengths, hence target counts
-            fh.write(json.dumps({"prompt": f"reverse: {' '.join(rng.choice('abc') for _ in range(3))} ->",
-                                 "completion": " " + " ".join(rng.choice("abcdefghij") for _ in range(k))}) + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def spiky_model_dir(tmp_path_factory):
-    """Like tiny_model_dir, with large initial weights: per-token losses differ a lot between examples (at the
-    usual small init every token costs ~ln(vocab), and no averaging scheme can be told from another)."""
-    from hftrain.tiny import build_tiny_model, texts_of_jsonl
-
-    from .conftest import DEMO_TRAIN, SMALL
-
-    out = str(tmp_path_factory.mktemp("spiky") / "base")
-    return build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config={**SMALL, "initializer_range": 0.3},
-                            vocab_size=300, seed=0)
 
 
 @pytest.fixture(scope="module")
