@@ -91,6 +91,7 @@ def tokenizer(tiny_model_dir):
 
 # Every launch of the session (and its workers) finds DeepSpeed's ops in the cache hftrain uses.
 EXTENSIONS = extensions_dir()
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS)  # also for DeepSpeed used in-process and by other workers
 
 
 def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
