@@ -223,6 +223,27 @@ def test_packing_isolates_examples(tiny_model_dir, tokenizer, attn):
     assert leak > 1e-3  # the test can see cross-contamination
 
 
+def test_flash_attention_sees_packed_rows_as_one_row(tiny_model_dir, tokenizer):
+    """Flash-attention kernels find packed sequences only in a one-row batch: load_model joins the rows for them.
+    The join (tried here on sdpa, the flash kernels need a GPU) gives the logits of the rows, in rows."""
+    from hftrain.modeling import join_packed_rows, load_model, reads_packing_from_one_row
+    from hftrain.config import ModelSection
+
+    assert reads_packing_from_one_row("flash_attention_2") and reads_packing_from_one_row("kernels-community/flash-attn3")
+    assert not any(map(reads_packing_from_one_row, ("sdpa", "eager", "flex_attention", None)))
+    model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation="sdpa"), packing=True).eval()
+    batch = make_collator(tokenizer, packing=True)([tokenize_example({"text": t}, tokenizer, True) for t in PACK_TEXTS])
+    assert batch["input_ids"].shape[0] > 1
+    with torch.no_grad():
+        rows = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        join_packed_rows(model)
+        seen = []
+        model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+        joined = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    assert seen == [(1, batch["input_ids"].numel())]
+    torch.testing.assert_close(joined, rows, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_collator_masks_padding(tokenizer):
     exs = [tokenize_example({"text": "a b c d"}, tokenizer, True), tokenize_example({"text": "a"}, tokenizer, True)]
     batch = make_collator(tokenizer, packing=False)(exs)
