@@ -57,6 +57,13 @@ def _raise_if(problem: str | None) -> None:
         raise ModelError(problem)
 
 
+def resolved_name_or_path(name_or_path: str) -> str:
+    """A local folder as an absolute path, a Hub id as it is. The model is loaded from this: peft records it as the
+    adapter's base_model_name_or_path (adapter_config.json), and a relative one would not load from elsewhere."""
+    local = os.path.expanduser(name_or_path)
+    return os.path.abspath(local) if os.path.isdir(local) else name_or_path
+
+
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
     _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
@@ -114,7 +121,8 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     # Weights are read from safetensors only: a pickle checkpoint could run code on load.
-    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, use_safetensors=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
+                                                 **kwargs)
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
