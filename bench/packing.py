@@ -1,6 +1,7 @@
 """Padded against packed batches: real (non-pad) tokens per second on CPU, through hftrain's own pieces.
 
-    python bench/packing.py [--steps 6] [--repeats 3] [--batch-size 16] [--attn sdpa,eager] [--sets instruct,demo]
+    python bench/packing.py [--steps 5] [--repeats 3] [--batch-size 16] [--threads 1] [--attn sdpa,eager]
+                            [--sets instruct,demo] [--no-one-row]
 
 Two data sets, each trained padded and packed with the same tiny model (hftrain.tiny, same weights), the same
 tokenised examples and the same batch size, through `HFTrainer` built as recipes/sft.py builds it:
@@ -15,6 +16,8 @@ Measured per run, over the steps after warm-up: real tokens (every token of ever
 the wall time from the end of the warm-up step to the end of the last step (batch fetch and collation included),
 and over the process CPU time of the same window (less sensitive to other load on a shared machine); the non-pad
 share of the batches' slots. Printed: the median over runs of each, and the packed / padded ratio of the medians.
+Torch runs on `--threads` threads (default 1): on a shared machine two threads' spin-waits for each other turn
+other load into CPU time, and single runs then differ by 4x; one thread keeps the per-CPU-second figure steady.
 """
 
 from __future__ import annotations
@@ -141,13 +144,15 @@ def bench_set(name: str, data: str, max_length: int, ns, model_dir: str, out: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--attn", default="sdpa,eager")
     ap.add_argument("--sets", default="instruct,demo")
     ap.add_argument("--no-one-row", action="store_true", help="leave out the one-row reference variant")
     ns = ap.parse_args()
+    torch.set_num_threads(ns.threads)
     print(f"hftrain from {os.path.dirname(hftrain.__file__)}; torch threads {torch.get_num_threads()}")
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="hftrain-bench-packing-")
