@@ -57,6 +57,13 @@ def _raise_if(problem: str | None) -> None:
         raise ModelError(problem)
 
 
+def resolved_name_or_path(name_or_path: str) -> str:
+    """A local folder as an absolute path, a Hub id as it is. The model is loaded from this: peft records it as the
+    adapter's base_model_name_or_path (adapter_config.json), and a relative one would not load from elsewhere."""
+    local = os.path.expanduser(name_or_path)
+    return os.path.abspath(local) if os.path.isdir(local) else name_or_path
+
+
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
     _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
@@ -75,6 +82,37 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     return tok
 
 
+def reads_packing_from_one_row(attn_implementation: str | None) -> bool:
+    """Flash-attention kernels (flash_attention_2/3, kernels-community/flash-attn*) find packed sequences from
+    position_ids only in a batch of one row (transformers' _is_packed_sequence); in several rows they would attend
+    across the examples of a row."""
+    return "flash" in (attn_implementation or "")
+
+
+def join_packed_rows(model) -> None:
+    """Hooks on `model`: a packed batch of several rows (hftrain's packing collator) goes through the model as one
+    row (the rows end to end; each row's padding is a sequence of its own), its logits come back in rows. Exact:
+    packed sequences never attend to each other."""
+    shapes: list[torch.Size] = []
+
+    def before(module, args, kwargs):
+        ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if args or ids is None or pos is None or ids.shape[0] == 1 or kwargs.get("attention_mask") is not None:
+            shapes.append(None)
+            return None
+        shapes.append(ids.shape)
+        return args, {**kwargs, "input_ids": ids.reshape(1, -1), "position_ids": pos.reshape(1, -1)}
+
+    def after(module, args, kwargs, output):
+        shape = shapes.pop()
+        if shape is not None and getattr(output, "logits", None) is not None:
+            output.logits = output.logits.reshape(*shape, -1)
+        return output
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+
+
 def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
@@ -83,7 +121,8 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     # Weights are read from safetensors only: a pickle checkpoint could run code on load.
-    model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, use_safetensors=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
+                                                 **kwargs)
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
@@ -106,6 +145,8 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
         model = get_peft_model(model, lora)
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
+    if packing and reads_packing_from_one_row(model.config._attn_implementation):
+        join_packed_rows(model)  # on the outermost model: peft calls the base model's forward() without hooks
     return model
 
 

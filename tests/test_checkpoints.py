@@ -15,7 +15,7 @@ from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_comp
 from .conftest import DEMO_TRAIN
 
 
-def make_trainer(model_dir, out, **training):
+def make_trainer(model_dir, out, lora=None, **training):
     from hftrain.data import build_datasets
     from hftrain.modeling import load_model, load_tokenizer
     from hftrain.config import load_recipe
@@ -23,7 +23,7 @@ def make_trainer(model_dir, out, **training):
     from hftrain.trainer import HFTrainer
 
     recipe = load_recipe(None, raw={
-        "model": {"name_or_path": model_dir, "dtype": "float32"},
+        "model": {"name_or_path": model_dir, "dtype": "float32", **({"lora": lora} if lora else {})},
         "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
         "training": {"output_dir": str(out), "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 4,
                      "learning_rate": 1e-3, "logging_steps": 1, "report_to": "none", "seed": 0,
@@ -245,3 +245,26 @@ def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir,
     finally:
         if subprocess.run(["umount", str(small)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_lora_output_loads_from_another_directory(tmp_path, monkeypatch, tiny_model_dir):
+    """A LoRA run on a base given by a relative path: adapter_config.json of the final save and of the checkpoints
+    names the base by its absolute path, so AutoPeftModelForCausalLM loads them from any directory."""
+    from peft import AutoPeftModelForCausalLM
+
+    from hftrain.modeling import resolved_name_or_path
+
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "base")
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer("models/base", tmp_path / "out", lora={"r": 4}, max_steps=2, save_steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for saved in (tmp_path / "out", tmp_path / "out" / "checkpoint-2"):
+        with open(saved / "adapter_config.json", encoding="utf-8") as fh:
+            assert json.load(fh)["base_model_name_or_path"] == str(tmp_path / "models" / "base")
+        model = AutoPeftModelForCausalLM.from_pretrained(str(saved))
+        assert type(model).__name__ == "PeftModelForCausalLM"
+    assert resolved_name_or_path("someone/some-model") == "someone/some-model"  # a Hub id stays a Hub id

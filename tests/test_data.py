@@ -174,28 +174,74 @@ def test_eval_fraction_holds_out_and_collects_exact_match_examples(tmp_path, tok
     assert ex["messages"][-1]["role"] == "user" and ex["reference"] == ex["messages"][0]["content"][-1]
 
 
-def test_packing_isolates_examples(tiny_model_dir, tokenizer):
-    """A packed example's logits equal its logits alone, with the model as hftrain loads it for packing;
-    transformers' default (use_cache=True creates a cache, which disables packed-mask detection) leaks."""
+PACK_TEXTS = ["j i h g f e d c b a j i h g f e d c b a", "a b", "c d e f", "g", "h i j a b c d", "e f g h i j a"]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_isolates_examples(tiny_model_dir, tokenizer, attn):
+    """Packed rows (several examples per row, padding at the end of rows): every example's logits equal its logits
+    alone, with the model as hftrain loads it for packing; transformers' default (use_cache=True creates a cache,
+    which disables packed-mask detection) leaks."""
     from transformers import AutoModelForCausalLM
 
     from hftrain.modeling import load_model
     from hftrain.config import ModelSection
 
-    model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation="sdpa"), packing=True).train()
-    exs = [tokenize_example({"messages": CHAT}, tokenizer, False),
-           tokenize_example({"text": "j i h g f e d c b a"}, tokenizer, True)]
+    model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation=attn), packing=True).train()
+    exs = [tokenize_example({"messages": CHAT}, tokenizer, False)]
+    exs += [tokenize_example({"text": t}, tokenizer, True) for t in PACK_TEXTS]
+    lengths = [len(e["input_ids"]) for e in exs]
     batch = make_collator(tokenizer, packing=True)(exs)
-    n0 = len(exs[0]["input_ids"])
-    assert batch["input_ids"].shape == (1, n0 + len(exs[1]["input_ids"]))
-    assert batch["position_ids"][0, n0].item() == 0 and batch["labels"][0, n0].item() == IGNORE_INDEX
+    rows, width = batch["input_ids"].shape
+    assert width == max(lengths) and rows < len(exs) and "attention_mask" not in batch
+    # Find each example in the rows by its position_ids (a run 0..n-1 of its tokens), check its tokens and labels.
+    pos = batch["position_ids"]
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0, n0:]
-        alone = model(input_ids=torch.tensor([exs[1]["input_ids"]])).logits[0]
-        stock = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").train()
-        leaked = stock(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0, n0:]
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
-    assert (leaked - alone).abs().max() > 1e-3  # the test can see cross-contamination
+        packed = model(input_ids=batch["input_ids"], position_ids=pos).logits
+        stock = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).train()
+        leaked = stock(input_ids=batch["input_ids"], position_ids=pos).logits
+    found, shared_row, leak = set(), False, 0.0
+    for r in range(rows):
+        starts = (pos[r] == 0).nonzero().flatten().tolist() + [width]
+        shared_row |= len(starts) > 2
+        for a, b in zip(starts, starts[1:]):
+            ids = batch["input_ids"][r, a:b].tolist()
+            match = [i for i, e in enumerate(exs) if e["input_ids"] == ids and i not in found]
+            if not match:  # the padding at the end of the row: never a target
+                assert b == width and (batch["labels"][r, a:b] == IGNORE_INDEX).all()
+                continue
+            i = match[0]
+            found.add(i)
+            assert batch["labels"][r, a].item() == IGNORE_INDEX
+            assert batch["labels"][r, a + 1:b].tolist() == exs[i]["labels"][1:]
+            with torch.no_grad():
+                alone = model(input_ids=torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(packed[r, a:b], alone, rtol=1e-5, atol=1e-5)
+            if a > 0:
+                leak = max(leak, (leaked[r, a:b] - alone).abs().max().item())
+    assert found == set(range(len(exs))) and shared_row  # every example once; some rows hold several
+    assert leak > 1e-3  # the test can see cross-contamination
+
+
+def test_flash_attention_sees_packed_rows_as_one_row(tiny_model_dir, tokenizer):
+    """Flash-attention kernels find packed sequences only in a one-row batch: load_model joins the rows for them.
+    The join (tried here on sdpa, the flash kernels need a GPU) gives the logits of the rows, in rows."""
+    from hftrain.modeling import join_packed_rows, load_model, reads_packing_from_one_row
+    from hftrain.config import ModelSection
+
+    assert reads_packing_from_one_row("flash_attention_2") and reads_packing_from_one_row("kernels-community/flash-attn3")
+    assert not any(map(reads_packing_from_one_row, ("sdpa", "eager", "flex_attention", None)))
+    model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation="sdpa"), packing=True).eval()
+    batch = make_collator(tokenizer, packing=True)([tokenize_example({"text": t}, tokenizer, True) for t in PACK_TEXTS])
+    assert batch["input_ids"].shape[0] > 1
+    with torch.no_grad():
+        rows = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        join_packed_rows(model)
+        seen = []
+        model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+        joined = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    assert seen == [(1, batch["input_ids"].numel())]
+    torch.testing.assert_close(joined, rows, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_collator_masks_padding(tokenizer):

@@ -52,9 +52,12 @@ def test_packed_and_padded_batches_give_the_same_loss(tiny_model_dir, tokenizer,
 
     model = load_model(ModelSection(name_or_path=tiny_model_dir), packing=True).eval()
     exs = [tokenize_example({"prompt": f"reverse: {'a ' * k}", "completion": "b " * (k + 2)}, tokenizer, False)
-           for k in (1, 5, 2)]
+           for k in (1, 8, 2)]
     padded = make_collator(tokenizer, packing=False)(exs)
     packed = make_collator(tokenizer, packing=True)(exs)
+    # two rows: the longest example alone; the two others and padding (a run of position_ids without targets)
+    assert packed["input_ids"].shape == (2, len(exs[1]["input_ids"]))
+    assert int((packed["position_ids"] == 0).sum()) == 4
     with torch.no_grad():
         lp = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
         lk = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits

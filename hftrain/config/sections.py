@@ -76,7 +76,8 @@ class DataSection:
     )
     max_length: int = _f(2048, "Maximum tokens per example.")
     truncation: Literal["right", "drop"] = _f("right", "Longer examples: cut at max_length ('right') or 'drop' them.")
-    packing: bool = _f(False, "Pack each batch into one row; position_ids restart per example so none attends another.")
+    packing: bool = _f(False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
+                               "example so none attends another.")
     assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
     completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
     skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
