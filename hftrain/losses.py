@@ -90,15 +90,18 @@ def loss_sum(
 def example_sums(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(examples, 2) float64, in batch order: each example's CE summed over its targets, and its number of targets.
 
-    One row per example (a padded row, or a packed sequence), so that rows a distributed sampler added to fill its
-    last batch can be dropped by position before anything is summed."""
+    One row per example (a padded row, or a packed sequence with targets), so that rows a distributed sampler added
+    to fill its last batch can be dropped by position before anything is summed (eval batches are padded, never
+    packed: packing reorders examples)."""
     targets, seg = shifted(labels, position_ids)
     ce = target_ce(logits, targets).double()
     mask = (targets.reshape(-1) != IGNORE_INDEX).double()
     _, example = torch.unique(seg.reshape(-1), return_inverse=True)  # ids increase along the batch
     n = int(example.max()) + 1 if example.numel() else 0
     sums = torch.zeros(n, 2, dtype=torch.float64, device=ce.device)
-    return sums.index_add_(0, example, torch.stack([ce * mask, mask], dim=1))
+    sums.index_add_(0, example, torch.stack([ce * mask, mask], dim=1))
+    # A packed row's trailing padding is a sequence of its own without targets: not an example.
+    return sums[sums[:, 1] > 0] if position_ids is not None else sums
 
 
 def eval_loss(sums: torch.Tensor) -> float:

@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from . import checkpoints, distributed, losses
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
+from .data.collate import PackedRows, make_collator
 from .patches.deepspeed import untie_zero3_universal_steps
 from .patches.transformers import staged_checkpoint_dir
 
@@ -118,6 +119,18 @@ class HFTrainer(Trainer):
         return (total, outputs) if return_outputs else total
 
     # -- evaluation ------------------------------------------------------------------------------------------
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Eval batches are padded, never packed: `prediction_step` needs one row per example in the sampler's order
+        (packing reorders examples and adds padding sequences), so that the sampler's repeats are dropped by
+        position and every rank gathers as many rows. Per-example losses are the same either way (tested)."""
+        if not isinstance(self.data_collator, PackedRows):
+            return super().get_eval_dataloader(eval_dataset)
+        packed, self.data_collator = self.data_collator, make_collator(self.processing_class, packing=False)
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = packed
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         """super()'s loop (model preparation, batches, callbacks) with `prediction_step` collecting per-example
