@@ -82,7 +82,7 @@ def test_exact_match_shards_count_each_example_once():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1 process against 2 processes (DDP, FSDP2, ZeRO-3) on the same weights: learning rate 0, so the initial eval
+# 1 process against 2 processes (DDP, FSDP2, ZeRO-3) on the same weights: learning rate 1e-12, so the initial eval
 # (eval_on_start) and the final one (eval_loss, exact match) are all of the initial model.
 
 PROCS = {"1p": None, "ddp": "ddp", "fsdp": "fsdp", "zero3": "zero3"}
