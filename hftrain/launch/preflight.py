@@ -38,6 +38,16 @@ def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
         return None
 
 
+def _unwritable(folder: str) -> str | None:
+    """Why a file cannot be created in `folder` (the OS's words), or None; the probe file is removed at once."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return e.strerror
+    return None
+
+
 def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
     """The swap folder exists, is a folder, is writable, and has room for what will be swapped."""
     if not os.path.exists(path):
@@ -45,11 +55,9 @@ def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
                 "or set strategy.nvme_path to one"]
     if not os.path.isdir(path):
         return [f"strategy.nvme_path: {path} is not a folder"]
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".hftrain-write-test-"):
-            pass
-    except OSError as e:
-        return [f"strategy.nvme_path: {path} is not writable ({e.strerror}); fix its permissions or choose another folder"]
+    why = _unwritable(path)
+    if why:
+        return [f"strategy.nvme_path: {path} is not writable ({why}); fix its permissions or choose another folder"]
     if need_bytes:
         free = shutil.disk_usage(path).free
         if free < need_bytes:
@@ -169,12 +177,9 @@ def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> l
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return [f"training.output_dir: {path} cannot be created: {parent} is not a folder; choose another path"]
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".hftrain-write-test-"):
-            pass
-    except OSError as e:
-        return [f"training.output_dir: cannot write in {parent} ({e.strerror}); fix its permissions or choose "
-                "another folder"]
+    why = _unwritable(parent)
+    if why:
+        return [f"training.output_dir: cannot write in {parent} ({why}); fix its permissions or choose another folder"]
     return []
 
 
