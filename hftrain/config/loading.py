@@ -206,6 +206,7 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
     )
     for key, msg in recipe_problems(recipe):
         ctx.add(key, msg)
+    recipe.invalid = frozenset(ctx.keys)
     return recipe, ctx.problems
 
 

@@ -27,12 +27,14 @@ class Ctx:
 
     def __init__(self, source: str, origins: dict[str, str]):
         self.source, self.origins, self.problems = source, origins, []
+        self.keys: set[str] = set()  # the keys that have a problem
 
     def where(self, key: str) -> str:
         return origin_of(key, self.origins, self.source)
 
     def add(self, key: str, msg: str) -> None:
         self.problems.append(f"{self.where(key)}: {key}: {msg}")
+        self.keys.add(key)
 
 
 def type_name(tp) -> str:

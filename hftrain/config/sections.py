@@ -272,6 +272,9 @@ class Recipe:
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})
+    invalid: frozenset[str] = field(default=frozenset(), metadata={"help": "Keys found with a problem when read "
+                                                                   "(checks that need them are skipped).",
+                                                                   "internal": True})
 
     def where(self, key: str) -> str:
         """Where a key's value came from: the recipe file, or the command line for an override."""
@@ -285,6 +288,7 @@ class Recipe:
         d = dataclasses.asdict(self)
         d.pop("source")
         d.pop("origins")
+        d.pop("invalid")
         return d
 
     def to_yaml(self) -> str:

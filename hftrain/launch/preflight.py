@@ -235,8 +235,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
     strategy = replace(s, name=name)
     if environment:
-        env, strategy = environment_problems(recipe, strategy, world, skip={p.split(": ")[1] for p in problems
-                                                                            if p.count(": ") >= 2})
+        env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
         problems += env
     if problems:
         raise RecipeError(problems)
