@@ -121,20 +121,16 @@ def arguments_problem(kwargs: dict) -> str | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED"))}
     try:
         with mock.patch.dict(os.environ, env, clear=True):
-            _device_free_class()(**kwargs)
+            _DeviceFreeArguments(**kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:
         return " ".join(str(e).split()) or type(e).__name__
     return None
 
 
-@functools.cache
-def _device_free_class():
-    @dataclasses.dataclass
-    class DeviceFreeArguments(TrainingArguments):
-        """TrainingArguments whose `device` is not resolved: resolving it starts the process group."""
+@dataclasses.dataclass
+class _DeviceFreeArguments(TrainingArguments):
+    """TrainingArguments whose `device` is not resolved: resolving it starts the process group."""
 
-        @property
-        def device(self):
-            return torch.device("cpu")
-
-    return DeviceFreeArguments
+    @property
+    def device(self):
+        return torch.device("cpu")
