@@ -29,7 +29,7 @@ def shard(n: int, rank: int, world: int, lockstep: bool) -> list[tuple[int, bool
     return mine
 
 
-def stop_ids(model, tokenizer) -> list[int]:
+def _generation_eos_ids(model, tokenizer) -> list[int]:
     """Where generation stops: the tokenizer's eos and the model's generation_config eos ids (which hold the
     template's end-of-turn token, data.templates.stop_at_end_of_turn)."""
     config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -47,7 +47,7 @@ def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: 
         attention_mask=torch.ones_like(inp),
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=stop_ids(model, tokenizer),
+        eos_token_id=_generation_eos_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         synced_gpus=synced,
     )
