@@ -182,6 +182,8 @@ CASES = [
      ["strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)"]),
     ("launcher_strategy_mismatch", lambda w: [w.recipe(set_("strategy.name", "fsdp"))],
      ["strategy.name is 'fsdp' but the launcher set up 'ddp'", "--config_file accelerate_configs/fsdp.yaml"]),
+    ("launcher_world_size_mismatch", lambda w: [w.recipe(set_("strategy.num_processes", 3))],
+     ["strategy.num_processes is 3 but the launcher started 1 processes", "remove strategy.num_processes"]),
     ("offload_with_sgd", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
                                                  os.path.join(REPO, "accelerate_configs", "zero3_offload.json")),
                                     [w.recipe(set_("training.optim", "sgd"))])[1],
@@ -379,7 +381,7 @@ def test_cli_refuses_the_same_way(command, tmp_path, tiny_model_dir, capsys):
 
 
 # Cases only the launched run can see: what the launcher set up against what the recipe asks for.
-RUN_ONLY = {"launcher_strategy_mismatch"}
+RUN_ONLY = {"launcher_strategy_mismatch", "launcher_world_size_mismatch"}
 
 
 def pin_launcher(argv: list[str], env: dict) -> None:
