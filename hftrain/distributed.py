@@ -107,3 +107,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def restart_count() -> int:
+    """How many times an elastic launcher (torchrun / accelerate --max_restarts) has restarted the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

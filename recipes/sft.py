@@ -17,7 +17,7 @@ from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error
 from hftrain.evaluate import exact_match
 from hftrain.hub.push import check_token, push_after_training
-from hftrain.launch import check_data, setup_run, write_strategy_configs
+from hftrain.launch import check_data, claim_output_dir, setup_run, write_strategy_configs
 from hftrain.modeling import load_model
 from hftrain.trainer import HFTrainer
 
@@ -41,6 +41,7 @@ def main(argv: list[str]) -> None:
     # 2. Data before the model: every row is read and tokenised (on the main process first, reused from the datasets
     #    cache by the others), so a bad row stops the run before any weight is loaded.
     tokenizer, data = check_data(recipe, args.world_size, seed=args.seed)
+    claim_output_dir(recipe)  # every check passed: lock output_dir for this run (a second run into it is refused)
     model = load_model(recipe.model, packing=recipe.data.packing, moe=recipe.moe)
     stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
     write_recipe(recipe)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -53,6 +54,7 @@ class W:
 
     def file(self, name: str, content: str | bytes) -> str:
         p = os.path.join(self.tmp, name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "wb") as fh:
             fh.write(content.encode() if isinstance(content, str) else content)
         return p
@@ -232,6 +234,10 @@ CASES = [
      ["data.sources.0.path:", "bad.jsonl:3: malformed JSON"]),
     ("data_not_utf8", lambda w: [w.data("latin1.jsonl", GOOD_LINE.encode() + b"\n" + '{"text": "caf\xe9"}\n'.encode(
         "latin-1"))], ["data.sources.0.path:", "latin1.jsonl:2: not UTF-8"]),
+    ("data_line_of_9_mib", lambda w: [w.data("huge.jsonl", GOOD_LINE + "\n" + '{"text": "' + "a" * (9 << 20) + '"}\n')],
+     ["data.sources.0.path:", "huge.jsonl:2: a line of more than 8 MiB", "split the document into several rows"]),
+    ("data_malformed_json_array", lambda w: [w.data("arr.json", '[\n  {"text": "a"},\n  {"text": }\n]\n')],
+     ["data.sources.0.path:", "arr.json:3: malformed JSON"]),
     ("data_unknown_extension", lambda w: [w.data("train.txt", "hello\n")],
      ["data.sources.0.path", "use .jsonl, .json, .parquet or .csv"]),
     ("data_missing_column", lambda w: [w.data("c.jsonl", GOOD_LINE + "\n", columns={"messages": "conversations"})],
@@ -260,6 +266,15 @@ CASES = [
      ["training.output_dir:", "overlaps model.name_or_path's folder"]),
     ("output_dir_is_root", lambda w: [w.recipe(set_("training.output_dir", "/"))],
      ["training.output_dir: / is the filesystem root; give the run a folder of its own"]),
+    ("output_dir_holds_a_finished_run", lambda w: (w.file("out/run_info.json", "{}"), [w.recipe()])[1],
+     ["training.output_dir:", "holds a finished run (run_info.json)", "training.overwrite_output_dir: true"]),
+    ("output_dir_holds_an_unfinished_run", lambda w: (w.checkpoint(), [w.recipe()])[1],
+     ["training.output_dir:", "holds a run that did not finish (checkpoint-1)",
+      "training.resume_from_checkpoint: true", "training.overwrite_output_dir: true"]),
+    ("output_dir_holds_other_files", lambda w: (w.file("out/notes.txt", "mine"), [w.recipe()])[1],
+     ["training.output_dir:", "holds files hftrain did not write (notes.txt)"]),
+    ("overwrite_output_dir_not_a_bool", lambda w: [w.recipe(set_("training.overwrite_output_dir", "yes please"))],
+     ["training.overwrite_output_dir"]),
     ("resume_without_checkpoint", lambda w: [w.recipe(set_("training.resume_from_checkpoint", True))],
      ["training.resume_from_checkpoint is true but", "holds no complete checkpoint-N folder"]),
     ("resume_path_missing", lambda w: [w.recipe(set_("training.resume_from_checkpoint", "/no/checkpoint-5"))],
@@ -321,6 +336,23 @@ def test_bad_input_is_refused_with_one_clear_message(case, tmp_path, tiny_model_
         assert s in message, f"{s!r} not in:\n{message}"
     # Nothing written, or nothing changed: no weights, no recipe, existing checkpoints untouched.
     assert snapshot(w.out) == before, f"output_dir changed: {snapshot(w.out)} vs {before}"
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    w = W(str(tmp_path), tiny_model_dir)
+    hold = "import sys, time\nfrom hftrain import outdir\noutdir.claim(sys.argv[1], False, False)\nprint('held', flush=True)\ntime.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", hold, w.out], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        before = snapshot(w.out)
+        # Even a resume or an overwrite does not take a folder another run holds.
+        code = run_main([w.recipe(set_("training.overwrite_output_dir", True))], {}, monkeypatch)
+        err = capsys.readouterr().err
+        assert code == 2 and f"is in use by another run (pid {p.pid} on " in err, err[-2000:]
+        assert snapshot(w.out) == before
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_unwritable_output_dir_on_a_read_only_filesystem(tmp_path, tiny_model_dir, monkeypatch, capsys):

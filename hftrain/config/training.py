@@ -27,6 +27,12 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
         "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
     ),
+    "overwrite_output_dir": (
+        bool,
+        False,
+        "Train into an output_dir that holds a finished or unfinished run (its checkpoints and run_info.json are "
+        "removed first) or files hftrain did not write. Off: such a folder is refused unless resuming.",
+    ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {

@@ -2,6 +2,6 @@
 (environment, patches and process group, in one call) and the memory plan."""
 
 from .preflight import check_data, check_recipe
-from .setup import Run, setup_run, write_strategy_configs
+from .setup import Run, claim_output_dir, setup_run, write_strategy_configs
 
-__all__ = ["check_data", "check_recipe", "Run", "setup_run", "write_strategy_configs"]
+__all__ = ["check_data", "check_recipe", "Run", "claim_output_dir", "setup_run", "write_strategy_configs"]

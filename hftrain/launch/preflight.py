@@ -13,13 +13,13 @@ import tempfile
 import time
 from dataclasses import replace
 
-from .. import checkpoints
+from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.rules import strategy_problems as rule_problems
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
-from ..distributed import accelerator_available, print0
+from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..modeling import load_tokenizer, path_problems
 from .plan import model_facts, swap_buffer_elems
@@ -276,7 +276,12 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         reads = {"model.name_or_path": m.name_or_path if model_ok else None,
                  "model.tokenizer_name_or_path": m.tokenizer_name_or_path if model_ok else None}
         protected = {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
-        out += [("training.output_dir", msg) for msg in output_dir_problems(output_dir, protected)]
+        where = output_dir_problems(output_dir, protected)
+        if not where and "training.overwrite_output_dir" not in skip:
+            resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
+            owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))
+            where = [owned] if owned else []
+        out += [("training.output_dir", msg) for msg in where]
         if "training.resume_from_checkpoint" not in skip:
             now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
                                      recipe.training_value("gradient_accumulation_steps"), strategy.name)

@@ -18,7 +18,8 @@ from transformers import TrainingArguments, set_seed
 
 from ..config import Recipe, StrategySection, arguments_kwargs, split_argv, strategy_of_deepspeed_config
 from ..constants import ZERO_STAGE
-from ..distributed import accelerator_available, launcher_world_size, print0
+from .. import outdir
+from ..distributed import accelerator_available, is_main_process, launcher_world_size, print0, restart_count
 from ..errors import LaunchError
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
@@ -96,6 +97,14 @@ def setup_run(argv: list[str], raw: dict | None = None) -> Run:
 def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[str]:
     """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
     return render(strategy, recipe.output_dir, recipe.training, communication_data_type=recipe.compression.reduce_dtype())
+
+
+def claim_output_dir(recipe: Recipe) -> None:
+    """After every check has passed and before anything is written: the main process takes output_dir's lock for the
+    run's lifetime (and, with training.overwrite_output_dir, clears the previous run's checkpoints; outdir.claim)."""
+    if is_main_process():
+        resumed = bool(recipe.resume_from_checkpoint) or restart_count() > 0
+        outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0)
 
 
 def _isolate_restart_attempt() -> None:

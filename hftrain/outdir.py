@@ -1,0 +1,129 @@
+"""Whose output_dir is it: a run refuses a folder holding another run, or files hftrain did not write, unless the
+recipe says to continue (training.resume_from_checkpoint) or to start over (training.overwrite_output_dir); and the
+run holds an exclusive lock on the folder for its lifetime, so that a second run into it is refused naming the first.
+
+Why by hand: transformers 5 dropped TrainingArguments.overwrite_output_dir and never locked output_dir; a second run
+into the same folder rotates away the first one's checkpoints and a later resume mixes the two.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import sys
+import time
+
+from .checkpoints import LAYOUT, PREFIX, STAGING
+from .constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
+from .errors import LaunchError
+
+LOCK_FILE = ".hftrain.lock"
+# Written only by `hftrain config` / `hftrain launch` before a run starts: a folder holding these alone is not a run.
+CONFIG_FILES = {f"{name}.{ext}" for name in STRATEGIES for ext in ("yaml", "json")} | {"launch.sbatch"}
+OVERWRITE = "overwrite_output_dir"
+
+_held: dict[str, int] = {}  # realpath -> file descriptor of the lock this process holds (released at exit)
+
+
+def holder(path: str) -> str | None:
+    """Who holds output_dir's lock now ("pid P on host H since T: command"), or None. Writes nothing: the lock file
+    is opened read-only and a shared lock is tried, which fails while a run holds the exclusive one."""
+    if os.path.realpath(path) in _held:
+        return None  # this process's own run
+    lock = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with os.fdopen(os.dup(fd), encoding="utf-8", errors="replace") as fh:
+                return fh.read(500).strip() or "another process"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def run_state(path: str) -> tuple[str, list[str]]:
+    """What output_dir holds: ('new', []) absent, empty or only hftrain's launcher configs; ('finished', names) a run
+    that saved its final model (run_info.json); ('unfinished', names) a run's recipe or checkpoints without the final
+    save; ('foreign', names) files hftrain did not write."""
+    try:
+        names = sorted(n for n in os.listdir(path) if n != LOCK_FILE)
+    except FileNotFoundError:
+        return "new", []
+    except NotADirectoryError:
+        return "foreign", [path]
+    if RUN_INFO_FILE in names:
+        return "finished", [RUN_INFO_FILE]
+    run = [n for n in names if n in (RECIPE_FILE, STAGING) or n.startswith(f"{PREFIX}-")]
+    if run:
+        return "unfinished", run
+    other = [n for n in names if n not in CONFIG_FILES]
+    return ("foreign", other) if other else ("new", [])
+
+
+def ownership_problem(path: str, resume: bool, overwrite: bool) -> str | None:
+    """Why this run may not use output_dir (checked before anything is written), or None."""
+    who = holder(path)
+    if who:
+        return (f"training.output_dir: {path} is in use by another run ({who}); wait for it to end, or give this run "
+                "another folder")
+    state, names = run_state(path)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if state == "finished" and not (resume or overwrite):
+        return (f"training.output_dir: {path} holds a finished run ({shown}); training into it would rotate away its "
+                f"checkpoints and mix two runs. Give this run another folder, or set training.{OVERWRITE}: true to "
+                "replace it")
+    if state == "unfinished" and not (resume or overwrite):
+        return (f"training.output_dir: {path} holds a run that did not finish ({shown}). Continue it with "
+                f"training.resume_from_checkpoint: true, start over with training.{OVERWRITE}: true (its checkpoints "
+                "are removed), or give this run another folder")
+    if state == "foreign" and not overwrite:
+        return (f"training.output_dir: {path} holds files hftrain did not write ({shown}); a run saves and rotates "
+                f"files there. Give the run a folder of its own, or set training.{OVERWRITE}: true to train into it "
+                "anyway")
+    return None
+
+
+def claim(path: str, overwrite: bool, resumed: bool, say=print) -> None:
+    """Take output_dir's exclusive lock for this process's lifetime (main process only; the kernel releases it when
+    the process ends, however it ends), then, when starting over (`overwrite` and not resuming), remove the previous
+    run's checkpoints and run_info.json so that neither rotation nor a later resume can mix the two runs."""
+    real = os.path.realpath(path)
+    if real in _held:
+        return
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LaunchError(f"training.output_dir: {path} is in use by another run ({holder(path) or 'unknown'}); "
+                          "wait for it to end, or give this run another folder") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)[:300]}\n").encode())
+    _held[real] = fd
+    if overwrite and not resumed:
+        state, _ = run_state(path)
+        if state in ("finished", "unfinished"):
+            old = [n for n in sorted(os.listdir(path))
+                   if n.startswith(f"{PREFIX}-") or n in (STAGING, RUN_INFO_FILE, LAYOUT)]
+            for name in old:
+                target = os.path.join(path, name)
+                shutil.rmtree(target) if os.path.isdir(target) and not os.path.islink(target) else os.remove(target)
+            if old:
+                say(f"hftrain: training.{OVERWRITE}: removed the previous run's {', '.join(old)} from {path}")
+
+
+def release(path: str) -> None:
+    """Give the lock back before the process ends (tests running several runs in one process)."""
+    fd = _held.pop(os.path.realpath(path), None)
+    if fd is not None:
+        os.close(fd)
