@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ModelSection
+from .distributed import print0
 from .errors import ModelError
 from .moe.upcycle import upcycle
 
@@ -52,6 +56,43 @@ def path_problems(cfg: ModelSection, chat_template: str | None = None) -> list[t
     return [(key, msg) for key, msg in checks if msg]
 
 
+def remote_code(name_or_path: str) -> list[str]:
+    """What trust_remote_code will run from a local folder: its auto_map classes (config.json,
+    tokenizer_config.json) and its .py files with the start of their sha256 (to compare with what you reviewed)."""
+    folder = os.path.expanduser(name_or_path)
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                auto_map = json.load(fh).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        for cls, ref in sorted(auto_map.items()):
+            found.append(f"{name} auto_map {cls} -> {ref if isinstance(ref, str) else ', '.join(map(str, ref))}")
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".py"):
+            with open(os.path.join(folder, f), "rb") as fh:
+                found.append(f"{f} (sha256 {hashlib.sha256(fh.read()).hexdigest()[:12]})")
+    return found
+
+
+_warned: set[str] = set()
+
+
+def warn_remote_code(cfg: ModelSection, name: str) -> None:
+    """model.trust_remote_code runs Python shipped with the checkpoint: say what, once per folder or Hub id."""
+    if not cfg.trust_remote_code or name in _warned:
+        return
+    _warned.add(name)
+    code = remote_code(name)
+    shown = "".join(f"\n  - {c}" for c in code) if code else (
+        " (a Hub id: the code is downloaded with it; read it on the Hub at the revision you pin with model.revision)")
+    print0(f"hftrain: warning: model.trust_remote_code is true: loading {name} runs the Python code shipped with it"
+           f"{shown}", file=sys.stderr)
+
+
 def _raise_if(problem: str | None) -> None:
     if problem:
         raise ModelError(problem)
@@ -68,6 +109,7 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
     _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
     _raise_if(_chat_template_problem(chat_template))
+    warn_remote_code(cfg, name)
     tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     if not getattr(tok, "is_fast", False):
         raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks need offsets")
@@ -116,6 +158,7 @@ def join_packed_rows(model) -> None:
 def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
+    warn_remote_code(cfg, cfg.name_or_path)
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:

@@ -127,3 +127,45 @@ def test_checkpoint_resume_loads_through_safe_paths(tmp_path):
             kw = {k.arg: k.value for k in node.keywords}
             assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, \
                 f"{fn.__name__}: {ast.unparse(node)}"
+
+
+REMOTE_MODELING = '''
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class ShoutConfig(LlamaConfig):
+    model_type = "shout"
+
+
+class ShoutForCausalLM(LlamaForCausalLM):
+    config_class = ShoutConfig
+    RAN = True
+'''
+
+
+def test_trust_remote_code_names_the_code_it_runs(tmp_path, tiny_model_dir, capsys):
+    """A checkpoint shipping its own modelling code: the run says which classes and files (with their sha256) it
+    is about to execute, and then really loads the shipped class."""
+    import json
+
+    from hftrain import modeling
+
+    d = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "modeling_shout.py").write_text(REMOTE_MODELING)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="shout", architectures=["ShoutForCausalLM"],
+               auto_map={"AutoConfig": "modeling_shout.ShoutConfig",
+                         "AutoModelForCausalLM": "modeling_shout.ShoutForCausalLM"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = load_model(ModelSection(name_or_path=str(d), trust_remote_code=True))
+    assert type(model).__name__ == "ShoutForCausalLM" and model.RAN
+    err = capsys.readouterr().err
+    digest = __import__("hashlib").sha256(REMOTE_MODELING.encode()).hexdigest()[:12]
+    assert "model.trust_remote_code is true: loading" in err
+    assert "config.json auto_map AutoModelForCausalLM -> modeling_shout.ShoutForCausalLM" in err
+    assert f"modeling_shout.py (sha256 {digest})" in err
+    modeling.warn_remote_code(ModelSection(name_or_path=str(d), trust_remote_code=True), str(d))
+    assert capsys.readouterr().err == ""  # said once per folder
+    # A folder that ships no code has nothing to name.
+    assert modeling.remote_code(str(tiny_model_dir)) == []
