@@ -79,32 +79,43 @@ def _file_rows(files: list[str], path: str, key: str) -> Rows:
     return Rows(columns, len(rows), lambda: iter(rows))
 
 
+LINE_LIMIT = 8 << 20  # bytes: one JSON line (an example is cut at data.max_length tokens anyway)
+
+
 def _json_rows(f: str, key: str) -> list[tuple[str, dict]]:
-    """A .json file holding an array of objects (rows named by index), or JSON lines (rows named by line)."""
+    """A .json file holding an array of objects (rows named by index), or JSON lines (rows named by line), read a
+    line at a time: a line longer than LINE_LIMIT is refused after reading LINE_LIMIT bytes of it, not loaded."""
     with open(f, "rb") as fh:
-        raw = fh.read()
+        head = fh.read(4096)
+    if f.lower().endswith(".json") and head.lstrip().startswith(b"["):
+        with open(f, "rb") as fh:
+            items = _parse(fh.read(), f, key, 1)
+        return [(f"{f} index {i}", _object(item, f"{f} index {i}", key)) for i, item in enumerate(items)]
+    out = []
+    with open(f, "rb") as fh:
+        for n, line in enumerate(iter(lambda: fh.readline(LINE_LIMIT + 1), b""), 1):
+            if len(line) > LINE_LIMIT and not line.endswith(b"\n"):
+                raise DataError(f"{key}.path: {f}:{n}: a line of more than {LINE_LIMIT >> 20} MiB; hftrain reads rows "
+                                "of up to that size (an example is cut at data.max_length tokens): split the document "
+                                "into several rows")
+            if line.strip():
+                item = _parse(line.rstrip(b"\r\n"), f, key, n)
+                out.append((f"{f}:{n}", _object(item, f"{f}:{n}", key)))
+    return out
+
+
+def _parse(raw: bytes, f: str, key: str, first_line: int):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
+        line = first_line + raw.count(b"\n", 0, e.start)
         raise DataError(f"{key}.path: {f}:{line}: not UTF-8 ({e.reason} at byte {e.start}); save the file as "
                         "UTF-8") from None
-    if f.lower().endswith(".json") and text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{key}.path: {f}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
-        return [(f"{f} index {i}", _object(item, f"{f} index {i}", key)) for i, item in enumerate(items)]
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{key}.path: {f}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
-        out.append((f"{f}:{n}", _object(item, f"{f}:{n}", key)))
-    return out
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{key}.path: {f}:{first_line + e.lineno - 1}: malformed JSON: {e.msg} (column {e.colno})"
+                        ) from None
 
 
 def _object(item, where: str, key: str) -> dict:
