@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import io
 import json
 import logging
@@ -19,7 +18,7 @@ import shutil
 import struct
 
 from .errors import CheckpointError
-from .fileio import atomic_write
+from .fileio import atomic_write, is_no_space
 
 logger = logging.getLogger("hftrain")
 
@@ -284,19 +283,6 @@ def remove_staging_root(root: str) -> None:
         os.rmdir(root)  # only when empty
     except OSError:
         pass
-
-
-def is_no_space(exc: BaseException, free: int | None) -> bool:
-    """A full disk: errno where there is one; torch.save may only say "unexpected pos ...", so also a
-    device left with (almost) no free space when the save failed."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if any(s in str(exc) for s in ("No space left", "StorageFull", "Disk quota exceeded")):
-        return True
-    return free is not None and free < NEARLY_FULL
-
-
-NEARLY_FULL = 1 << 20  # bytes
 
 
 def save_failure(exc: BaseException, staged: str, run_dir: str) -> CheckpointError:

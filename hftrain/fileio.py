@@ -1,18 +1,50 @@
-"""Small file helpers: atomic writes (a reader sees the old file or the new one, never half of one), JSON reads."""
+"""Small file helpers: atomic writes (a reader sees the old file or the new one, never half of one; a failed write
+leaves no temporary file), a full disk told apart from other failures, JSON reads."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
+
+NEARLY_FULL = 1 << 20  # bytes
 
 
 def atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space on the device of `path` (or of its nearest existing parent), or None when it cannot be told."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def is_no_space(exc: BaseException, free: int | None) -> bool:
+    """A full disk: errno where there is one; torch.save may only say "unexpected pos ...", so also a
+    device left with (almost) no free space when the save failed."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(exc) for s in ("No space left", "StorageFull", "Disk quota exceeded")):
+        return True
+    return free is not None and free < NEARLY_FULL
 
 
 def read_json(path: str) -> dict:
@@ -36,7 +68,13 @@ def pyplot():
 def save_figure(fig, path: str) -> str:
     """Write a matplotlib figure as PNG atomically and close it."""
     tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=90)
-    pyplot().close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=90)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    finally:
+        pyplot().close(fig)
     return path

@@ -377,6 +377,27 @@ def mount_tmpfs(path, options: str):
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
 
 
+def test_a_full_datasets_cache_is_named_and_left_clean(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The disk of the datasets cache fills while tokenising: one clear error naming the folder, no temporary file
+    left there, nothing written to output_dir."""
+    import datasets
+
+    cache = tmp_path / "dscache"
+    mount_tmpfs(cache, "size=64k")
+    try:
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+        w = W(str(tmp_path), tiny_model_dir)
+        code = run_main([w.recipe()], {}, monkeypatch)
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert f"data.sources.0: no space left in the datasets cache {cache}/hftrain" in err, err[-2000:]
+        assert "point HF_DATASETS_CACHE at a larger disk" in err
+        assert os.listdir(cache / "hftrain") == []
+        assert not os.path.exists(w.out)
+    finally:
+        subprocess.run(["umount", str(cache)], check=False)
+
+
 def test_nvme_path_too_small_is_refused_before_loading(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """ZeRO-Infinity swaps ~20 bytes per parameter: a 64 KiB disk cannot hold the tiny model's ~1 MiB."""
     nvme = tmp_path / "nvme"

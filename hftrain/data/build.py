@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -13,6 +15,7 @@ from datasets.fingerprint import Hasher
 from ..config import DataSection, DataSource
 from ..distributed import main_process_first
 from ..errors import DataError
+from ..fileio import free_bytes, is_no_space
 from .collate import make_collator
 from .layouts import read_canonical
 from .render import tokenize_example, trainable_tokens
@@ -67,7 +70,7 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     # fingerprint and the function (tokenizer and settings), so the main process tokenises and the others read it.
     cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain",
                          f"tokenised-{Hasher.hash((ds._fingerprint, fn))}.arrow")
-    with main_process_first():
+    with main_process_first(), cache_space(os.path.dirname(cache), key, ds):
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         tok = ds.map(
             fn,
@@ -77,7 +80,8 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
             desc=f"Tokenising {src.path}",
         )
     if drop:
-        tok = tok.filter(lambda r: not r, input_columns="too_long")
+        with cache_space(os.path.dirname(cache), key, ds):
+            tok = tok.filter(lambda r: not r, input_columns="too_long")
         if len(tok) == 0:
             raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}; "
                             "raise data.max_length, or set data.truncation: right to cut them")
@@ -90,10 +94,34 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
                 f"after masking and truncation to data.max_length={max_length}. Raise data.max_length, "
                 "fix those rows, or set data.skip_untrainable: true to drop them"
             )
-        tok = tok.filter(lambda n: n > 0, input_columns="n_trainable")
+        with cache_space(os.path.dirname(cache), key, ds):
+            tok = tok.filter(lambda n: n > 0, input_columns="n_trainable")
         if len(tok) == 0:
             raise DataError(f"{key}: no example of {src.path} has a trainable token")
     return tok.remove_columns(["too_long", "n_trainable", WHERE])
+
+
+@contextlib.contextmanager
+def cache_space(folder: str, key: str, ds):
+    """A full disk while datasets writes its cache: the temporary files it leaves are removed (datasets writes
+    `tmp*` beside the cache file and renames it when done; on an error the partial file stays), and the error names
+    the folder, the free space, a rough need, and where else to put the cache."""
+    start = time.time() - 1
+    try:
+        yield
+    except Exception as e:
+        free = free_bytes(folder)
+        if not is_no_space(e, free):
+            raise
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                path = os.path.join(folder, name)
+                if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
+                    os.remove(path)
+        need = 4 * ds.data.nbytes  # token ids, labels and masks of every row: a few times the rows' own size
+        raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
+                        f"tokenised data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
+                        "HF_DATASETS_CACHE at a larger disk") from None
 
 
 def canonical_source(src: DataSource, key: str, has_template: bool):
