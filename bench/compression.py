@@ -47,6 +47,7 @@ def run_method(name: str, base: str, out: str, steps: int, reuse: bool = False) 
            f"model.name_or_path={base}", f"training.output_dir={out}", f"training.max_steps={steps}",
            "training.logging_steps=5", "training.eval_strategy=no", "training.report_to=none",
            "training.disable_tqdm=true", "training.learning_rate=1e-3", "training.warmup_steps=10",
+           "training.overwrite_output_dir=true",  # a --workdir given again re-runs each method from scratch
            f"compression.method={name}", *METHODS[name]]
     if not (reuse and os.path.exists(os.path.join(out, "run_info.json"))):
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import time
@@ -70,18 +71,13 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     # fingerprint and the function (tokenizer and settings), so the main process tokenises and the others read it.
     cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain",
                          f"tokenised-{Hasher.hash((ds._fingerprint, fn))}.arrow")
-    with main_process_first(), cache_space(os.path.dirname(cache), key, ds):
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tok = ds.map(
-            fn,
-            remove_columns=[CANON],
-            num_proc=cfg.num_proc,
-            cache_file_name=cache,
-            desc=f"Tokenising {src.path}",
-        )
+    folder = os.path.dirname(cache)
+    with main_process_first():
+        os.makedirs(folder, exist_ok=True)
+        tok = in_cache(folder, key, ds, lambda: ds.map(fn, remove_columns=[CANON], num_proc=cfg.num_proc,
+                                                        cache_file_name=cache, desc=f"Tokenising {src.path}"))
     if drop:
-        with cache_space(os.path.dirname(cache), key, ds):
-            tok = tok.filter(lambda r: not r, input_columns="too_long")
+        tok = in_cache(folder, key, ds, lambda: tok.filter(lambda r: not r, input_columns="too_long"))
         if len(tok) == 0:
             raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}; "
                             "raise data.max_length, or set data.truncation: right to cut them")
@@ -94,34 +90,35 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
                 f"after masking and truncation to data.max_length={max_length}. Raise data.max_length, "
                 "fix those rows, or set data.skip_untrainable: true to drop them"
             )
-        with cache_space(os.path.dirname(cache), key, ds):
-            tok = tok.filter(lambda n: n > 0, input_columns="n_trainable")
+        tok = in_cache(folder, key, ds, lambda: tok.filter(lambda n: n > 0, input_columns="n_trainable"))
         if len(tok) == 0:
             raise DataError(f"{key}: no example of {src.path} has a trainable token")
     return tok.remove_columns(["too_long", "n_trainable", WHERE])
 
 
-@contextlib.contextmanager
-def cache_space(folder: str, key: str, ds):
-    """A full disk while datasets writes its cache: the temporary files it leaves are removed (datasets writes
-    `tmp*` beside the cache file and renames it when done; on an error the partial file stays), and the error names
-    the folder, the free space, a rough need, and where else to put the cache."""
-    start = time.time() - 1
+def in_cache(folder: str, key: str, ds, work: Callable):
+    """work() (a datasets map or filter writing its cache under `folder`), with a full disk told clearly: the
+    temporary files datasets leaves (it writes `tmp*` beside the cache file and renames it when done; on an error
+    the partial file stays) are removed, and the error names the folder, the free space, a rough need and where
+    else to put the cache. Not a context manager: its __exit__ would keep the failed writer (and its open file)
+    alive while the files are removed, and a deleted open file keeps its space."""
+    start, free = time.time() - 1, None
     try:
-        yield
+        return work()
     except Exception as e:
         free = free_bytes(folder)
         if not is_no_space(e, free):
             raise
-        with contextlib.suppress(OSError):
-            for name in os.listdir(folder):
-                path = os.path.join(folder, name)
-                if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
-                    os.remove(path)
-        need = 4 * ds.data.nbytes  # token ids, labels and masks of every row: a few times the rows' own size
-        raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
-                        f"tokenised data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
-                        "HF_DATASETS_CACHE at a larger disk") from None
+    gc.collect()  # the failed writer's frames, released with the exception: closes its file
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
+                os.remove(path)
+    need = 4 * ds.data.nbytes  # token ids, labels and masks of every row: a few times the rows' own size
+    raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
+                    f"tokenised data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
+                    "HF_DATASETS_CACHE at a larger disk")
 
 
 def canonical_source(src: DataSource, key: str, has_template: bool):
