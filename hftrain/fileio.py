@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 
 NEARLY_FULL = 1 << 20  # bytes
 
@@ -78,3 +79,25 @@ def save_figure(fig, path: str) -> str:
     finally:
         pyplot().close(fig)
     return path
+
+
+def safetensors_problem(path: str) -> str | None:
+    """A safetensors file is complete when its header parses and its last tensor ends at the end of the file.
+
+    Reads 8 bytes + the JSON header only (the format: u64 little-endian header length, JSON, tensor bytes)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated ({size} bytes, no header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path}: truncated (header of {n} bytes, file of {size})"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as e:
+        return f"{path}: unreadable safetensors header ({e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{path}: truncated ({size} bytes, the header describes {8 + n + end})"
+    return None

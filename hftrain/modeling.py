@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .config import ModelSection
 from .distributed import print0
 from .errors import ModelError
+from .fileio import safetensors_problem
 from .moe.upcycle import upcycle
 
 
@@ -37,6 +38,28 @@ def _pickle_only_problem(path: str) -> str | None:
     return None
 
 
+def _folder_problem(path: str, key: str) -> str | None:
+    """A local model folder whose config.json does not parse, or whose safetensors files are not whole (a copy or a
+    download cut short): named before anything is loaded, rather than as a loader's traceback minutes later."""
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        return None
+    config = os.path.join(folder, "config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as fh:
+                if not isinstance(json.load(fh), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            return f"{key}: {config} is not a readable JSON object ({e}); restore the folder or save it again"
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(os.path.join(folder, name))
+            if problem:
+                return f"{key}: {problem}; restore the folder or save it again"
+    return None
+
+
 def _chat_template_problem(chat_template: str | None) -> str | None:
     if chat_template and chat_template.endswith(".jinja") and not os.path.isfile(chat_template):
         return (f"data.chat_template: {chat_template} does not exist; give an existing .jinja file or the template "
@@ -49,6 +72,7 @@ def path_problems(cfg: ModelSection, chat_template: str | None = None) -> list[t
     is loaded (launch.preflight) and again by the loaders."""
     checks = [("model.name_or_path", _path_problem(cfg.name_or_path, "model.name_or_path")),
               ("model.name_or_path", _pickle_only_problem(cfg.name_or_path)),
+              ("model.name_or_path", _folder_problem(cfg.name_or_path, "model.name_or_path")),
               ("data.chat_template", _chat_template_problem(chat_template))]
     if cfg.tokenizer_name_or_path:
         checks.append(("model.tokenizer_name_or_path",
@@ -110,7 +134,12 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
     _raise_if(_chat_template_problem(chat_template))
     warn_remote_code(cfg, name)
-    tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    key = "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"
+    try:
+        tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a folder with broken or missing tokenizer files
+        raise ModelError(f"{key}: cannot load a tokenizer from {name} ({type(e).__name__}: {str(e)[:300]}); "
+                         "check its tokenizer files (tokenizer.json, tokenizer_config.json) or save it again") from None
     if not getattr(tok, "is_fast", False):
         raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks need offsets")
     if chat_template:
@@ -158,14 +187,19 @@ def join_packed_rows(model) -> None:
 def load_model(cfg: ModelSection, packing: bool = False, moe=None):
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
+    _raise_if(_folder_problem(cfg.name_or_path, "model.name_or_path"))
     warn_remote_code(cfg, cfg.name_or_path)
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     # Weights are read from safetensors only: a pickle checkpoint could run code on load.
-    model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
-                                                 **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
+                                                     **kwargs)
+    except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
+        raise ModelError(f"model.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
+                         "check the folder (config.json and the weights) or save it again") from None
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)

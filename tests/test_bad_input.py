@@ -71,6 +71,16 @@ class W:
         self.file("pickled/pytorch_model.bin", b"not loaded")
         return d
 
+    def broken_model(self, name: str, content: bytes | None = None, cut: int | None = None) -> str:
+        """A copy of the model whose file `name` is replaced by `content` or cut to `cut` bytes."""
+        d = os.path.join(self.tmp, "broken")
+        shutil.copytree(self.model, d)
+        p = os.path.join(d, name)
+        data = content if content is not None else open(p, "rb").read()[:cut]
+        with open(p, "wb") as fh:
+            fh.write(data)
+        return d
+
     def checkpoint(self, corrupt=None) -> str:
         """A real checkpoint-1 in output_dir (from the shared one-step run), optionally damaged."""
         ck = os.path.join(self.out, "checkpoint-1")
@@ -258,6 +268,14 @@ CASES = [
     ("every_example_too_long", lambda w: [w.recipe(), "data.max_length=4", "data.truncation=drop"],
      ["every example of", "is longer than data.max_length=4; raise data.max_length, or set data.truncation: right"]),
     # -- output_dir and checkpoints ----------------------------------------------------------------------------
+    ("model_config_not_json", lambda w: [w.recipe(set_("model.name_or_path", w.broken_model("config.json", b"{bad")))],
+     ["model.name_or_path:", "config.json is not a readable JSON object", "restore the folder or save it again"]),
+    ("model_weights_cut_short", lambda w: [w.recipe(set_("model.name_or_path", w.broken_model("model.safetensors",
+                                                                                               cut=1000)))],
+     ["model.name_or_path:", "model.safetensors: truncated"]),
+    ("model_tokenizer_garbage", lambda w: [w.recipe(set_("model.name_or_path", w.broken_model("tokenizer.json",
+                                                                                               b"garbage")))],
+     ["model.name_or_path: cannot load a tokenizer from", "check its tokenizer files"]),
     ("output_dir_under_a_file", lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.file("f", "x"), "out")))],
      ["training.output_dir:", "cannot be created:", "is not a folder; choose another path"]),
     ("output_dir_is_the_base_model", lambda w: [w.recipe(set_("training.output_dir", w.model))],
