@@ -11,6 +11,7 @@ import yaml
 
 from hftrain import checkpoints
 from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_complete, resolve_resume
+from hftrain.manifest import MANIFEST, write_manifest
 
 from .conftest import DEMO_TRAIN
 
@@ -94,11 +95,14 @@ def test_interrupted_save_leaves_nothing_resume_would_pick(tmp_path, tiny_model_
 def test_resume_skips_half_written_checkpoints_with_a_warning(tmp_path, reference):
     out = tmp_path / "out"
     shutil.copytree(reference[0], out)
-    # A checkpoint-6 cut short before trainer_state.json, a checkpoint-8 with truncated weights, a kill-9
+    # A checkpoint-6 cut short before trainer_state.json, a checkpoint-8 with truncated weights (both without
+    # the manifest hftrain writes last, as the plain Trainer or an older hftrain leaves them), a kill-9
     # leftover in the staging folder, and a checkpoint from a foreign tool without weights.
     shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
     os.remove(out / "checkpoint-6" / "trainer_state.json")
     shutil.copytree(out / "checkpoint-4", out / "checkpoint-8")
+    for n in (6, 8):
+        os.remove(out / f"checkpoint-{n}" / MANIFEST)
     w = out / "checkpoint-8" / "model.safetensors"
     os.truncate(w, os.path.getsize(w) // 2)
     shutil.copytree(out / "checkpoint-4", out / checkpoints.STAGING / "checkpoint-10")
@@ -124,6 +128,10 @@ def test_resume_path_errors_name_the_key_and_the_fix(tmp_path, reference):
     shutil.copytree(reference[0] / "checkpoint-4", bad)
     with open(bad / "model.safetensors", "r+b") as fh:
         fh.truncate(100)
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-4: checkpoint-4/model.safetensors: "
+                                              r"100 bytes, the manifest says \d+ \(the file changed after the save\)"):
+        resolve_resume(str(bad), str(tmp_path))
+    os.remove(bad / MANIFEST)  # unverified: the completeness checks still catch it
     with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-4: .*model.safetensors: truncated"):
         resolve_resume(str(bad), str(tmp_path))
     assert resolve_resume(None, str(tmp_path)) is None
@@ -211,6 +219,7 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
     out = tmp_path / "out"
     shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
     (out / "checkpoint-2" / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "ddp")))
+    write_manifest(str(out / "checkpoint-2"))  # as if a 2-rank run had saved it
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": DEMO_TRAIN}]},
                                    "training": {"output_dir": str(out), "per_device_train_batch_size": 2,

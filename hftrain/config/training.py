@@ -27,6 +27,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
         "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
     ),
+    "resume_weights_only": (
+        bool,
+        False,
+        "with resume_from_checkpoint: load the checkpoint's weights, step, data position and RNG, but start the "
+        "optimizer state and the learning-rate schedule fresh (for a checkpoint whose optimizer.pt or scheduler.pt "
+        "is missing or damaged). Not with DeepSpeed (ZeRO) strategies.",
+    ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {
