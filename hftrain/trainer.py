@@ -196,6 +196,7 @@ class HFTrainer(Trainer):
         now = self._layout()
         checkpoints.check_layout(path, now)
         if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
+            distributed.barrier()  # every rank has verified the checkpoint before the main process adds to it
             with distributed.main_process_first():
                 universal = checkpoints.to_universal(path)
             untie_zero3_universal_steps()
