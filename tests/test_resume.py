@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
 from hftrain.distributed import free_port
+from hftrain.manifest import manifest_problems, read_manifest
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 
@@ -207,6 +208,9 @@ def test_zero_checkpoint_resumes_on_another_world_size_through_a_universal_check
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "was written by another number of ranks: resuming from its universal checkpoint" in r.stdout
     assert (out / "checkpoint-4" / "latest_universal").read_text() == "global_step4_universal"
+    # The conversion is recorded in the checkpoint's manifest: a later resume verifies it, files and all.
+    assert manifest_problems(str(out / "checkpoint-4")) == []
+    assert "latest_universal" in read_manifest(str(out / "checkpoint-4"))
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == resumed and info["zero_stage"] == int(strategy[-1]) and info["global_step"] == STEPS
     assert r.stdout.count("{'loss': ") == STEPS - 4
