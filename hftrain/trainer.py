@@ -10,6 +10,8 @@ way to count sequences, and the Trainer multiplies its result by the world size 
   batch), whatever the number of processes, the eval batch size or the strategy;
 - `log`: the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
 - `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
+  the manifest written last (manifest.py) and verified at resume; `_load_optimizer_and_scheduler` skipped with
+  training.resume_weights_only; `_load_rng_state` naming a damaged file;
 - gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype.
 """
 
