@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 
+from . import manifest
 from .errors import CheckpointError
 from .fileio import atomic_write, is_no_space, safetensors_problem
 
@@ -64,24 +65,31 @@ def checkpoint_problem(path: str) -> str | None:
 
 
 def newest_complete(run_dir: str, warn=logger.warning) -> str | None:
-    """The complete `checkpoint-N` with the highest N in run_dir; incomplete ones are skipped with a warning."""
+    """The complete `checkpoint-N` with the highest N in run_dir; incomplete ones are skipped with a warning. One
+    with a manifest was published complete by hftrain: it is returned whatever it holds now, for `verify` to judge
+    (a damaged checkpoint is refused, never skipped in silence for an older one)."""
     if not os.path.isdir(run_dir):
         return None
     if os.path.isdir(staging_root(run_dir)) and os.listdir(staging_root(run_dir)):
         warn(f"hftrain: ignoring {staging_root(run_dir)}: a save that was interrupted (never resumed from)")
-    found = sorted(((int(m.group(1)), n) for n in os.listdir(run_dir) if (m := _RE.match(n))), reverse=True)
-    for _, name in found:
-        path = os.path.join(run_dir, name)
+    for path in _numbered(run_dir):
         problem = checkpoint_problem(path)
-        if problem is None:
+        if problem is None or manifest.has_manifest(path):
             return path
         warn(f"hftrain: skipping incomplete checkpoint {path}: {problem}")
     return None
 
 
-def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.warning) -> str | None:
+def _numbered(run_dir: str) -> list[str]:
+    found = sorted(((int(m.group(1)), n) for n in os.listdir(run_dir) if (m := _RE.match(n))), reverse=True)
+    return [os.path.join(run_dir, name) for _, name in found]
+
+
+def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.warning,
+                   weights_only: bool = False) -> str | None:
     """What to resume from: `training.resume_from_checkpoint` (true = the newest complete checkpoint, a path =
-    that checkpoint, checked), or after an elastic restart (`restarted`) the newest complete one if any."""
+    that checkpoint, checked), or after an elastic restart (`restarted`) the newest complete one if any. The
+    checkpoint is then verified (`verify`)."""
     if value is True or (restarted and value in (None, False)):
         skipped: list[str] = []
         path = newest_complete(output_dir, lambda m: (skipped.append(m), warn(m)))
@@ -90,14 +98,52 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
             raise CheckpointError(
                 f"training.resume_from_checkpoint is true but {output_dir} holds no complete checkpoint-N folder"
                 f"{seen}; set it to false to start from scratch, or to the path of a checkpoint")
+        if path is not None:
+            verify(path, weights_only, warn)
         return path
     if value in (None, False, ""):
         return None
-    problem = checkpoint_problem(value)
-    if problem:
-        raise CheckpointError(f"training.resume_from_checkpoint: cannot resume from {value}: {problem}. "
-                              "Point it at a complete checkpoint, or set it to true for the newest complete one")
+    if not manifest.has_manifest(value):  # with a manifest, verify names the damaged files themselves
+        problem = checkpoint_problem(value)
+        if problem:
+            raise CheckpointError(f"training.resume_from_checkpoint: cannot resume from {value}: {problem}. "
+                                  "Point it at a complete checkpoint, or set it to true for the newest complete one")
+    verify(value, weights_only, warn)
     return value
+
+
+# -- verification -----------------------------------------------------------------------------------------------
+def verify(path: str, weights_only: bool = False, warn=logger.warning) -> None:
+    """Refuse (CheckpointError naming each file) a checkpoint whose files differ from its manifest, whose
+    trainer_state.json, rng_state*.pth or hftrain_checkpoint.json cannot be read, or (unless weights_only) whose
+    optimizer or scheduler state is missing."""
+    def refuse(problems: list[str], extra: str = "") -> CheckpointError:
+        return CheckpointError(f"cannot resume from {path}: " + "; ".join(problems) + ". Resume from another "
+                               f"checkpoint: set training.resume_from_checkpoint to its path{_others(path)}, or to "
+                               f"false to start from scratch{extra}")
+
+    problems = manifest.manifest_problems(path, ignore=manifest.optimizer_state if weights_only else lambda r: False)
+    if problems:
+        only_opt = all(manifest.optimizer_state(p.split(": ", 1)[0].split("/", 1)[1]) for p in problems if "/" in p)
+        raise refuse(problems, " (or, to load the weights with a fresh optimizer and schedule, set "
+                               "training.resume_weights_only: true)" if only_opt else "")
+    if problems is None:
+        warn(f"hftrain: {path} has no {manifest.MANIFEST} (written by another tool or an older hftrain): its files "
+             "cannot be verified")
+    layout_problem = _layout_problem(path)
+    problems = [p for p in (checkpoint_problem(path), manifest.state_problem(path, STATE),
+                            *manifest.rng_problems(path), layout_problem) if p]
+    if not weights_only:
+        fmt = None if layout_problem else (read_layout(path) or {}).get("strategy")
+        problems += manifest.missing_optimizer_state(path, fmt in UNIVERSAL if fmt else None)
+    if problems:
+        raise refuse(problems)
+
+
+def _others(path: str) -> str:
+    run_dir, name = os.path.split(os.path.abspath(path))
+    older = [p for p in _numbered(run_dir) if os.path.basename(p) != name and checkpoint_problem(p) is None]
+    return f" (complete, still to be verified: {', '.join(older)})" if older else ""
 
 
 # -- another world size -------------------------------------------------------------------------------------------
@@ -121,11 +167,31 @@ def layout(world_size: int, per_device: int, accumulation: int, strategy: str | 
 
 
 def read_layout(path: str) -> dict | None:
+    """The layout a checkpoint was written with; None without the file (written by something else: nothing to
+    compare); CheckpointError naming the file when it exists but is not one."""
+    f = os.path.join(path, LAYOUT)
+    if not os.path.lexists(f):
+        return None
+    problem = _layout_problem(path)
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}")
+    with open(f, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _layout_problem(path: str) -> str | None:
+    f = os.path.join(path, LAYOUT)
+    if not os.path.lexists(f):
+        return None
     try:
-        with open(os.path.join(path, LAYOUT), encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None  # written by something else: nothing to compare
+        with open(f, encoding="utf-8") as fh:
+            data = json.load(fh)
+        want = layout(1, 1, 1, None)
+        if not isinstance(data, dict) or any(type(data.get(k)) is not type(v) for k, v in want.items()):
+            return f"{f}: not an hftrain layout (needs {', '.join(want)})"
+    except (OSError, ValueError) as e:
+        return f"{f}: not readable ({type(e).__name__}: {e})"
+    return None
 
 
 def needs_universal(path: str | None, now: dict) -> bool:
@@ -209,6 +275,7 @@ def to_universal(path: str) -> str:
         shutil.rmtree(target)
     os.rename(staged, target)
     atomic_write(marker, name)
+    manifest.add_to_manifest(path, [name, LATEST_UNIVERSAL])  # hftrain's own addition, recorded as verified
     return target
 
 

@@ -10,6 +10,8 @@ way to count sequences, and the Trainer multiplies its result by the world size 
   batch), whatever the number of processes, the eval batch size or the strategy;
 - `log`: the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
 - `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
+  the manifest written last (manifest.py) and verified at resume; `_load_optimizer_and_scheduler` skipped with
+  training.resume_weights_only; `_load_rng_state` naming a damaged file;
 - gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype.
 """
 
@@ -25,16 +27,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoints, distributed, losses
+from . import checkpoints, distributed, losses, manifest
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
 from .data.collate import PackedRows, make_collator
+from .errors import CheckpointError
 from .patches.deepspeed import untie_zero3_universal_steps
 from .patches.transformers import staged_checkpoint_dir
 
 
 class HFTrainer(Trainer):
-    def __init__(self, *args, loss_averaging: str = "token", compression=None, **kwargs):
+    def __init__(self, *args, loss_averaging: str = "token", compression=None, resume_weights_only: bool = False,
+                 **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
         self.compression = compression if compression is not None and compression.method != "none" else None
@@ -43,6 +47,13 @@ class HFTrainer(Trainer):
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.comm_metrics]
         super().__init__(*args, **kwargs)
         self.loss_averaging = loss_averaging
+        # training.resume_weights_only: resume the weights (and step, data position, RNG) with a fresh optimizer and
+        # schedule. DeepSpeed restores both in one load_checkpoint call, and ZeRO's optimizer files hold the weights'
+        # partitions: refused there (preflight; here too, for a direct caller).
+        if resume_weights_only and self.is_deepspeed_enabled:
+            raise CheckpointError("training.resume_weights_only cannot be used with a DeepSpeed (ZeRO) strategy: "
+                                  "its optimizer state holds the weights' partitions; resume the whole checkpoint")
+        self.resume_weights_only = resume_weights_only
         self.loss_is_scaled_for_ga = True  # our loss is already normalised over the whole accumulated batch
         # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term
         self.aux_losses: dict[str, tuple[Callable, float]] = {}
@@ -178,12 +189,16 @@ class HFTrainer(Trainer):
         warning); after an elastic restart (torchrun --max-restarts) the newest complete one, if any."""
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
-                                          warn=distributed.print0)
+                                          warn=distributed.print0, weights_only=self.resume_weights_only)
+        if path and self.resume_weights_only:
+            distributed.print0(f"hftrain: resuming the weights only from {path} (training.resume_weights_only): the "
+                               "optimizer state starts fresh and the learning-rate schedule restarts at its first step")
         if restarted and path and resume_from_checkpoint in (None, False):
             distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
         now = self._layout()
         checkpoints.check_layout(path, now)
         if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
+            distributed.barrier()  # every rank has verified the checkpoint before the main process adds to it
             with distributed.main_process_first():
                 universal = checkpoints.to_universal(path)
             untie_zero3_universal_steps()
@@ -191,6 +206,21 @@ class HFTrainer(Trainer):
             distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
                                f"universal checkpoint {universal}")
         return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Skipped with training.resume_weights_only (the Trainer would load whatever of them is there)."""
+        if not self.resume_weights_only:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        """The Trainer's load, with an error naming the file instead of torch's (which suggests weights_only=False);
+        checkpoints.verify has read the files already, this catches what changed since."""
+        try:
+            super()._load_rng_state(checkpoint)
+        except Exception as e:
+            name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+            raise CheckpointError(f"cannot resume from {checkpoint}: {name} cannot be loaded safely "
+                                  f"({type(e).__name__}); resume from another checkpoint") from None
 
     def _layout(self) -> dict:
         if self.is_deepspeed_enabled:
@@ -227,6 +257,8 @@ class HFTrainer(Trainer):
             try:
                 with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
                     json.dump(self._layout(), fh)
+                # Last, once every rank has written its part (the barrier above): sizes and sha256 of every file.
+                manifest.write_manifest(staged)
                 checkpoints.publish(staged, final)
             except OSError as e:
                 error = checkpoints.save_failure(e, staged, run_dir)

@@ -58,6 +58,7 @@ def main(argv: list[str]) -> None:
         data_collator=data.collator,
         callbacks=[CurvesCallback()],
         loss_averaging=recipe.training["loss_averaging"],
+        resume_weights_only=recipe.training["resume_weights_only"],  # fresh optimizer and schedule at resume
         compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
     )
     moe.attach(trainer, recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules for any MoE block

@@ -127,6 +127,41 @@ def truncate_weights(ck):
     os.truncate(p, os.path.getsize(p) - 100)
 
 
+def unverified(*damage):
+    """Damage a checkpoint and remove its manifest (as the plain Trainer or an older hftrain leaves one)."""
+    def apply(ck):
+        os.remove(os.path.join(ck, "hftrain_manifest.json"))
+        for d in damage:
+            d(ck)
+    return apply
+
+
+def flip_byte(name: str, at: int = -5):
+    def apply(ck):
+        with open(os.path.join(ck, name), "r+b") as fh:
+            fh.seek(at, os.SEEK_END)
+            b = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    return apply
+
+
+def write(name: str, content: bytes):
+    def apply(ck):
+        with open(os.path.join(ck, name), "wb") as fh:
+            fh.write(content)
+    return apply
+
+
+def remove(name: str):
+    return lambda ck: os.remove(os.path.join(ck, name))
+
+
+def resume_true(damage):
+    """A damaged checkpoint-1 in output_dir and a recipe resuming from the newest checkpoint."""
+    return lambda w: (w.checkpoint(damage), [w.recipe(set_("training.resume_from_checkpoint", True))])[1]
+
+
 # (id, build(w) -> argv, env or None, expected substrings (file/line/key and the fix))
 CASES = [
     # -- the recipe file ---------------------------------------------------------------------------------------
@@ -298,14 +333,42 @@ CASES = [
     ("resume_path_missing", lambda w: [w.recipe(set_("training.resume_from_checkpoint", "/no/checkpoint-5"))],
      ["training.resume_from_checkpoint: cannot resume from /no/checkpoint-5"]),
     ("resume_truncated_safetensors", lambda w: [w.recipe(set_("training.resume_from_checkpoint",
-                                                              w.checkpoint(truncate_weights)))],
+                                                              w.checkpoint(unverified(truncate_weights))))],
      ["training.resume_from_checkpoint: cannot resume from", "model.safetensors: truncated"]),
-    ("resume_true_only_corrupt", lambda w: (w.checkpoint(truncate_weights),
-                                            [w.recipe(set_("training.resume_from_checkpoint", True))])[1],
+    ("resume_true_only_corrupt", resume_true(unverified(truncate_weights)),
      ["holds no complete checkpoint-N folder (skipping incomplete checkpoint", "checkpoint-1/model.safetensors: truncated"]),
-    ("resume_half_written", lambda w: (w.checkpoint(lambda ck: os.remove(os.path.join(ck, "trainer_state.json"))),
-                                       [w.recipe(set_("training.resume_from_checkpoint", True))])[1],
+    ("resume_half_written", resume_true(unverified(remove("trainer_state.json"))),
      ["checkpoint-1 has no trainer_state.json (the save did not finish)"]),
+    # -- verified checkpoints (hftrain_manifest.json): damage after the save is refused by name, never skipped --
+    ("resume_flipped_optimizer_byte", resume_true(flip_byte("optimizer.pt")),
+     ["training.resume_from_checkpoint: cannot resume from", "checkpoint-1/optimizer.pt: sha256 differs from the "
+      "manifest (the file changed after the save)", "set training.resume_from_checkpoint to its path",
+      "set training.resume_weights_only: true"]),
+    ("resume_flipped_weights_byte", resume_true(flip_byte("model.safetensors")),
+     ["checkpoint-1/model.safetensors: sha256 differs from the manifest", "Resume from another checkpoint"]),
+    ("resume_truncated_verified_weights", resume_true(truncate_weights),
+     ["cannot resume from", "checkpoint-1/model.safetensors: ", "bytes, the manifest says "]),
+    ("resume_scheduler_deleted", resume_true(remove("scheduler.pt")),
+     ["checkpoint-1/scheduler.pt: missing (the manifest lists it: it was deleted after the save)"]),
+    ("resume_file_added", resume_true(write("pytorch_model.bin", b"x")),
+     ["checkpoint-1/pytorch_model.bin: not in the manifest (added after the save)"]),
+    ("resume_manifest_garbage", resume_true(write("hftrain_manifest.json", b"{")),
+     ["checkpoint-1/hftrain_manifest.json: not a readable manifest (JSONDecodeError"]),
+    # -- unverified checkpoints: what the Trainer would load unchecked or re-initialise in silence ------------------
+    ("resume_optimizer_missing", resume_true(unverified(remove("optimizer.pt"))),
+     ["checkpoint-1/optimizer.pt: missing (the optimizer state); set training.resume_weights_only: true"]),
+    ("resume_scheduler_missing", resume_true(unverified(remove("scheduler.pt"))),
+     ["checkpoint-1/scheduler.pt: missing (the learning-rate scheduler state)"]),
+    ("resume_trainer_state_garbage", resume_true(unverified(write("trainer_state.json", b"{not json"))),
+     ["checkpoint-1/trainer_state.json: not a readable trainer state (JSONDecodeError"]),
+    ("resume_trainer_state_no_step", resume_true(unverified(write("trainer_state.json", b'{"epoch": 1}'))),
+     ["checkpoint-1/trainer_state.json: has no integer global_step"]),
+    ("resume_rng_garbage", resume_true(unverified(write("rng_state.pth", b"garbage" * 10))),
+     ["checkpoint-1/rng_state.pth: not an RNG state torch can load safely (UnpicklingError); the file is damaged"]),
+    ("resume_layout_garbage", resume_true(unverified(write("hftrain_checkpoint.json", b"[1, 2"))),
+     ["checkpoint-1/hftrain_checkpoint.json: not readable (JSONDecodeError"]),
+    ("resume_weights_only_without_resume", lambda w: [w.recipe(set_("training.resume_weights_only", True))],
+     ["training.resume_weights_only: is set but training.resume_from_checkpoint is not"]),
 ]
 
 

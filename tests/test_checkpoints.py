@@ -11,8 +11,9 @@ import yaml
 
 from hftrain import checkpoints
 from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_complete, resolve_resume
+from hftrain.manifest import MANIFEST, write_manifest
 
-from .conftest import DEMO_TRAIN
+from .conftest import DEMO_TRAIN, PY, run
 
 
 def make_trainer(model_dir, out, lora=None, **training):
@@ -94,11 +95,14 @@ def test_interrupted_save_leaves_nothing_resume_would_pick(tmp_path, tiny_model_
 def test_resume_skips_half_written_checkpoints_with_a_warning(tmp_path, reference):
     out = tmp_path / "out"
     shutil.copytree(reference[0], out)
-    # A checkpoint-6 cut short before trainer_state.json, a checkpoint-8 with truncated weights, a kill-9
+    # A checkpoint-6 cut short before trainer_state.json, a checkpoint-8 with truncated weights (both without
+    # the manifest hftrain writes last, as the plain Trainer or an older hftrain leaves them), a kill-9
     # leftover in the staging folder, and a checkpoint from a foreign tool without weights.
     shutil.copytree(out / "checkpoint-4", out / "checkpoint-6")
     os.remove(out / "checkpoint-6" / "trainer_state.json")
     shutil.copytree(out / "checkpoint-4", out / "checkpoint-8")
+    for n in (6, 8):
+        os.remove(out / f"checkpoint-{n}" / MANIFEST)
     w = out / "checkpoint-8" / "model.safetensors"
     os.truncate(w, os.path.getsize(w) // 2)
     shutil.copytree(out / "checkpoint-4", out / checkpoints.STAGING / "checkpoint-10")
@@ -124,6 +128,10 @@ def test_resume_path_errors_name_the_key_and_the_fix(tmp_path, reference):
     shutil.copytree(reference[0] / "checkpoint-4", bad)
     with open(bad / "model.safetensors", "r+b") as fh:
         fh.truncate(100)
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-4: checkpoint-4/model.safetensors: "
+                                              r"100 bytes, the manifest says \d+ \(the file changed after the save\)"):
+        resolve_resume(str(bad), str(tmp_path))
+    os.remove(bad / MANIFEST)  # unverified: the completeness checks still catch it
     with pytest.raises(CheckpointError, match=r"cannot resume from .*checkpoint-4: .*model.safetensors: truncated"):
         resolve_resume(str(bad), str(tmp_path))
     assert resolve_resume(None, str(tmp_path)) is None
@@ -211,6 +219,7 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
     out = tmp_path / "out"
     shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
     (out / "checkpoint-2" / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "ddp")))
+    write_manifest(str(out / "checkpoint-2"))  # as if a 2-rank run had saved it
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": DEMO_TRAIN}]},
                                    "training": {"output_dir": str(out), "per_device_train_batch_size": 2,
@@ -268,3 +277,210 @@ def test_lora_output_loads_from_another_directory(tmp_path, monkeypatch, tiny_mo
         model = AutoPeftModelForCausalLM.from_pretrained(str(saved))
         assert type(model).__name__ == "PeftModelForCausalLM"
     assert resolved_name_or_path("someone/some-model") == "someone/some-model"  # a Hub id stays a Hub id
+
+
+# -- verified checkpoints: the manifest ----------------------------------------------------------------------------
+def flip_byte(path, at: int = -5):
+    with open(path, "r+b") as fh:
+        fh.seek(at, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(reference, tmp_path):
+    import hashlib
+
+    from hftrain.manifest import files_of, manifest_problems, read_manifest
+
+    ck = reference[0] / "checkpoint-4"
+    files = read_manifest(str(ck))
+    on_disk = sorted(os.listdir(ck))
+    assert sorted(files) == [n for n in on_disk if n != MANIFEST]
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            checkpoints.LAYOUT} <= files.keys()  # written last: the layout file and trainer_state are in it
+    for name, e in files.items():
+        data = (ck / name).read_bytes()
+        assert e == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert manifest_problems(str(ck)) == []
+    # Subfolders (DeepSpeed's global_stepN/, FSDP's optimizer_0/) are listed by relative path and verified.
+    d = tmp_path / "checkpoint-9"
+    (d / "global_step9").mkdir(parents=True)
+    (d / "global_step9" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"a" * 100)
+    (d / "latest").write_text("global_step9")
+    write_manifest(str(d))
+    assert files_of(str(d)) == ["global_step9/zero_pp_rank_0_mp_rank_00_optim_states.pt", "latest"]
+    assert manifest_problems(str(d)) == []
+    flip_byte(d / "global_step9" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert manifest_problems(str(d)) == ["checkpoint-9/global_step9/zero_pp_rank_0_mp_rank_00_optim_states.pt: "
+                                         "sha256 differs from the manifest (the file changed after the save)"]
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, reference):
+    out = tmp_path / "out"
+    for n in (2, 4):
+        shutil.copytree(reference[0] / f"checkpoint-{n}", out / f"checkpoint-{n}")
+    return out
+
+
+def test_damaged_newest_checkpoint_is_refused_by_name_never_skipped(two_checkpoints):
+    out = two_checkpoints
+    assert resolve_resume(True, str(out)) == str(out / "checkpoint-4")  # negative control: untouched, accepted
+    flip_byte(out / "checkpoint-4" / "optimizer.pt")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume(True, str(out))
+    msg = str(e.value)
+    assert msg.startswith(f"cannot resume from {out / 'checkpoint-4'}: checkpoint-4/optimizer.pt: sha256 differs "
+                          "from the manifest (the file changed after the save). Resume from another checkpoint: set "
+                          f"training.resume_from_checkpoint to its path (complete, still to be verified: "
+                          f"{out / 'checkpoint-2'})"), msg
+    assert msg.endswith("set training.resume_weights_only: true)")  # only the optimizer state is damaged
+    # The older checkpoint, named explicitly, is verified and taken; weights only takes the damaged one.
+    assert resolve_resume(str(out / "checkpoint-2"), str(out)) == str(out / "checkpoint-2")
+    assert resolve_resume(True, str(out), weights_only=True) == str(out / "checkpoint-4")
+    # Damaged weights are refused with weights_only too, and without the weights-only hint.
+    flip_byte(out / "checkpoint-4" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"checkpoint-4/model.safetensors: sha256 differs") as e:
+        resolve_resume(True, str(out), weights_only=True)
+    assert "resume_weights_only" not in str(e.value)
+
+
+def test_missing_added_or_resized_files_are_named(two_checkpoints):
+    ck = two_checkpoints / "checkpoint-4"
+    os.remove(ck / "scheduler.pt")
+    (ck / "notes.txt").write_text("hello")
+    with open(ck / "rng_state.pth", "ab") as fh:
+        fh.write(b"x")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume(str(ck), str(two_checkpoints))
+    msg = str(e.value)
+    # An added file is refused too: the Trainer picks files by their presence (another weights format, an
+    # rng_state_N.pth, an optimizer folder) and nothing in a published checkpoint is hftrain's but what it wrote.
+    assert "checkpoint-4/notes.txt: not in the manifest (added after the save)" in msg
+    assert "checkpoint-4/scheduler.pt: missing (the manifest lists it: it was deleted after the save)" in msg
+    assert "checkpoint-4/rng_state.pth: " in msg and "bytes, the manifest says" in msg
+
+
+def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(two_checkpoints):
+    import torch
+
+    ck = two_checkpoints / "checkpoint-4"
+    os.remove(ck / MANIFEST)
+    lines = []
+    assert resolve_resume(True, str(two_checkpoints), warn=lines.append) == str(ck)
+    assert lines == [f"hftrain: {ck} has no {MANIFEST} (written by another tool or an older hftrain): its files "
+                     "cannot be verified"]
+    # An RNG file torch refuses to load safely: named, and torch's advice (weights_only=False) is not passed on.
+    torch.save({"python": object}, ck / "rng_state.pth")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume(str(ck), str(two_checkpoints), warn=lambda m: None)
+    assert f"{ck / 'rng_state.pth'}: not an RNG state torch can load safely (UnpicklingError)" in str(e.value)
+    assert "weights_only" not in str(e.value)
+    torch.save({"a": torch.zeros(1)}, ck / "rng_state.pth")
+    with pytest.raises(CheckpointError, match="rng_state.pth: not an RNG state written by the Trainer"):
+        resolve_resume(str(ck), str(two_checkpoints), warn=lambda m: None)
+    shutil.copy(two_checkpoints / "checkpoint-2" / "rng_state.pth", ck / "rng_state.pth")
+    (ck / checkpoints.LAYOUT).write_text('{"world_size": "2"}')
+    with pytest.raises(CheckpointError, match=r"hftrain_checkpoint.json: not an hftrain layout \(needs world_size"):
+        resolve_resume(str(ck), str(two_checkpoints), warn=lambda m: None)
+    with pytest.raises(CheckpointError, match=r"hftrain_checkpoint.json: not an hftrain layout"):
+        checkpoints.read_layout(str(ck))  # not silently None when the file exists
+    os.remove(ck / checkpoints.LAYOUT)
+    assert checkpoints.read_layout(str(ck)) is None  # absent: written by another tool, nothing to compare
+    os.remove(ck / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: missing \(the optimizer state\); set "
+                                              r"training.resume_weights_only: true"):
+        resolve_resume(str(ck), str(two_checkpoints), warn=lambda m: None)
+    assert resolve_resume(str(ck), str(two_checkpoints), warn=lambda m: None, weights_only=True) == str(ck)
+
+
+def test_rng_file_damaged_after_the_check_is_named_by_the_trainer(tmp_path, tiny_model_dir, reference):
+    """HFTrainer._load_rng_state: what changed between the check and the load is named, torch's advice is not."""
+    ck = tmp_path / "checkpoint-4"
+    shutil.copytree(reference[0] / "checkpoint-4", ck)
+    (ck / "rng_state.pth").write_bytes(b"garbage")
+    t = make_trainer(tiny_model_dir, tmp_path / "out")
+    with pytest.raises(CheckpointError) as e:
+        t._load_rng_state(str(ck))
+    assert str(e.value) == (f"cannot resume from {ck}: rng_state.pth cannot be loaded safely (UnpicklingError); "
+                            "resume from another checkpoint")
+
+
+def test_resume_weights_only_needs_a_resume_and_no_deepspeed():
+    from hftrain.config.loading import parse_recipe
+
+    def problems(**training):
+        _, found = parse_recipe(None, raw={"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                           "strategy": {"name": training.pop("strategy", "ddp")}, "training": training})
+        return [p for p in found if "training.resume_weights_only" in p]
+
+    assert problems(resume_weights_only=True, resume_from_checkpoint=True) == []
+    assert problems(resume_weights_only=True, resume_from_checkpoint=True, strategy="fsdp") == []
+    assert problems(resume_weights_only=False, strategy="zero3") == []
+    (p,) = problems(resume_weights_only=True)
+    assert "training.resume_weights_only: is set but training.resume_from_checkpoint is not" in p
+    (p,) = problems(resume_weights_only=True, resume_from_checkpoint=True, strategy="zero2")
+    assert "training.resume_weights_only: cannot be used with strategy.name: zero2" in p
+
+
+def tree_digest(path) -> dict:
+    import hashlib
+
+    return {os.path.relpath(os.path.join(d, f), path): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def test_flipped_optimizer_byte_stops_the_resume_then_weights_only_trains_on(tmp_path, tiny_model_dir):
+    """End to end, `python recipes/sft.py`: a byte flipped in checkpoint-4/optimizer.pt makes the resume exit 2 naming
+    the file, writing nothing; with training.resume_weights_only it trains on from checkpoint-4's weights with a fresh
+    optimizer and schedule (Adam's step count and the scheduler restart: 2 steps after the resume, not 6)."""
+    import torch
+
+    out = tmp_path / "out"
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({
+        "model": {"name_or_path": tiny_model_dir, "dtype": "float32"},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
+        "training": {"output_dir": str(out), "max_steps": 4, "save_steps": 2, "save_total_limit": 5,
+                     "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1,
+                     "report_to": "none", "disable_tqdm": True, "seed": 0}}))
+    r = run([PY, "recipes/sft.py", str(rec)], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    flip_byte(out / "checkpoint-4" / "optimizer.pt")
+    before = tree_digest(out)
+    resume = [PY, "recipes/sft.py", str(rec), "training.max_steps=6", "training.resume_from_checkpoint=true"]
+    r = run(resume, timeout=600)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and r.stderr.count("hftrain: error:") == 1, r.stderr[-3000:]
+    assert "checkpoint-4/optimizer.pt: sha256 differs from the manifest (the file changed after the save)" in r.stderr
+    assert f"set training.resume_from_checkpoint to its path (complete, still to be verified: {out / 'checkpoint-2'})" \
+        in r.stderr
+    assert tree_digest(out) == before  # nothing written: no checkpoint-6, the final weights untouched
+
+    r = run([*resume, "training.resume_weights_only=true"], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"hftrain: resuming the weights only from {out / 'checkpoint-4'} (training.resume_weights_only)" in r.stdout
+    assert r.stdout.count("{'loss': ") == 2, r.stdout[-3000:]  # steps 5 and 6
+    optimizer = torch.load(out / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    assert {float(s["step"]) for s in optimizer["state"].values()} == {2.0}  # 6.0 had the damaged state been loaded
+    assert torch.load(out / "checkpoint-6" / "scheduler.pt", weights_only=True)["last_epoch"] == 2
+    assert json.load(open(out / "checkpoint-6" / "trainer_state.json"))["global_step"] == 6
+    assert resolve_resume(True, str(out)) == str(out / "checkpoint-6")  # its own manifest verifies
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_resume_weights_only_starts_the_optimizer_fresh(weights_only, tmp_path, tiny_model_dir, reference):
+    """From checkpoint-2 to step 4: Adam's step count and the schedule continue (4) or restart (2); the weights
+    and the step come from the checkpoint either way."""
+    out = tmp_path / "out"
+    shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
+    t = make_trainer(tiny_model_dir, out, resume_from_checkpoint=True)
+    t.resume_weights_only = weights_only
+    t.train(resume_from_checkpoint=True)
+    assert t.state.global_step == 4
+    steps = {float(s["step"]) for s in t.optimizer.state.values()}
+    assert steps == ({2.0} if weights_only else {4.0})
+    assert t.lr_scheduler.last_epoch == (2 if weights_only else 4)
+    if not weights_only:
+        assert max_diff(final_weights(t), reference[1]) <= 1e-6

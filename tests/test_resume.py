@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
 from hftrain.distributed import free_port
+from hftrain.manifest import manifest_problems, read_manifest
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 
@@ -207,6 +208,9 @@ def test_zero_checkpoint_resumes_on_another_world_size_through_a_universal_check
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "was written by another number of ranks: resuming from its universal checkpoint" in r.stdout
     assert (out / "checkpoint-4" / "latest_universal").read_text() == "global_step4_universal"
+    # The conversion is recorded in the checkpoint's manifest: a later resume verifies it, files and all.
+    assert manifest_problems(str(out / "checkpoint-4")) == []
+    assert "latest_universal" in read_manifest(str(out / "checkpoint-4"))
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == resumed and info["zero_stage"] == int(strategy[-1]) and info["global_step"] == STEPS
     assert r.stdout.count("{'loss': ") == STEPS - 4
@@ -232,3 +236,27 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
     diff = max_diff(weights(out), weights(ref))
     print(f"ddp: 1-rank checkpoint-4 resumed on 2 ranks: max |w - w_1rank| = {diff:.3g}")
     assert diff <= 1e-6
+
+
+def test_fsdp_damaged_optimizer_shard_is_refused_then_resumed_weights_only(tmp_path, tiny_model_dir, references):
+    """FSDP2's sharded state (optimizer_0/*.distcp, written by every rank into the staged folder) is in the manifest:
+    a damaged optimizer shard is refused by name, writing nothing; training.resume_weights_only loads the weights
+    (pytorch_model_fsdp_0/) and trains on with a fresh optimizer."""
+    ref = references("fsdp")
+    out = tmp_path / "out"
+    shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
+    shard = sorted((out / "checkpoint-4" / "optimizer_0").glob("*.distcp"))[-1]
+    with open(shard, "r+b") as fh:
+        fh.seek(-3, os.SEEK_END)
+        fh.write(b"\x00\x01\x02")
+    cmd = launch("fsdp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out), "training.resume_from_checkpoint=true",
+                                            "training.per_device_train_batch_size=4"], processes=1)
+    r = run(cmd, timeout=600)
+    assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]  # the worker exits 2, the launcher 1
+    assert f"checkpoint-4/optimizer_0/{shard.name}: sha256 differs from the manifest" in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["checkpoint-4"]  # nothing written
+    r = run([*cmd[:-1], "training.resume_weights_only=true", cmd[-1]], timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "hftrain: resuming the weights only from" in r.stdout
+    assert r.stdout.count("{'loss': ") == STEPS - 4
+    assert json.load(open(out / "run_info.json"))["global_step"] == STEPS

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES
+from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
@@ -26,6 +26,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     already failed their type check are skipped."""
     out: Problems = []
     _training_ranges(recipe, out)
+    _resume_weights_only(recipe, out)
     has_eval = _data_problems(recipe, out)
     if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
@@ -89,6 +90,21 @@ _RANGES = {  # name: (low, low inclusive, high, high inclusive, what)
     "max_grad_norm": (0.0, True, math.inf, False, ">= 0 (0 turns clipping off)"),
     "adam_epsilon": (0.0, False, math.inf, False, "> 0"),
 }
+
+
+def _resume_weights_only(recipe: Recipe, out: Problems) -> None:
+    """training.resume_weights_only changes how a resume loads: it means nothing without one, and DeepSpeed restores
+    optimizer and weights together (ZeRO's optimizer files hold the weights' partitions)."""
+    if recipe.training.get("resume_weights_only") is not True:
+        return
+    if not recipe.training.get("resume_from_checkpoint"):
+        out.append(("training.resume_weights_only", "is set but training.resume_from_checkpoint is not: set "
+                    "resume_from_checkpoint (true, or a checkpoint's path) or remove resume_weights_only"))
+    name = recipe.strategy.name if isinstance(recipe.strategy, StrategySection) else None
+    if name in ZERO_STAGE:
+        out.append(("training.resume_weights_only", f"cannot be used with strategy.name: {name}: DeepSpeed restores "
+                    "the optimizer state with the weights (ZeRO's optimizer files hold the weights' partitions); "
+                    "resume the whole checkpoint, or use strategy.name ddp or fsdp"))
 
 
 def _training_ranges(recipe: Recipe, out: Problems) -> None:

@@ -33,6 +33,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "Train into an output_dir that holds a finished or unfinished run (its checkpoints and run_info.json are "
         "removed first) or files hftrain did not write. Off: such a folder is refused unless resuming.",
     ),
+    "resume_weights_only": (
+        bool,
+        False,
+        "with resume_from_checkpoint: load the checkpoint's weights, step, data position and RNG, but start the "
+        "optimizer state and the learning-rate schedule fresh (for a checkpoint whose optimizer.pt or scheduler.pt "
+        "is missing or damaged). Not with DeepSpeed (ZeRO) strategies.",
+    ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {

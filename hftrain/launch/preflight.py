@@ -183,11 +183,11 @@ def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> l
     return []
 
 
-def resume_problems(value, output_dir: str, layout: dict | None = None) -> list[str]:
+def resume_problems(value, output_dir: str, layout: dict | None = None, weights_only: bool = False) -> list[str]:
     """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
     (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
     try:
-        path = checkpoints.resolve_resume(value, output_dir, warn=lambda _m: None)
+        path = checkpoints.resolve_resume(value, output_dir, warn=lambda _m: None, weights_only=weights_only)
         if layout is not None:
             checkpoints.check_layout(path, layout)
     except checkpoints.CheckpointError as e:
@@ -286,7 +286,8 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
             now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
                                      recipe.training_value("gradient_accumulation_steps"), strategy.name)
             out += [("training.resume_from_checkpoint", msg)
-                    for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now)]
+                    for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
+                                               recipe.training_value("resume_weights_only") is True)]
     return [_message(recipe, k, msg) for k, msg in out], strategy
 
 
