@@ -27,6 +27,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
         "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
     ),
+    "max_bad_steps": (
+        int,
+        0,
+        "Optimizer steps with a non-finite loss or gradient norm that are skipped (gradients dropped, the update "
+        "not applied; the LR schedule and step count still advance) before the run stops. 0: the first one stops "
+        "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.",
+    ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {
