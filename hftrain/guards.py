@@ -184,7 +184,7 @@ def _cause(strategy: str) -> str:
     if _flag("ACCELERATE_USE_CPU") and strategy != "ddp":
         return (" The cause: ACCELERATE_USE_CPU is set in the environment (or use_cpu: true in your accelerate "
                 "config), which makes accelerate drop DeepSpeed and FSDP. Unset it (hftrain puts a GPU-less run on "
-                "the CPU itself) and use use_cpu: false in the accelerate config")
+                "the CPU itself) and set use_cpu: false in the accelerate config")
     return " Please report this with the launch command and your accelerate config"
 
 

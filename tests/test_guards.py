@@ -283,7 +283,8 @@ def test_use_cpu_launch_of_zero2_is_stopped(early, tmp_path, tiny_model_dir, dee
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
     expected = ("strategy.name: 'zero2' cannot run with ACCELERATE_USE_CPU=true" if early else
                 "strategy.name is 'zero2' but the Trainer built plain DDP (model wrapper DistributedDataParallel)")
-    assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-4000:]
+    # the launcher prints its own ChildFailedError traceback; the workers end with the message alone
+    assert expected in r.stderr and 'sft.py", line' not in r.stderr, r.stderr[-4000:]
     assert "ACCELERATE_USE_CPU" in r.stderr
     out = tmp_path / "out"
     assert not os.path.exists(out / "model.safetensors")
