@@ -59,16 +59,18 @@ class StepGuard:
             bad.append(("the gradient norm", norms[0]))
         return bad
 
-    def decide(self, bad: list[tuple[str, float]], step: int, args, can_skip: bool) -> bool:
-        """True: skip this step (counted). Raises NonFiniteError when no skip is left (or none is possible)."""
+    def decide(self, bad: list[tuple[str, float]], step: int, args, can_skip: bool, applied: bool = False) -> bool:
+        """True: skip this step (counted). Raises NonFiniteError when no skip is left, or none is possible
+        (`can_skip` false); `applied`: the engine has already applied this step's update (DeepSpeed's grad norm)."""
         if not bad:
             return False
         if can_skip and self.bad_steps < self.max_bad_steps:
             self.bad_steps += 1
-            distributed.print0(f"hftrain: warning: optimizer step {step}: {_values(bad)}; the step is skipped "
-                               f"(bad step {self.bad_steps} of at most {self.max_bad_steps}, training.max_bad_steps)", file=sys.stderr)
+            distributed.print0(f"hftrain: warning: optimizer step {step}: {_values(bad)}; the step is skipped (bad "
+                               f"step {self.bad_steps} of at most {self.max_bad_steps}, training.max_bad_steps)",
+                               file=sys.stderr)
             return True
-        raise NonFiniteError(stop_message(bad, step, args, self.bad_steps, self.max_bad_steps, can_skip))
+        raise NonFiniteError(stop_message(bad, step, args, self.bad_steps, self.max_bad_steps, can_skip, applied))
 
 
 def _as_float(value) -> float:
@@ -83,9 +85,9 @@ def _values(bad: list[tuple[str, float]]) -> str:
     return ", ".join(f"{what} is {value}" for what, value in bad)
 
 
-def stop_message(bad, step: int, args, skipped: int, max_bad: int, can_skip: bool) -> str:
-    when = ("the update was not applied" if can_skip else
-            "DeepSpeed's engine had already applied the update inside backward; nothing is saved from it")
+def stop_message(bad, step: int, args, skipped: int, max_bad: int, can_skip: bool, applied: bool = False) -> str:
+    when = ("DeepSpeed's engine had already applied the update inside backward; nothing is saved from it" if applied
+            else "the update was not applied")
     earlier = f" ({skipped} earlier bad step{'s' if skipped != 1 else ''} skipped)" if skipped else ""
     fixes = [f"lower training.learning_rate (now {args.learning_rate:g})",
              (f"clip gradients harder with a lower training.max_grad_norm (now {args.max_grad_norm:g})"

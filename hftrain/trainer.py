@@ -11,7 +11,7 @@ way to count sequences, and the Trainer multiplies its result by the world size 
 - `log`: the global target-token count per step, and the metrics of callbacks with a `pop_logs()`;
 - `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
 - gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype;
-- `_prepare_for_training` / `training_step` / `_get_grad_norm`: guards.py's checks, the engine built against the
+- `_prepare_for_training` / `compute_loss` / `_get_grad_norm`: guards.py's checks, the engine built against the
   recipe's strategy once wrapped, and finite-or-stop (or skip) once per optimizer step, before the update.
 """
 
@@ -121,6 +121,7 @@ class HFTrainer(Trainer):
                 aux = fn(outputs)
                 total = total + losses.aux_loss_term(aux, coef, self.current_gradient_accumulation_steps)
                 self._aux_logged.setdefault(name, []).append(float(aux.detach()))
+            self._guard_loss(total)  # finite or stop (guards.py)
         return (total, outputs) if return_outputs else total
 
     # -- evaluation ------------------------------------------------------------------------------------------
@@ -188,10 +189,14 @@ class HFTrainer(Trainer):
             guards.raise_engine_problem(self.strategy, self)
         return model, train_dataloader
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.step_guard.add_loss(loss)  # on device: no sync per micro-batch
-        return loss
+    def _guard_loss(self, loss: torch.Tensor) -> None:
+        """Each training micro-batch's loss, kept on the device (no sync per micro-batch). DeepSpeed's engine steps
+        inside backward, so there the step's losses are judged before the backward of its last micro-batch."""
+        self.step_guard.add_loss(loss)
+        if self.is_deepspeed_enabled and self.accelerator.sync_gradients:
+            step = self.state.global_step + 1
+            bad = self.step_guard.verdict(None, self.args.device, check_grad_norm=False)
+            self.step_guard.decide(bad, step, self.args, can_skip=False)
 
     def _get_grad_norm(self, model, grad_norm=None):
         """Called once per optimizer step on every rank, after backward and clipping, before optimizer.step()
@@ -205,7 +210,8 @@ class HFTrainer(Trainer):
         step = self.state.global_step + 1
         bad = self.step_guard.verdict(grad_norm, self.args.device,
                                       check_grad_norm=self.accelerator.scaler is None)
-        if self.step_guard.decide(bad, step, self.args, can_skip=not self.is_deepspeed_enabled):
+        if self.step_guard.decide(bad, step, self.args, can_skip=not self.is_deepspeed_enabled,
+                                  applied=self.is_deepspeed_enabled):
             model.zero_grad(set_to_none=True)
             if not torch.isfinite(self._tr_loss):  # with logging_nan_inf_filter off the logged loss stays finite
                 self._tr_loss.zero_()

@@ -1,6 +1,6 @@
 """recipes/sft.py with test-only faults, set by environment variables (never production options):
-- HFTRAIN_TEST_NAN_STEPS="2,3" (and HFTRAIN_TEST_NAN_RANK=1): the training loss of those optimizer steps
-  (global_step + 1) is NaN on that rank (on every rank when unset), as a bad batch or a diverged model gives;
+- HFTRAIN_TEST_NAN_STEPS="2,3" (and HFTRAIN_TEST_NAN_RANK=1): the logits, hence the loss, of those optimizer
+  steps (global_step + 1) are NaN on that rank (on every rank when unset), as a bad batch or a diverged model gives;
 - HFTRAIN_TEST_DIGESTS=<path>: rank 0 appends {"step", "digest"} of the weights before the first step (step 0) and
   after each optimizer step, one JSON per line;
 - HFTRAIN_TEST_NO_EARLY_ENGINE_CHECK=1: preflight's environment check of the engine is switched off, so that the
@@ -24,17 +24,19 @@ from hftrain.launch import preflight
 from hftrain.trainer import HFTrainer
 
 SFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
-_compute_loss = HFTrainer.compute_loss
+_forward = HFTrainer._forward
 _init = HFTrainer.__init__
 
 
-def compute_loss(self, model, inputs, *args, **kwargs):
-    out = _compute_loss(self, model, inputs, *args, **kwargs)
+def forward(self, model, inputs):
+    """HFTrainer._forward whose logits are NaN on the chosen steps and rank (as a bad batch or a diverged model
+    gives): the loss computed from them, and its gradients, are NaN."""
+    outputs = _forward(self, model, inputs)
     steps = {int(s) for s in os.environ.get("HFTRAIN_TEST_NAN_STEPS", "").split(",") if s}
     rank = os.environ.get("HFTRAIN_TEST_NAN_RANK")
-    if not (model.training and self.state.global_step + 1 in steps and (rank is None or int(rank) == distributed.rank())):
-        return out
-    return (out[0] * float("nan"), out[1]) if isinstance(out, tuple) else out * float("nan")
+    if model.training and self.state.global_step + 1 in steps and (rank is None or int(rank) == distributed.rank()):
+        outputs.logits = outputs.logits * float("nan")
+    return outputs
 
 
 class Digests(TrainerCallback):
@@ -67,7 +69,7 @@ def sft_module():
 
 
 if __name__ == "__main__":
-    HFTrainer.compute_loss = compute_loss
+    HFTrainer._forward = forward
     HFTrainer.__init__ = init
     if os.environ.get("HFTRAIN_TEST_NO_EARLY_ENGINE_CHECK") == "1":
         preflight.environment_engine_problem = lambda *a, **k: None

@@ -4,6 +4,7 @@ Single-process runs go through recipes/sft.py's main() in this process (as test_
 launch tests/guard_worker.py, which injects a NaN loss on one rank (a test-only hook, read from the environment)."""
 
 import json
+import math
 import re
 import os
 import time
@@ -79,7 +80,7 @@ def test_a_sane_run_is_not_stopped(tmp_path, tiny_model_dir, capsys):
 
 def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tiny_model_dir, capsys, monkeypatch):
     digests = tmp_path / "digests.jsonl"
-    monkeypatch.setattr(HFTrainer, "compute_loss", guard_worker.compute_loss)
+    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
     monkeypatch.setattr(HFTrainer, "__init__", guard_worker.init)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2")
     monkeypatch.setenv("HFTRAIN_TEST_DIGESTS", str(digests))
@@ -97,7 +98,7 @@ def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tin
 
 
 def test_one_bad_step_more_than_allowed_stops(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(HFTrainer, "compute_loss", guard_worker.compute_loss)
+    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2,3")
     code, err = run_main([recipe(tmp_path, tiny_model_dir, max_bad_steps=1)], capsys)
     assert code == 2, err[-3000:]
@@ -127,6 +128,23 @@ def test_a_nan_on_one_rank_ends_both_ranks_at_once(tmp_path, tiny_model_dir):
     print(f"2-rank NaN run ended in {elapsed:.0f} s (start-up included)")
 
 
+@pytest.mark.slow
+def test_under_zero2_a_nan_loss_stops_before_the_engine_steps(tmp_path, tiny_model_dir, deepspeed_ops):
+    """DeepSpeed steps inside backward: the loss is judged before the backward of the step's last micro-batch."""
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero2.yaml", "--main_process_port",
+             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             recipe(tmp_path, tiny_model_dir, max_steps=20, gradient_accumulation_steps=2), "strategy.name=zero2"],
+            timeout=300, env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1",
+                              "HFTRAIN_TEST_EXIT_DIR": str(exits)})
+    assert r.returncode != 0, r.stderr[-4000:]
+    assert ("hftrain: error: optimizer step 2: the training loss on rank 1 is nan; the run stops, the update was "
+            "not applied") in r.stderr, r.stderr[-4000:]
+    assert {json.loads(p.read_text())["code"] for p in exits.iterdir()} == {2} and len(list(exits.iterdir())) == 2
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
 # -- finite or stop: the pieces ------------------------------------------------------------------------------------
 def test_step_guard_verdicts():
     args = SimpleNamespace(learning_rate=1e-3, max_grad_norm=1.0)
@@ -142,8 +160,10 @@ def test_step_guard_verdicts():
     assert [w for w, _ in bad] == ["the training loss on rank 0"]
     g.add_loss(torch.tensor(float("nan")))
     assert g.verdict(torch.tensor(float("nan")), "cpu", check_grad_norm=False)[-1][0] == "the training loss on rank 0"
-    with pytest.raises(NonFiniteError, match="DeepSpeed's engine had already applied the update"):
+    with pytest.raises(NonFiniteError, match="the run stops, the update was not applied"):
         guards.StepGuard(max_bad_steps=3).decide(bad, 7, args, can_skip=False)  # DeepSpeed: never skipped
+    with pytest.raises(NonFiniteError, match="DeepSpeed's engine had already applied the update"):
+        guards.StepGuard().decide([("the gradient norm", math.inf)], 7, args, can_skip=False, applied=True)
     g = guards.StepGuard(max_bad_steps=1)
     assert g.decide(bad, 5, args, can_skip=True) is True and g.bad_steps == 1
     with pytest.raises(NonFiniteError, match=r"optimizer step 6: .*\(1 earlier bad step skipped\)"):
