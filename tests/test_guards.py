@@ -109,23 +109,24 @@ def test_one_bad_step_more_than_allowed_stops(tmp_path, tiny_model_dir, capsys, 
 
 
 @pytest.mark.slow
-def test_a_nan_on_one_rank_ends_both_ranks_at_once(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_model_dir):
     exits = tmp_path / "exits"
     exits.mkdir()
     start = time.time()
-    r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    r = run([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
              str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
-             recipe(tmp_path, tiny_model_dir, max_steps=20)], timeout=300,
+             recipe(tmp_path, tiny_model_dir, max_steps=20), f"strategy.name={strategy}"], timeout=300,
             env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1", "HFTRAIN_TEST_EXIT_DIR": str(exits)})
     elapsed = time.time() - start
     assert r.returncode != 0, r.stderr[-4000:]
     assert "hftrain: error: optimizer step 2: the training loss on rank 1 is nan" in r.stderr, r.stderr[-4000:]
-    assert "the gradient norm is nan" in r.stderr  # DDP averaged rank 1's NaN gradients into rank 0's
+    assert "the gradient norm is nan" in r.stderr  # the reduction spread rank 1's NaN gradients to rank 0
     ranks = {p.name: json.loads(p.read_text()) for p in exits.iterdir()}
     assert set(ranks) == {"rank0.json", "rank1.json"} and {v["code"] for v in ranks.values()} == {2}, ranks
     assert abs(ranks["rank0.json"]["time"] - ranks["rank1.json"]["time"]) < 10, ranks  # neither waited on the other
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
-    print(f"2-rank NaN run ended in {elapsed:.0f} s (start-up included)")
+    print(f"2-rank {strategy} NaN run ended in {elapsed:.0f} s (start-up included)")
 
 
 @pytest.mark.slow
