@@ -5,6 +5,8 @@ the Trainer built is the strategy the recipe asked for.
   gradient norm is known and before the optimizer applies the update, every rank's (loss, grad norm) is gathered
   (one tiny collective, so every rank decides alike and none is left waiting). A non-finite value skips the step
   (up to `training.max_bad_steps`) or stops the run with a `NonFiniteError` naming the step, the value and the fixes.
+  Under DeepSpeed, whose engine steps inside backward, the losses are judged before the step's last backward and
+  the gradient norm only after the engine's step (HFTrainer decides where each check runs).
 - `check_finite_weights`: one pass over the parameters (each rank its own shards), the verdict all-gathered; a
   non-finite parameter refuses the save, naming it.
 - `engine_problem` / `environment_engine_problem`: the engine actually built against the recipe's strategy, after the
@@ -29,8 +31,8 @@ _TRUE = ("y", "yes", "t", "true", "on", "1")
 
 
 class StepGuard:
-    """Finite-or-stop for one optimizer step at a time (see the module's docstring). `skips_by_zeroing`: the update
-    can be withheld by dropping the gradients (false under DeepSpeed, whose engine steps inside backward)."""
+    """Finite-or-stop for one optimizer step at a time (see the module's docstring): `add_loss` per micro-batch,
+    `verdict` once per step on every rank, `decide` skips (counted in `bad_steps`) or raises."""
 
     def __init__(self, max_bad_steps: int = 0):
         self.max_bad_steps = max_bad_steps
