@@ -130,6 +130,25 @@ def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+def test_a_nan_on_one_rank_is_skipped_alike_by_both_ranks(tmp_path, tiny_model_dir):
+    """max_bad_steps under DDP with rank 1's loss NaN: both ranks skip the step (the verdict is gathered), train on,
+    and end with equal weights (save_final's per-rank digest check) that the skipped step did not change."""
+    digests = tmp_path / "digests.jsonl"
+    r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             recipe(tmp_path, tiny_model_dir, max_bad_steps=1)], timeout=300,
+            env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1", "HFTRAIN_TEST_DIGESTS": str(digests)})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "optimizer step 2: the training loss on rank 1 is nan" in r.stderr and "the step is skipped" in r.stderr
+    info = json.loads((tmp_path / "out" / "run_info.json").read_text())
+    assert info["world_size"] == 2 and len(set(info["rank_weight_digests"])) == 1
+    d = [json.loads(line)["digest"] for line in digests.read_text().splitlines()]
+    assert len(d) == 5 and d[2] == d[1] and len({d[0], d[1], d[3], d[4]}) == 4
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert [h["bad_steps"] for h in state["log_history"] if "loss" in h] == [0, 1, 1, 1]
+
+
+@pytest.mark.slow
 def test_under_zero2_a_nan_loss_stops_before_the_engine_steps(tmp_path, tiny_model_dir, deepspeed_ops):
     """DeepSpeed steps inside backward: the loss is judged before the backward of the step's last micro-batch."""
     exits = tmp_path / "exits"
