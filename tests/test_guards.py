@@ -329,3 +329,19 @@ def test_use_cpu_launch_of_zero2_is_stopped(early, tmp_path, tiny_model_dir, dee
     out = tmp_path / "out"
     assert not os.path.exists(out / "model.safetensors")
     assert early == (not out.exists())  # the early refusal writes nothing at all
+
+
+def test_max_bad_steps_rules():
+    from hftrain.config import parse_recipe
+
+    def problems(**training):
+        raw = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]}, "training": training}
+        return parse_recipe(None, [], raw)[1]
+
+    assert not [p for p in problems(max_bad_steps=3) if "max_bad_steps" in p]  # negative control
+    assert any("training.max_bad_steps: cannot be used with training.fp16" in p
+               for p in problems(max_bad_steps=1, fp16=True))
+    assert any("training.max_bad_steps: cannot skip steps under 'zero3'" in p
+               for p in parse_recipe(None, [], {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                                "strategy": {"name": "zero3"},
+                                                "training": {"max_bad_steps": 1}})[1])
