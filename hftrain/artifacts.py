@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from . import checkpoints, distributed
+from . import checkpoints, distributed, guards
 from .config import Recipe, StrategySection
 from .constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE, SHARDED, ZERO_STAGE
 from .errors import LaunchError
@@ -137,6 +137,7 @@ def check_ranks_agree(info: dict) -> None:
 def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, metrics: dict) -> dict:
     """Consolidated safetensors + tokenizer in output_dir, final trainer_state.json, run_info.json, merged LoRA."""
     out = recipe.output_dir
+    guards.check_finite_weights(trainer.model, "the final model")  # every rank its shards; nothing written yet
     if strategy.name == "fsdp":
         # Sharded state dicts make checkpoints fast, but save_model() would write no weights with them.
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")

@@ -42,6 +42,10 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written, or the one asked for cannot be resumed from."""
 
 
+class NonFiniteError(UserError, ArithmeticError):
+    """Training met a non-finite loss, gradient norm or weight: the run stops rather than train or save garbage."""
+
+
 class HubError(UserError, ValueError):
     """A run that cannot (or could not) be pushed: what is wrong and how to fix it."""
 

@@ -12,7 +12,9 @@ way to count sequences, and the Trainer multiplies its result by the world size 
 - `_save_checkpoint` / `train`: staged checkpoints, resumed from the newest complete one (checkpoints.py);
   the manifest written last (manifest.py) and verified at resume; `_load_optimizer_and_scheduler` skipped with
   training.resume_weights_only; `_load_rng_state` naming a damaged file;
-- gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype.
+- gradient compression (compression.py): DDP gets hftrain's comm hook, FSDP2 its reduce dtype;
+- `_prepare_for_training` / `compute_loss` / `_get_grad_norm`: guards.py's checks, the engine built against the
+  recipe's strategy once wrapped, and finite-or-stop (or skip) once per optimizer step, before the update.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoints, distributed, losses, manifest
+from . import checkpoints, distributed, guards, losses, manifest
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
 from .data.collate import PackedRows, make_collator
@@ -38,7 +40,7 @@ from .patches.transformers import staged_checkpoint_dir
 
 class HFTrainer(Trainer):
     def __init__(self, *args, loss_averaging: str = "token", compression=None, resume_weights_only: bool = False,
-                 **kwargs):
+                 strategy: str | None = None, max_bad_steps: int = 0, **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
         self.compression = compression if compression is not None and compression.method != "none" else None
@@ -61,6 +63,8 @@ class HFTrainer(Trainer):
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
         self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
+        self.strategy = strategy  # the recipe's strategy name: the engine built is checked against it (None: not)
+        self.step_guard = guards.StepGuard(max_bad_steps)
 
     # -- gradient compression ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -127,6 +131,7 @@ class HFTrainer(Trainer):
                 aux = fn(outputs)
                 total = total + losses.aux_loss_term(aux, coef, self.current_gradient_accumulation_steps)
                 self._aux_logged.setdefault(name, []).append(float(aux.detach()))
+            self._guard_loss(total)  # finite or stop (guards.py)
         return (total, outputs) if return_outputs else total
 
     # -- evaluation ------------------------------------------------------------------------------------------
@@ -178,10 +183,53 @@ class HFTrainer(Trainer):
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()
+            if self.step_guard.max_bad_steps > 0:
+                logs["bad_steps"] = self.step_guard.bad_steps  # skipped so far (cumulative)
             for cb in self.callback_handler.callbacks:  # comm/* (compression), moe/* (router health), ...
                 if hasattr(cb, "pop_logs"):  # called on every rank: it may run a collective
                     logs.update(cb.pop_logs())
         super().log(logs, start_time)
+
+    # -- guards (guards.py) ----------------------------------------------------------------------------------
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """super() wraps the model (DDP / FSDP2 / DeepSpeed); before the first step, that engine must be the one
+        the recipe asked for (an environment can make accelerate silently build another)."""
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.strategy is not None:
+            guards.raise_engine_problem(self.strategy, self)
+        return model, train_dataloader
+
+    def _guard_loss(self, loss: torch.Tensor) -> None:
+        """Each training micro-batch's loss, kept on the device (no sync per micro-batch). DeepSpeed's engine steps
+        inside backward, so there the step's losses are judged before the backward of its last micro-batch."""
+        self.step_guard.add_loss(loss)
+        if self.is_deepspeed_enabled and self.accelerator.sync_gradients:
+            step = self.state.global_step + 1
+            bad = self.step_guard.verdict(None, self.args.device, check_grad_norm=False)
+            self.step_guard.decide(bad, step, self.args, can_skip=False)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Called once per optimizer step on every rank, after backward and clipping, before optimizer.step()
+        (transformers 5.23 `_inner_training_loop`): the step's losses and gradient norm of every rank are judged
+        here. A skipped step drops the gradients (set to None: torch's optimizers then leave those parameters and
+        their state untouched, weight decay included); the LR scheduler and global_step still advance, as for a
+        step the optimizer took. Under fp16 the grad scaler already skips steps with non-finite gradients (and
+        lowers its scale), so only the loss is judged. Under DeepSpeed the engine stepped inside backward: a bad
+        step stops the run (training.max_bad_steps is refused there)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        step = self.state.global_step + 1
+        bad = self.step_guard.verdict(grad_norm, self.args.device,
+                                      check_grad_norm=self.accelerator.scaler is None)
+        if self.step_guard.decide(bad, step, self.args, can_skip=not self.is_deepspeed_enabled,
+                                  applied=self.is_deepspeed_enabled):
+            model.zero_grad(set_to_none=True)
+            if not torch.isfinite(self._tr_loss):  # with logging_nan_inf_filter off the logged loss stays finite
+                self._tr_loss.zero_()
+        return grad_norm
+
+    def _refuse_nonfinite_weights(self) -> None:
+        """A checkpoint of non-finite weights is never written (every rank checks its shards)."""
+        guards.check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, **kwargs):
@@ -231,6 +279,7 @@ class HFTrainer(Trainer):
         return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy)
 
     def _save_checkpoint(self, model, trial) -> None:
+        self._refuse_nonfinite_weights()
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         root = checkpoints.staging_root(run_dir)

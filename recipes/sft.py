@@ -60,6 +60,8 @@ def main(argv: list[str]) -> None:
         loss_averaging=recipe.training["loss_averaging"],
         resume_weights_only=recipe.training["resume_weights_only"],  # fresh optimizer and schedule at resume
         compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
+        strategy=strategy.name,  # the engine built is checked against it before the first step
+        max_bad_steps=recipe.training["max_bad_steps"],  # non-finite steps skipped before the run stops
     )
     moe.attach(trainer, recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules for any MoE block
 

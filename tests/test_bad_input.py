@@ -369,6 +369,20 @@ CASES = [
      ["checkpoint-1/hftrain_checkpoint.json: not readable (JSONDecodeError"]),
     ("resume_weights_only_without_resume", lambda w: [w.recipe(set_("training.resume_weights_only", True))],
      ["training.resume_weights_only: is set but training.resume_from_checkpoint is not"]),
+    # -- finite or stop, the engine asked for (tests/test_guards.py has the runs) --------------------------------
+    ("max_bad_steps_negative", lambda w: [w.recipe(set_("training.max_bad_steps", -1))],
+     ["training.max_bad_steps: must be >= 0", "got -1"]),
+    ("max_bad_steps_not_int", lambda w: [w.recipe(set_("training.max_bad_steps", "many"))],
+     ["training.max_bad_steps", "'many'"]),
+    ("max_bad_steps_under_zero2", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                          os.path.join(REPO, "accelerate_configs", "zero2.json")),
+                                             [w.recipe(set_("training.max_bad_steps", 2))])[1],
+     ["training.max_bad_steps: cannot skip steps under 'zero2'", "set it to 0"]),
+    ("use_cpu_drops_deepspeed", lambda w: (w.env.update(ACCELERATE_USE_CPU="true", ACCELERATE_USE_DEEPSPEED="true",
+                                                        ACCELERATE_DEEPSPEED_CONFIG_FILE=
+                                                        os.path.join(REPO, "accelerate_configs", "zero2.json")),
+                                           [w.recipe()])[1],
+     ["strategy.name: 'zero2' cannot run with ACCELERATE_USE_CPU=true", "Unset ACCELERATE_USE_CPU"]),
 ]
 
 
@@ -516,7 +530,9 @@ def test_cli_refuses_the_same_way(command, tmp_path, tiny_model_dir, capsys):
 
 
 # Cases only the launched run can see: what the launcher set up against what the recipe asks for.
-RUN_ONLY = {"launcher_strategy_mismatch", "launcher_world_size_mismatch"}
+RUN_ONLY = {"launcher_strategy_mismatch", "launcher_world_size_mismatch",
+            # check sees ACCELERATE_USE_CPU of its own shell (test_guards), this table sets it for the run only
+            "use_cpu_drops_deepspeed"}
 
 
 def pin_launcher(argv: list[str], env: dict) -> None:

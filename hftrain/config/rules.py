@@ -66,6 +66,11 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
         out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "
                     "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
                     "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
+    bad = recipe.training.get("max_bad_steps")
+    if name in ZERO_STAGE and _num(bad) and bad > 0:
+        out.append(("training.max_bad_steps", f"cannot skip steps under '{name}': DeepSpeed's engine applies the "
+                    "update inside backward, before the step can be judged; set it to 0 (a non-finite step then "
+                    "stops the run), or use strategy ddp or fsdp"))
     optim = str(recipe.training_value("optim"))
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
@@ -126,6 +131,12 @@ def _training_ranges(recipe: Recipe, out: Problems) -> None:
     warm = t.get("warmup_steps")
     if _num(warm) and warm < 0:
         out.append(("training.warmup_steps", f"must be >= 0, got {warm}"))
+    bad = t.get("max_bad_steps")
+    if _num(bad) and bad < 0:
+        out.append(("training.max_bad_steps", f"must be >= 0 (0: the first non-finite step stops the run), got {bad}"))
+    if _num(bad) and bad > 0 and t.get("fp16") is True:
+        out.append(("training.max_bad_steps", "cannot be used with training.fp16: its grad scaler already skips "
+                    "steps with non-finite gradients; use bf16, or set max_bad_steps to 0"))
 
 
 def _chat_template_problem(template) -> str | None:

@@ -40,6 +40,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "optimizer state and the learning-rate schedule fresh (for a checkpoint whose optimizer.pt or scheduler.pt "
         "is missing or damaged). Not with DeepSpeed (ZeRO) strategies.",
     ),
+    "max_bad_steps": (
+        int,
+        0,
+        "Optimizer steps with a non-finite loss or gradient norm that are skipped (gradients dropped, the update "
+        "not applied; the LR schedule and step count still advance) before the run stops. 0: the first one stops "
+        "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.",
+    ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {

@@ -21,6 +21,7 @@ from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
+from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
 from .plan import model_facts, swap_buffer_elems
 
@@ -128,6 +129,9 @@ def op_is_built(builder, root: str | None = None) -> bool:
 
 def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
     problems = []
+    engine = environment_engine_problem(strategy.name, accelerator_available())
+    if engine:
+        problems.append(engine)
     if strategy.name in ZERO_STAGE:
         problems += [f"DeepSpeed op build lock {lock} is {age / 60:.0f} min old: a build was interrupted and every "
                      f"run needing that op would wait for it forever; remove it (rm {lock})"
