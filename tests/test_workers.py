@@ -156,7 +156,8 @@ def worker_pids(marker) -> dict[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher,sig", [("accelerate", signal.SIGKILL), ("hftrain", signal.SIGKILL),
-                                          ("hftrain", signal.SIGINT)])
+                                          ("hftrain", signal.SIGINT)], ids=["accelerate-kill", "hftrain-kill",
+                                                                             "hftrain-int"])
 def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, tmp_path, tiny_model_dir):
     rec = recipe(tmp_path, tiny_model_dir)
     proc, lines = start_until_training((accelerate_cmd if launcher == "accelerate" else hftrain_cmd)(rec))
