@@ -103,6 +103,14 @@ def die_with_parent(poll_seconds: float = 1.0) -> None:
     threading.Thread(target=watch, name="hftrain-parent-watch", daemon=True).start()
 
 
+def end_on_interrupt() -> None:
+    """SIGINT ends this worker at once, as SIGTERM does. torch elastic relays the signal it got to its workers
+    (a Ctrl-C of `accelerate launch` or `hftrain launch` arrives here as SIGINT); Python's KeyboardInterrupt would
+    surface only when the main thread returns to Python: a rank waiting in a collective for a peer that is already
+    gone would sit until the agent's SIGKILL 30 s later, and `finally` blocks would run on the way out."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Heartbeat:
     """See the module's docstring. `store` is a store of this thread's own (Store.clone: a store object must not be
     shared between threads); `exit` ends the process (os._exit; tests pass their own)."""

@@ -162,11 +162,16 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
     rec = recipe(tmp_path, tiny_model_dir)
     proc, lines = start_until_training((accelerate_cmd if launcher == "accelerate" else hftrain_cmd)(rec))
     try:
-        assert sorted(worker_pids(rec)) == [0, 1], processes_mentioning(rec)
+        workers = worker_pids(rec)
+        assert sorted(workers) == [0, 1], processes_mentioning(rec)
         os.kill(proc.pid, sig)
         t0 = time.time()
-        assert_no_process_left(rec, within=10)
+        while set(workers.values()) & set(processes_mentioning(rec)) and time.time() - t0 < 10:
+            time.sleep(0.1)
         gone = time.time() - t0
+        # The workers first (within seconds); the launchers' own interpreter exit can take seconds on a busy machine.
+        assert not set(workers.values()) & set(processes_mentioning(rec)), processes_mentioning(rec)
+        assert_no_process_left(rec, within=30)
         out = tmp_path / "out"
         before = snapshot(out)
         time.sleep(3)

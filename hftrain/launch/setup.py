@@ -21,7 +21,7 @@ from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
 from ..distributed import accelerator_available, launcher_world_size, print0
 from ..errors import LaunchError
-from ..lifetime import die_with_parent, launched_by_a_launcher, start_heartbeat
+from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
 from .preflight import check_recipe, extensions_dir
@@ -64,6 +64,7 @@ def setup_run(argv: list[str], raw: dict | None = None) -> Run:
     dict, for tests and benchmarks) it holds overrides only."""
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
+        end_on_interrupt()
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
