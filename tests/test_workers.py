@@ -5,6 +5,7 @@ strategy.rank_timeout, named. The heartbeat's logic is unit-tested on a store in
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -187,20 +188,24 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
 
 
 @pytest.mark.slow
-def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(stopped, tmp_path, tiny_model_dir):
+    """Rank 0 watches the others, the others watch rank 0. The job ends about rank_timeout + 30 s after the stop:
+    torch elastic gives the stopped worker 30 s to answer its SIGTERM before the SIGKILL."""
     rec = recipe(tmp_path, tiny_model_dir, rank_timeout=15)
     proc, lines = start_until_training(accelerate_cmd(rec))
     pids = worker_pids(rec)
     try:
         assert sorted(pids) == [0, 1], processes_mentioning(rec)
-        os.kill(pids[1], signal.SIGSTOP)
+        os.kill(pids[stopped], signal.SIGSTOP)
         t0 = time.time()
         rest, _ = proc.communicate(timeout=15 + 60)
         took = time.time() - t0
         out = "".join(lines) + rest
-        print(f"stopped rank 1: the job ended {took:.0f} s later with status {proc.returncode}")
+        print(f"stopped rank {stopped}: the job ended {took:.0f} s later with status {proc.returncode}")
         assert proc.returncode not in (0, None), out[-4000:]
-        assert f"rank 1 (host {os.uname().nodename}, pid {pids[1]}) has not answered for" in out, out[-4000:]
+        message = f"rank {stopped} (host {socket.gethostname()}, pid {pids[stopped]}) has not answered for"
+        assert message in out, out[-4000:]
         assert "(stopped, hung or dead)" in out and took < 15 + 45, took
         assert_no_process_left(rec, within=10)
     finally:
