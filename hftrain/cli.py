@@ -7,8 +7,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -94,33 +92,7 @@ def _launch(ns) -> int:
     print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if ns.dry_run:
         return 0
-    return run_owned(cmd)
-
-
-def run_owned(cmd: list[str]) -> int:
-    """Run the launcher as a child that cannot outlive hftrain; return its exit status (128 + N if signal N ended it).
-
-    The child gets a process group of its own (a terminal's Ctrl-C reaches hftrain alone, which forwards SIGINT and
-    SIGTERM once, so torch elastic's agent gets each signal once and stops its workers) and, on Linux, the
-    parent-death signal SIGKILL (if hftrain is SIGKILLed the launcher dies too, and its workers with it:
-    hftrain/lifetime.py)."""
-    me, prctl = os.getpid(), lifetime.prctl_function()
-
-    def in_child():  # after fork, before exec: nothing that takes a lock (threads of the parent are gone)
-        if prctl is not None:
-            lifetime.set_parent_death_signal(signal.SIGKILL, prctl)
-        if os.getppid() != me:  # hftrain died before the signal was armed
-            os._exit(1)
-
-    proc = subprocess.Popen(cmd, process_group=0, preexec_fn=in_child)
-    forward = lambda sig, frame: proc.send_signal(sig)  # noqa: E731
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    return code if code >= 0 else 128 - code
+    return lifetime.run_owned(cmd)
 
 
 def _plan(ns) -> int:

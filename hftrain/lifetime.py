@@ -25,6 +25,7 @@ import ctypes.util
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -101,6 +102,33 @@ def die_with_parent(poll_seconds: float = 1.0) -> None:
                 _parent_gone(original)
 
     threading.Thread(target=watch, name="hftrain-parent-watch", daemon=True).start()
+
+
+def run_owned(cmd: list[str]) -> int:
+    """Run a launcher as a child that cannot outlive this process (`hftrain launch`); return its exit status
+    (128 + N when signal N ended it).
+
+    The child gets a process group of its own (a terminal's Ctrl-C reaches this process alone, which forwards
+    SIGINT, SIGTERM and SIGHUP once, so torch elastic's agent gets each signal once and stops its workers) and, on
+    Linux, the parent-death signal SIGKILL: if this process is SIGKILLed the launcher dies too, and its workers
+    with it (die_with_parent)."""
+    me, prctl = os.getpid(), prctl_function()
+
+    def in_child():  # after fork, before exec: nothing that takes a lock (threads of the parent are gone)
+        if prctl is not None:
+            set_parent_death_signal(signal.SIGKILL, prctl)
+        if os.getppid() != me:  # the parent died before the signal was armed
+            os._exit(1)
+
+    proc = subprocess.Popen(cmd, process_group=0, preexec_fn=in_child)
+    forward = lambda sig, frame: proc.send_signal(sig)  # noqa: E731
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
 
 
 def end_on_interrupt() -> None:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 
 import pytest
 import yaml
@@ -214,3 +215,56 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(stopped, tmp_
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- `hftrain launch`'s child (lifetime.run_owned), without training ---------------------------------------------
+
+OWNER = """
+import sys
+from hftrain.lifetime import run_owned
+sys.exit(run_owned([sys.executable, "-c", sys.argv[1], sys.argv[2]]))
+"""
+SLEEPER = "import signal, sys, time; print('child up', flush=True); time.sleep(120)"
+
+
+@pytest.fixture
+def marker():
+    """A string in the command lines of one test's processes only; they are SIGKILLed at its end whatever happened."""
+    m = f"hftrain-owned-{uuid.uuid4().hex}"
+    yield m
+    for pid in processes_mentioning(m):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_owner(child_code, marker):
+    proc = subprocess.Popen([PY, "-c", OWNER, child_code, marker], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.stdout.readline() == "child up\n"
+    return proc
+
+
+def test_run_owned_returns_the_child_status():
+    from hftrain.lifetime import run_owned
+
+    assert run_owned([PY, "-c", "import sys; sys.exit(3)"]) == 3
+    assert run_owned([PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_run_owned_forwards_signals_to_the_child(sig, marker):
+    proc = start_owner(SLEEPER, marker)
+    assert len(processes_mentioning(marker)) == 2  # the owner and its child
+    os.kill(proc.pid, sig)
+    # The child got the signal and ended of it (Python ends itself by SIGINT after an unhandled KeyboardInterrupt):
+    # the owner reports 128 + N.
+    assert proc.wait(timeout=30) == 128 + sig
+    assert_no_process_left(marker, within=5)
+
+
+def test_the_child_dies_when_its_owner_is_sigkilled(marker):
+    proc = start_owner(SLEEPER, marker)
+    assert len(processes_mentioning(marker)) == 2
+    proc.kill()
+    proc.wait()
+    assert_no_process_left(marker, within=5)
