@@ -181,7 +181,8 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
         assert snapshot(out) == before  # nothing written after the workers ended
         assert not (out / "model.safetensors").exists()
         rest, _ = proc.communicate(timeout=60)
-        print(f"{launcher} {signal.Signals(sig).name}: workers gone {gone:.1f} s after, launcher status {proc.returncode}")
+        print(f"{launcher} {signal.Signals(sig).name}: workers gone {gone:.1f} s after, "
+              f"launcher status {proc.returncode}")
         if sig != signal.SIGKILL:  # torch elastic stopped its workers; the status is the launcher's
             assert proc.returncode not in (0, None), "".join(lines)[-2000:] + rest[-3000:]
     finally:
