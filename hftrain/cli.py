@@ -7,10 +7,10 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import replace
 
+from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
 from .config.sections import STRATEGY_DEFAULTS
 from .constants import STRATEGIES
@@ -92,7 +92,7 @@ def _launch(ns) -> int:
     print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if ns.dry_run:
         return 0
-    return subprocess.call(cmd)
+    return lifetime.run_owned(cmd)
 
 
 def _plan(ns) -> int:

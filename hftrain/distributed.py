@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .lifetime import stop_heartbeat
+
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -79,7 +81,9 @@ def all_reduce_sum(value: float | int) -> float:
 
 def shutdown(wait: bool = True) -> None:
     """Tear the process group down before interpreter exit: a gloo group still alive at exit can abort the process
-    ("terminate called without an active exception"); a gc, then an explicit destroy, avoids it."""
+    ("terminate called without an active exception"); a gc, then an explicit destroy, avoids it. The heartbeat stops
+    first: the other ranks must not take this rank's normal end for a stall."""
+    stop_heartbeat()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         if wait:

@@ -1,9 +1,11 @@
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,6 +111,35 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subproce
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def processes_mentioning(marker: str) -> dict[int, str]:
+    """pid -> command line of every live process (zombies left out) whose command line contains `marker`: a /proc
+    scan, so that workers are found whoever their parent is now (an orphan is re-parented)."""
+    found = {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != b"Z" and pid != os.getpid():
+            found[pid] = cmdline
+    return found
+
+
+def assert_no_process_left(marker: str, within: float = 10.0) -> None:
+    """Within `within` seconds no process mentioning `marker` (a run's recipe path) is alive. On failure the
+    survivors are SIGKILLed (so that they do not go on writing through the rest of the suite) and named."""
+    deadline = time.time() + within
+    while (alive := processes_mentioning(marker)) and time.time() < deadline:
+        time.sleep(0.2)
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes of the run still alive {within:.0f} s after its launcher ended: {alive}"
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,8 @@ from hftrain.checkpoints import newest_complete
 from hftrain.distributed import free_port
 from hftrain.manifest import manifest_problems, read_manifest
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
+from .conftest import (ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning,
+                       run)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ops")]
 
@@ -75,8 +76,10 @@ def kill_after_first_checkpoint(cmd, out):
     """Start the (slowed) launch, SIGKILL its whole process group once checkpoint-2 is published."""
     proc = start_slow(cmd)
     wait_for(os.path.join(out, f"checkpoint-{SAVE}"), proc)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: torch elastic's workers sit in sessions of their own
     proc.wait(timeout=60)
+    # No worker of the first run survives to write beside the resumed one (they end with their launcher).
+    assert_no_process_left(os.path.dirname(str(out)) + os.sep, within=10)
     last = newest_complete(str(out))
     assert last is not None and int(last.rsplit("-", 1)[1]) < STEPS, last
     assert not os.path.exists(os.path.join(out, "model.safetensors"))  # it never got to the final save
@@ -146,11 +149,20 @@ def test_killed_worker_restarts_from_the_newest_complete_checkpoint(tmp_path, ti
     assert sorted(pids) == [0, 1], pids
     os.kill(pids[1], signal.SIGKILL)
     try:
+        # The restarted workers start only after every worker of the first attempt has ended.
+        t0, first = time.time(), set(pids.values())
+        while proc.poll() is None and time.time() - t0 < 120:
+            now = set(worker_pids(proc.pid).values())
+            if now and not now & first:
+                break
+            time.sleep(0.1)
+        assert not first & set(processes_mentioning(str(tmp_path) + os.sep)), (first, worker_pids(proc.pid))
         stdout, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout[-4000:]
+    assert_no_process_left(str(tmp_path) + os.sep, within=30)
     assert "hftrain: restart 1: process group on a fresh store prefix" in stdout, stdout[-4000:]
     assert "hftrain: restarted by the launcher: resuming from " in stdout, stdout[-4000:]
     resumed_from = stdout.split("hftrain: restarted by the launcher: resuming from ", 1)[1].split()[0]

@@ -15,6 +15,7 @@ from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
 Problems = list[tuple[str, str]]
+MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
 
 
 def _num(x) -> bool:
@@ -41,6 +42,10 @@ def recipe_problems(recipe: Recipe) -> Problems:
         out.append(("model.lora.r", f"must be > 0, got {lora.r}"))
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
+    if isinstance(recipe.strategy, StrategySection):
+        t = recipe.strategy.rank_timeout
+        if _num(t) and t != 0 and not MIN_RANK_TIMEOUT <= t:
+            out.append(("strategy.rank_timeout", f"must be 0 (off) or at least {MIN_RANK_TIMEOUT} seconds, got {t}"))
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
         out += strategy_problems(recipe, recipe.strategy.name)
     return out

@@ -94,6 +94,10 @@ class StrategySection:
     machine_rank: int | None = _f(None, "This machine's rank among the machines; default 0.")
     main_process_ip: str | None = _f(None, "Address of machine 0 (several machines).")
     main_process_port: int | None = _f(None, "Port of the rendezvous on machine 0; default 29500.")
+    rank_timeout: int | None = _f(
+        None, "Seconds a rank may go without answering (stopped, hung, dead) before the job fails naming it; "
+        "0 turns the check off; default 300."
+    )
     fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
     fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
     fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
@@ -111,7 +115,7 @@ class StrategySection:
 
 # Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
 COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
-                            "main_process_port"})
+                            "main_process_port", "rank_timeout"})
 STRATEGY_OPTIONS = {
     "ddp": COMMON_OPTIONS,
     "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
@@ -129,6 +133,7 @@ STRATEGY_DEFAULTS = {
     "num_machines": 1,
     "machine_rank": 0,
     "main_process_port": DEFAULT_PORT,
+    "rank_timeout": 300,
     "fsdp_reshard_after_forward": True,
     "fsdp_offload_params": False,
     "pin_memory": False,

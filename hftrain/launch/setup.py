@@ -17,10 +17,12 @@ import torch.distributed as dist
 from transformers import TrainingArguments, set_seed
 
 from ..config import Recipe, StrategySection, arguments_kwargs, split_argv, strategy_of_deepspeed_config
+from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
 from .. import outdir
 from ..distributed import accelerator_available, is_main_process, launcher_world_size, print0, restart_count
 from ..errors import LaunchError
+from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
 from .preflight import check_recipe, extensions_dir
@@ -61,6 +63,9 @@ def setup_run(argv: list[str], raw: dict | None = None) -> Run:
     the DeepSpeed config is rendered from the recipe and given to TrainingArguments, for FSDP the options go into
     the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
     dict, for tests and benchmarks) it holds overrides only."""
+    if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
+        die_with_parent()
+        end_on_interrupt()
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
@@ -90,6 +95,10 @@ def setup_run(argv: list[str], raw: dict | None = None) -> Run:
             f"the launcher started {launcher_world_size()} processes but training sees a world of {args.world_size}: "
             "the ranks would train separate copies. On a machine without GPU leave training.use_cpu unset (hftrain "
             "sets it) and launch with torchrun or a MULTI_GPU accelerate config")
+    # A stalled rank fails the job by name within strategy.rank_timeout (the process group's own timeout,
+    # training.ddp_timeout, is left alone: it bounds one collective, and may well be longer on purpose).
+    timeout = strategy.rank_timeout if strategy.rank_timeout is not None else STRATEGY_DEFAULTS["rank_timeout"]
+    start_heartbeat(timeout)
     set_seed(args.seed)
     return Run(recipe, strategy, args)
 
