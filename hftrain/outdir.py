@@ -50,9 +50,9 @@ def holder(path: str) -> str | None:
 
 
 def run_state(path: str) -> tuple[str, list[str]]:
-    """What output_dir holds: ('new', []) absent, empty or only hftrain's launcher configs; ('finished', names) a run
-    that saved its final model (run_info.json); ('unfinished', names) a run's recipe or checkpoints without the final
-    save; ('foreign', names) files hftrain did not write."""
+    """What output_dir holds: ('new', []) absent, empty, only hftrain's launcher configs, or a run stopped before its
+    first checkpoint; ('finished', names) a run that saved its final model (run_info.json); ('unfinished', names) a
+    run's checkpoints without the final save; ('foreign', names) files hftrain did not write."""
     try:
         names = sorted(n for n in os.listdir(path) if n != LOCK_FILE)
     except FileNotFoundError:
@@ -61,10 +61,11 @@ def run_state(path: str) -> tuple[str, list[str]]:
         return "foreign", [path]
     if RUN_INFO_FILE in names:
         return "finished", [RUN_INFO_FILE]
-    run = [n for n in names if n in (RECIPE_FILE, STAGING) or n.startswith(f"{PREFIX}-")]
-    if run:
-        return "unfinished", run
-    other = [n for n in names if n not in CONFIG_FILES]
+    saved = [n for n in names if n.startswith(f"{PREFIX}-")]
+    if saved:
+        return "unfinished", saved
+    # A run that stopped before its first checkpoint left nothing to lose: its recipe copy and staging are rewritten.
+    other = [n for n in names if n not in CONFIG_FILES and n not in (RECIPE_FILE, STAGING)]
     return ("foreign", other) if other else ("new", [])
 
 

@@ -22,9 +22,9 @@ def _touch(path, text="x"):
     ([], "new"),
     (["ddp.yaml"], "new"),  # hftrain config / hftrain launch rendered its configs there
     (["zero3.yaml", "zero3.json"], "new"),
-    (["recipe.yaml"], "unfinished"),
+    (["recipe.yaml"], "new"),  # stopped before its first checkpoint: nothing to lose
+    (["recipe.yaml", "_incomplete/checkpoint-5/x"], "new"),  # a save cut short was never a checkpoint
     (["checkpoint-10/trainer_state.json"], "unfinished"),
-    (["_incomplete/checkpoint-5/x"], "unfinished"),
     (["recipe.yaml", "model.safetensors", "run_info.json"], "finished"),
     (["notes.txt"], "foreign"),
     (["ddp.yaml", "data.jsonl"], "foreign"),

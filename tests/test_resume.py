@@ -272,3 +272,54 @@ def test_fsdp_damaged_optimizer_shard_is_refused_then_resumed_weights_only(tmp_p
     assert "hftrain: resuming the weights only from" in r.stdout
     assert r.stdout.count("{'loss': ") == STEPS - 4
     assert json.load(open(out / "run_info.json"))["global_step"] == STEPS
+
+
+def test_chaos_kill_the_launcher_at_random_points_then_finish_equals_uninterrupted(tmp_path, tiny_model_dir,
+                                                                                   references):
+    """SIGKILL only the launcher (not its process group) at random moments, several times in one run: during the
+    start-up, a step, a checkpoint save. After each kill no process of the run survives (the workers end with their
+    launcher), and the next launch continues from what is there: the newest verified checkpoint when there is one,
+    else from scratch. The run finished this way has the weights of an uninterrupted one."""
+    import random
+
+    rng = random.Random(20261123)  # fixed: the same "random" points on every run of the suite
+    ref = references("ddp")
+    out = tmp_path / "out"
+    path = recipe(tmp_path, tiny_model_dir, out, save_steps=1)  # a save every step: kills land in saves too
+    kills, history = 0, []
+    for attempt in range(8):
+        last = newest_complete(str(out)) if out.exists() else None
+        done = int(last.rsplit("-", 1)[1]) if last else 0
+        args = [path] + (["training.resume_from_checkpoint=true"] if last else [])
+        proc = start_slow(launch("ddp", "tests/slow_sft.py", args), sleep=0.5)
+        if kills < 4 and done + 1 < STEPS:
+            if attempt == 0:  # in the start-up: loading, tokenising, the process group, the first step
+                time.sleep(rng.uniform(2, 8))
+                where = "start-up"
+            else:  # once checkpoint-N is published, a moment later: in step N+1 or in its save
+                target = min(done + rng.choice([1, 2]), STEPS - 1)
+                wait_for(os.path.join(out, f"checkpoint-{target}"), proc)
+                time.sleep(rng.uniform(0, 0.8))
+                where = f"after checkpoint-{target}"
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: its workers must follow it by themselves
+                proc.wait(timeout=60)
+                kills += 1
+                assert_no_process_left(str(tmp_path) + os.sep, within=10)
+                now = newest_complete(str(out)) if out.exists() else None
+                history.append(f"killed {where}; newest complete checkpoint: {os.path.basename(now or '-')}")
+                continue
+        text = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, text[-4000:]
+        history.append(f"finished (attempt {attempt + 1})")
+        break
+    else:
+        raise AssertionError(f"the run never finished: {history}")
+    print("\n".join(history))
+    assert kills >= 3, history  # the chaos really happened
+    assert_no_process_left(str(tmp_path) + os.sep, within=10)
+    state = json.load(open(out / "trainer_state.json"))
+    assert [h["step"] for h in state["log_history"] if "loss" in h][-1] == STEPS
+    diff = max_diff(weights(out), weights(ref))
+    print(f"chaos: {kills} kills, max |w - w_uninterrupted| = {diff:.3g}")
+    assert diff <= 1e-6
