@@ -1,0 +1,159 @@
+"""Chunked linear cross-entropy: each token's CE from the final hidden states and the output projection, without the
+full logits.
+
+`linear_ce(hidden [N, H], weight [V, H], bias, targets [N])` returns the same per-position CE as
+`losses.target_ce(logits)` (0 where the target is ignored), but only rows with a target are projected, and at most
+`chunk_size` of them at a time: forward keeps the CE of each row and nothing of its logits; backward recomputes each
+chunk's logits and differentiates them with autograd (the same ops as the logits path, so the same numbers), adding
+the chunk's weight gradient into one buffer. Peak extra memory: a few chunk x vocabulary tensors instead of
+tokens x vocabulary (fp32 logits, their log-softmax and their gradient).
+
+`HeadMath` is what a model does to `lm_head`'s output before returning it (Gemma's final soft-cap, Cohere's logit
+scale, Granite's logits scaling); `head_of(model)` finds the head and that maths, or says why it cannot;
+`capture_hidden(head)` makes the head return a placeholder and keep its input, so that the wrapped model's forward
+(DDP's, with its gradient hooks) runs as usual without computing logits. The loss normalisation stays in losses.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from .constants import IGNORE_INDEX
+
+DEFAULT_CHUNK = 1024  # target tokens per chunk: at a 131k vocabulary, 0.5 GiB of fp32 logits per chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadMath:
+    """logits = softcap(lm_head(h) * scale / divide), each step only where set, in the model's own order."""
+
+    scale: float | None = None  # Cohere: logits * logit_scale
+    divide: float | None = None  # Granite: logits / logits_scaling
+    softcap: float | None = None  # Gemma 2/3: cap * tanh(logits / cap)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _chunk_ce(h, weight, bias, targets, math: HeadMath, label_smoothing: float) -> torch.Tensor:
+    # The ops of the logits path: the head in the model's dtype, its post-processing, then CE in fp32.
+    logits = math.apply(F.linear(h, weight, bias)).float()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none",
+                           label_smoothing=label_smoothing)
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, math, label_smoothing, chunk_size):
+        ce = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk_size):
+            ce[s:s + chunk_size] = _chunk_ce(hidden[s:s + chunk_size], weight, bias, targets[s:s + chunk_size],
+                                             math, label_smoothing)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.math, ctx.label_smoothing, ctx.chunk_size = math, label_smoothing, chunk_size
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulators across chunks (the logits path accumulates its one matmul in fp32 too)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        w = weight.detach().requires_grad_(need_w)
+        b = bias.detach().requires_grad_(need_b) if bias is not None else None
+        for s in range(0, hidden.shape[0], ctx.chunk_size):
+            e = s + ctx.chunk_size
+            h = hidden[s:e].detach().requires_grad_(need_h)
+            wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
+            with torch.enable_grad():
+                ce = _chunk_ce(h, w, b, targets[s:e], ctx.math, ctx.label_smoothing)
+                grads = list(torch.autograd.grad(ce, wanted, grad_ce[s:e]))
+            if need_h:
+                grad_h[s:e] = grads.pop(0)
+            if need_w:
+                grad_w += grads.pop(0)
+            if need_b:
+                grad_b += grads.pop(0)
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+def linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int = DEFAULT_CHUNK):
+    """(N,) fp32 CE of each row of `hidden` (N, H) against `targets` (N,), 0 where the target is IGNORE_INDEX."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # rows without a target are never projected
+    ce = _LinearCE.apply(hidden.index_select(0, keep), weight, bias, targets.index_select(0, keep), math,
+                         label_smoothing, chunk_size)
+    return torch.zeros(targets.shape[0], dtype=ce.dtype, device=ce.device).index_copy(0, keep, ce)
+
+
+# -- the model's head --------------------------------------------------------------------------------------------
+# What causal LMs in transformers 5.23 do to lm_head's output besides the maths of HeadMath: a forward holding one of
+# these is not reproduced (the logits path is used). Found by reading every modeling_*.py after `self.lm_head(`.
+_UNSUPPORTED_MARKERS = ("logit_softcap(", "final_logits_bias", "unpadded_vocab_size", "predict_logits")
+
+
+def head_of(model) -> tuple[torch.nn.Module | None, HeadMath | None, str]:
+    """(lm_head, its maths, "") for a causal LM whose logits chunked_ce reproduces, else (None, None, why not)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the transformers model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:  # noqa: E721 - a LoRA, quantised or custom head computes something else
+        return None, None, f"its output head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return None, None, f"the source of {type(base).__name__}.forward cannot be read to check its head"
+    if "self.lm_head(" not in source or base.get_output_embeddings() is not getattr(base, "lm_head", None):
+        return None, None, f"{type(base).__name__}.forward does not call self.lm_head"
+    odd = [m for m in _UNSUPPORTED_MARKERS if m in source]
+    if odd:
+        return None, None, f"{type(base).__name__}.forward post-processes its logits ({odd[0]})"
+    config = base.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    math = HeadMath(
+        scale=float(base.logit_scale) if "* self.logit_scale" in source else None,
+        divide=float(text.logits_scaling) if "logits_scaling" in source else None,
+        softcap=getattr(text, "final_logit_softcapping", None) if "final_logit_softcapping" in source else None,
+    )
+    return head, math, ""
+
+
+@dataclasses.dataclass
+class Captured:
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def capture_hidden(head: torch.nn.Linear):
+    """While open, `head(h)` keeps (h, weight, bias) in the yielded `Captured` and returns zeros of shape
+    (*h.shape[:-1], 1) instead of logits (width 1, not 0: reshapes with -1 must still work on it). The model's own
+    post-processing then runs on the placeholder, harmlessly. The weight is the parameter itself, so its gradient
+    reaches it through the chunked loss (tied embeddings: the embedding's)."""
+    captured = Captured()
+
+    def forward(h):
+        captured.hidden, captured.weight, captured.bias = h, head.weight, head.bias
+        return h.new_zeros(*h.shape[:-1], 1)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) now run it
+    try:
+        yield captured
+    finally:
+        del head.forward
