@@ -62,6 +62,7 @@ class _LinearCE(torch.autograd.Function):
                                              math, label_smoothing)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.math, ctx.label_smoothing, ctx.chunk_size = math, label_smoothing, chunk_size
+        ctx.autocast = autocast_state(hidden.device.type)  # backward recomputes under the same autocast
         return ce
 
     @staticmethod
@@ -78,7 +79,7 @@ class _LinearCE(torch.autograd.Function):
             e = s + ctx.chunk_size
             h = hidden[s:e].detach().requires_grad_(need_h)
             wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(*ctx.autocast):
                 ce = _chunk_ce(h, w, b, targets[s:e], ctx.math, ctx.label_smoothing)
                 grads = list(torch.autograd.grad(ce, wanted, grad_ce[s:e]))
             if need_h:
@@ -133,11 +134,21 @@ def head_of(model) -> tuple[torch.nn.Module | None, HeadMath | None, str]:
     return head, math, ""
 
 
+def autocast_state(device_type: str) -> tuple[str, torch.dtype, bool]:
+    """torch.autocast's arguments for the autocast in force now on `device_type`."""
+    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+
 @dataclasses.dataclass
 class Captured:
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    autocast_args: tuple = ("cpu", torch.bfloat16, False)  # the autocast lm_head was called under
+
+    def autocast(self):
+        """The autocast the head ran under (accelerate's mixed precision wraps the model's forward, not the loss)."""
+        return torch.autocast(*self.autocast_args)
 
 
 @contextlib.contextmanager
@@ -150,6 +161,7 @@ def capture_hidden(head: torch.nn.Linear):
 
     def forward(h):
         captured.hidden, captured.weight, captured.bias = h, head.weight, head.bias
+        captured.autocast_args = autocast_state(h.device.type)
         return h.new_zeros(*h.shape[:-1], 1)
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) now run it

@@ -25,16 +25,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoints, distributed, losses
+from . import checkpoints, chunked_ce, distributed, losses
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
+from .constants import CHUNKED_LOSS_UNSUPPORTED
 from .data.collate import PackedRows, make_collator
+from .errors import ModelError
 from .patches.deepspeed import untie_zero3_universal_steps
 from .patches.transformers import staged_checkpoint_dir
 
 
 class HFTrainer(Trainer):
-    def __init__(self, *args, loss_averaging: str = "token", compression=None, **kwargs):
+    def __init__(self, *args, loss_averaging: str = "token", compression=None, loss_impl: str = "logits", **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
         self.compression = compression if compression is not None and compression.method != "none" else None
@@ -50,6 +52,8 @@ class HFTrainer(Trainer):
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
         self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
+        self.loss_chunk_size = chunked_ce.DEFAULT_CHUNK  # target tokens per chunk of the chunked loss
+        self._head = self._chunked_head(loss_impl)  # (lm_head, HeadMath) when the loss is chunked, else None
 
     # -- gradient compression ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -87,9 +91,35 @@ class HFTrainer(Trainer):
         return batch_samples, num_items
 
     # -- loss ------------------------------------------------------------------------------------------------
-    def _forward(self, model, inputs: dict):
-        """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits."""
-        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+    def _chunked_head(self, loss_impl: str):
+        """training.loss_impl -> (lm_head, its maths) for the chunked loss, or None for the logits path."""
+        if loss_impl == "logits":
+            return None
+        strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
+        if self.is_deepspeed_enabled:
+            strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if strategy in CHUNKED_LOSS_UNSUPPORTED:
+            # Sharded head weight: ZeRO-3 gathers it only inside lm_head's forward and for backward only when a
+            # gradient reaches lm_head's output; FSDP2 likewise. Not done (yet): the logits path is exact there.
+            why = f"strategy {strategy!r} shards the output head's weight"
+        else:
+            head, math, why = chunked_ce.head_of(self.model)
+            if not why:
+                return head, math
+        if loss_impl == "chunked":
+            raise ModelError(f"training.loss_impl: chunked cannot be used: {why}; set training.loss_impl: auto "
+                             "(the logits path where chunked is not supported) or logits")
+        distributed.print0(f"hftrain: training.loss_impl auto: the loss is computed from logits ({why})")
+        return None
+
+    def _forward(self, model, inputs: dict, capture: bool = False):
+        """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits.
+        `capture`: lm_head computes no logits and its input is returned too (chunked_ce.capture_hidden)."""
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        if capture:
+            with chunked_ce.capture_hidden(self._head[0]) as captured:
+                return model(**inputs), captured
+        outputs = model(**inputs)
         if getattr(outputs, "logits", None) is None:
             raise ValueError(
                 f"{type(self.accelerator.unwrap_model(model)).__name__} returned no logits; hftrain computes the loss "
@@ -97,17 +127,28 @@ class HFTrainer(Trainer):
             )
         return outputs
 
+    def _ce(self, model, inputs: dict, labels: torch.Tensor, label_smoothing: float = 0.0):
+        """(outputs, flattened per-position CE): chunked from lm_head's input, or from the logits."""
+        if self._head is None:
+            outputs = self._forward(model, inputs)
+            return outputs, losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
+        outputs, c = self._forward(model, inputs, capture=True)
+        with c.autocast():  # the head's matmul in the dtype the model's forward ran it in
+            hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
+            ce = losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
+                                  self.loss_chunk_size)
+        return outputs, ce
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        outputs = self._forward(model, inputs)
+        outputs, ce = self._ce(model, inputs, labels, self.args.label_smoothing_factor)
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
             tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
             num_items_in_batch = max(tokens if self.loss_averaging == "token" else seqs, 1)
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         total = losses.normalise(
-            losses.loss_sum(outputs.logits, labels, self.loss_averaging, inputs.get("position_ids"),
-                            self.args.label_smoothing_factor),
+            losses.sum_ce(ce, labels, self.loss_averaging, inputs.get("position_ids")),
             num_items_in_batch,
             dp_size,
         )
@@ -147,8 +188,11 @@ class HFTrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            logits = self._forward(model, inputs).logits
-        sums = losses.example_sums(logits, inputs["labels"], inputs.get("position_ids"))
+            if prediction_loss_only and self._head is not None:  # no logits wanted: the eval loss in chunks too
+                logits, ce = None, self._ce(model, inputs, inputs["labels"])[1]
+            else:
+                logits, ce = self._forward(model, inputs).logits, None
+        sums = losses.example_sums(logits, inputs["labels"], inputs.get("position_ids"), ce=ce)
         # Every rank gathers the same number of rows; at the end of the eval set the rows beyond its length (the
         # sampler's repeats of its first examples) are dropped.
         self._eval_sums.append(self.accelerator.gather_for_metrics(sums).cpu())

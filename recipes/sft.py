@@ -57,6 +57,7 @@ def main(argv: list[str]) -> None:
         data_collator=data.collator,
         callbacks=[CurvesCallback()],
         loss_averaging=recipe.training["loss_averaging"],
+        loss_impl=recipe.training["loss_impl"],  # chunked CE from the hidden states, without the full logits
         compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
     )
     moe.attach(trainer, recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules for any MoE block

@@ -61,7 +61,7 @@ def test_loss_and_gradients_equal_the_logits_path(chunk, mode, packed):
     # Negative control: a wrong shift (hidden not shifted against the labels) is far outside the tolerance.
     wrong = losses.sum_ce(losses.hidden_ce(hidden[:, 1:], weight, bias, labels[:, :-1], chunk_size=chunk),
                           labels[:, :-1], mode)
-    assert abs(float(wrong) - float(ref)) > 1e-3 * abs(float(ref))
+    assert abs(float(wrong.detach()) - float(ref.detach())) > 1e-3 * abs(float(ref.detach()))
 
 
 @pytest.mark.parametrize("math", [HeadMath(softcap=3.0), HeadMath(scale=0.25), HeadMath(divide=4.0),
@@ -75,7 +75,7 @@ def test_head_maths_and_label_smoothing(math):
         for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
             assert_rel(g, r)
     plain = reference(hidden, weight, None, labels, "token", None)
-    assert abs(float(plain) - float(ref)) > 1e-3 * float(ref)  # the maths changes the loss: the test can see it
+    assert abs(float(plain.detach()) - float(ref.detach())) > 1e-3 * float(ref.detach())  # the maths changes the loss: the test can see it
 
 
 def test_bf16_within_bf16_tolerance():
@@ -110,3 +110,149 @@ def test_rows_without_a_target_are_never_projected():
     ce = linear_ce(hidden[:, :-1].reshape(-1, 16), weight, None, labels[:, 1:].reshape(-1), chunk_size=4)
     assert (ce[labels[:, 1:].reshape(-1) == IGNORE_INDEX] == 0).all()
     assert (ce[labels[:, 1:].reshape(-1) != IGNORE_INDEX] > 0).all()
+
+
+# -- the Trainer path ----------------------------------------------------------------------------------------------
+
+def tiny_lm(vocab=512, tie=True, kind="llama", seed=0):
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie, use_cache=False)
+    if kind == "gemma2":  # final_logit_softcapping 30 by default; a small cap so that it matters on random weights
+        return Gemma2ForCausalLM(Gemma2Config(**common, final_logit_softcapping=0.1)).float()
+    return LlamaForCausalLM(LlamaConfig(**common)).float()
+
+
+def trainer_for(model, impl, tmp_path, **kwargs):
+    from transformers import TrainingArguments
+
+    from hftrain.trainer import HFTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             label_smoothing_factor=kwargs.pop("label_smoothing", 0.0))
+    return HFTrainer(model=model, args=args, loss_impl=impl, **kwargs)
+
+
+def lm_batch(vocab, b=2, t=48, packed=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    labels = ids.clone()
+    labels[0, :10] = IGNORE_INDEX
+    labels[1, 30:] = IGNORE_INDEX
+    batch = {"input_ids": ids, "labels": labels}
+    if packed:
+        batch["position_ids"] = packed_position_ids(b, t)
+    else:
+        batch["attention_mask"] = torch.ones_like(ids)
+    return batch
+
+
+def loss_and_grads(model, impl, tmp_path, batch, chunk=16, **kwargs):
+    import copy
+
+    model = copy.deepcopy(model)
+    trainer = trainer_for(model, impl, tmp_path, **kwargs)
+    trainer.loss_chunk_size = chunk
+    model.train()
+    loss = trainer.compute_loss(model, dict(batch))
+    loss.backward()
+    return trainer, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("case", ["tied", "untied", "packed", "gemma2_softcap", "sequence", "label_smoothing"])
+def test_trainer_step_chunked_equals_logits(case, tmp_path):
+    model = tiny_lm(tie=case != "untied", kind="gemma2" if case == "gemma2_softcap" else "llama")
+    batch = lm_batch(512, b=3 if case == "packed" else 2, packed=case == "packed")
+    kwargs = {"loss_averaging": "sequence"} if case == "sequence" else {}
+    if case == "label_smoothing":
+        kwargs["label_smoothing"] = 0.1
+    ref_trainer, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch, **kwargs)
+    trainer, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch, **kwargs)
+    assert ref_trainer._head is None and trainer._head is not None
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert ref_grads.keys() == grads_.keys()
+    for name in ref_grads:
+        assert_rel(grads_[name], ref_grads[name])
+    if case == "tied":  # the head's gradient reached the embedding (the one parameter both use)
+        assert float(grads_["model.embed_tokens.weight"].abs().sum()) > 0
+    if case == "gemma2_softcap":  # the cap is applied: without it the loss differs
+        trainer._head = (trainer._head[0], HeadMath())
+        _, plain = trainer._ce(trainer.model, {k: v for k, v in batch.items() if k != "labels"}, batch["labels"])
+        assert abs(float(losses.sum_ce(plain, batch["labels"])) / int((batch["labels"][:, 1:] != -100).sum())
+                   - ref) > 1e-4 * ref  # 10x the tolerance above
+
+
+def test_lora_trains_through_the_chunked_loss(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_lm(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    batch = lm_batch(512)
+    _, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch)
+    trainer, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch)
+    assert trainer._head is not None
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert len(grads_) == 4 and grads_.keys() == ref_grads.keys()  # the LoRA matrices only
+    for name in ref_grads:
+        assert_rel(grads_[name], ref_grads[name])
+
+
+def test_a_head_it_cannot_reproduce_falls_back_under_auto_and_is_refused_when_asked(tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+
+    from hftrain.errors import ModelError
+
+    model = get_peft_model(tiny_lm(tie=False), LoraConfig(r=4, target_modules=["lm_head"]))
+    assert head_of(model)[0] is None and "not a plain torch.nn.Linear" in head_of(model)[2]
+    assert trainer_for(model, "auto", tmp_path)._head is None
+    assert "training.loss_impl auto: the loss is computed from logits" in capsys.readouterr().out
+    with pytest.raises(ModelError, match="training.loss_impl: chunked cannot be used"):
+        trainer_for(model, "chunked", tmp_path)
+    assert trainer_for(tiny_lm(), "auto", tmp_path)._head is not None  # auto on a plain causal LM: chunked
+
+
+def test_eval_sums_in_chunks_equal_from_logits(tmp_path):
+    model = tiny_lm().eval()
+    batch = lm_batch(512)
+    a = trainer_for(model, "chunked", tmp_path)
+    b = trainer_for(model, "logits", tmp_path)
+    for t in (a, b):
+        t.prediction_step(model, dict(batch), prediction_loss_only=True)
+    torch.testing.assert_close(a._eval_sums[0], b._eval_sums[0], rtol=1e-6, atol=1e-6)
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest number of elements of any tensor an op creates (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_of_the_full_logits_is_ever_created(tmp_path):
+    vocab, chunk = 8192, 32
+    model = tiny_lm(vocab=vocab, tie=False)
+    batch = lm_batch(vocab, b=2, t=128)
+    n_targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    largest = {}
+    for impl in ("logits", "chunked"):
+        trainer = trainer_for(model, impl, tmp_path)
+        trainer.loss_chunk_size = chunk
+        model.zero_grad()
+        with LargestTensor() as mode:
+            trainer.compute_loss(model, dict(batch)).backward()
+        largest[impl] = mode.largest
+    # Negative control: the logits path creates (tokens x vocabulary) tensors.
+    assert largest["logits"] >= 2 * 128 * vocab
+    # Chunked: nothing larger than the head's weight (and its gradient), the only vocabulary-sized tensor left;
+    # a chunk's logits are chunk x vocabulary, 32 times less than the targets' logits.
+    assert largest["chunked"] <= vocab * 32
+    assert n_targets * vocab > 4 * largest["chunked"]

@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 from transformers import TrainingArguments
 
-from ..constants import LossAveraging
+from ..constants import LossAveraging, LossImpl
 from .schema import Ctx, check, type_name, unknown
 
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
@@ -26,6 +26,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "token",
         "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
         "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
+    ),
+    "loss_impl": (
+        LossImpl,
+        "auto",
+        "chunked: the CE from the final hidden states and the output head in chunks of tokens, never the full logits "
+        "(the same loss and gradients, far less memory at large vocabularies); logits: from the model's logits; "
+        "auto: chunked where supported (not under fsdp or ZeRO-3, nor with a head it cannot reproduce), else logits.",
     ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
