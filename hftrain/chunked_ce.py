@@ -5,8 +5,10 @@ full logits.
 `losses.target_ce(logits)` (0 where the target is ignored), but only rows with a target are projected, and at most
 `chunk_size` of them at a time: forward keeps the CE of each row and nothing of its logits; backward recomputes each
 chunk's logits and differentiates them with autograd (the same ops as the logits path, so the same numbers), adding
-the chunk's weight gradient into one buffer. Peak extra memory: a few chunk x vocabulary tensors instead of
-tokens x vocabulary (fp32 logits, their log-softmax and their gradient).
+the chunk's weight gradient into one buffer. With `row_weights` (what the training loss uses: losses.hidden_loss_sum)
+it returns sum(row_weights * CE) and computes the gradients in forward, while each chunk's logits exist: no
+recomputation. Peak extra memory: a few chunk x vocabulary tensors instead of tokens x vocabulary (fp32 logits, their
+log-softmax and their gradient).
 
 `HeadMath` is what a model does to `lm_head`'s output before returning it (Gemma's final soft-cap, Cohere's logit
 scale, Granite's logits scaling); `head_of(model)` finds the head and that maths, or says why it cannot;
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from .constants import IGNORE_INDEX
 
-DEFAULT_CHUNK = 1024  # target tokens per chunk: at a 131k vocabulary, 0.5 GiB of fp32 logits per chunk
+CHUNK_BYTES = 128 * 2**20  # fp32 logits per chunk: 256 target tokens at a 131k vocabulary, 1024 at 32k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +55,40 @@ def _chunk_ce(h, weight, bias, targets, math: HeadMath, label_smoothing: float) 
                            label_smoothing=label_smoothing)
 
 
+def _chunks(hidden, weight, bias, targets, math, label_smoothing, chunk_size, upstream, needs):
+    """Each row's CE and, where `needs` (hidden, weight, bias), the gradients of sum(upstream * CE), one chunk's
+    logits at a time: autograd differentiates the chunk's own ops, so the numbers are the logits path's."""
+    need_h, need_w, need_b = needs
+    ce = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if need_h else None
+    # fp32 accumulators across chunks (the logits path accumulates its one matmul in fp32 too)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+    w = weight.detach().requires_grad_(need_w)
+    b = bias.detach().requires_grad_(need_b) if bias is not None else None
+    for s in range(0, hidden.shape[0], chunk_size):
+        e = s + chunk_size
+        h = hidden[s:e].detach().requires_grad_(need_h)
+        wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
+        with torch.set_grad_enabled(bool(wanted)):
+            c = _chunk_ce(h, w, b, targets[s:e], math, label_smoothing)
+            grads = list(torch.autograd.grad(c, wanted, upstream[s:e])) if wanted else []
+        ce[s:e] = c.detach()
+        if need_h:
+            grad_h[s:e] = grads.pop(0)
+        if need_w:
+            grad_w += grads.pop(0)
+        if need_b:
+            grad_b += grads.pop(0)
+    return (ce, grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None)
+
+
 class _LinearCE(torch.autograd.Function):
+    """(N,) per-row CE; backward recomputes each chunk's logits (4 head matmuls per chunk: the logits path's 3 + 1)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, math, label_smoothing, chunk_size):
-        ce = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], chunk_size):
-            ce[s:s + chunk_size] = _chunk_ce(hidden[s:s + chunk_size], weight, bias, targets[s:s + chunk_size],
-                                             math, label_smoothing)
+        ce = _chunks(hidden, weight, bias, targets, math, label_smoothing, chunk_size, None, (False,) * 3)[0]
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.math, ctx.label_smoothing, ctx.chunk_size = math, label_smoothing, chunk_size
         ctx.autocast = autocast_state(hidden.device.type)  # backward recomputes under the same autocast
@@ -68,38 +97,50 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce):
         hidden, weight, bias, targets = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulators across chunks (the logits path accumulates its one matmul in fp32 too)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        w = weight.detach().requires_grad_(need_w)
-        b = bias.detach().requires_grad_(need_b) if bias is not None else None
-        for s in range(0, hidden.shape[0], ctx.chunk_size):
-            e = s + ctx.chunk_size
-            h = hidden[s:e].detach().requires_grad_(need_h)
-            wanted = [x for x, need in ((h, need_h), (w, need_w), (b, need_b)) if need]
-            with torch.enable_grad(), torch.autocast(*ctx.autocast):
-                ce = _chunk_ce(h, w, b, targets[s:e], ctx.math, ctx.label_smoothing)
-                grads = list(torch.autograd.grad(ce, wanted, grad_ce[s:e]))
-            if need_h:
-                grad_h[s:e] = grads.pop(0)
-            if need_w:
-                grad_w += grads.pop(0)
-            if need_b:
-                grad_b += grads.pop(0)
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+        with torch.autocast(*ctx.autocast):
+            _, gh, gw, gb = _chunks(hidden, weight, bias, targets, ctx.math, ctx.label_smoothing, ctx.chunk_size,
+                                    grad_ce, ctx.needs_input_grad[:3])
+        return gh, gw, gb, None, None, None, None
+
+
+class _LinearCESum(torch.autograd.Function):
+    """sum(row_weights * CE) with the gradients computed in forward, while each chunk's logits exist (Liger's
+    fused linear cross-entropy does the same): 3 head matmuls per chunk, as the logits path; backward only scales
+    them. The row weights (1 per target token, 1/length per sequence) are known before the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_weights, math, label_smoothing, chunk_size):
+        ce, gh, gw, gb = _chunks(hidden, weight, bias, targets, math, label_smoothing, chunk_size, row_weights,
+                                 ctx.needs_input_grad[:3])
+        ctx.grads = gh, gw, gb
+        return (ce * row_weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return *grads, None, None, None, None, None
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per chunk: CHUNK_BYTES of fp32 logits (at least 16 rows)."""
+    return max(16, CHUNK_BYTES // (4 * vocab))
 
 
 def linear_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int = DEFAULT_CHUNK):
-    """(N,) fp32 CE of each row of `hidden` (N, H) against `targets` (N,), 0 where the target is IGNORE_INDEX."""
+              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int | None = None,
+              row_weights: torch.Tensor | None = None):
+    """Without `row_weights`: (N,) fp32 CE of each row of `hidden` (N, H) against `targets` (N,), 0 where the target
+    is IGNORE_INDEX. With `row_weights` (N,): the scalar sum(row_weights * CE), gradients computed in forward."""
+    chunk_size = chunk_rows(weight.shape[0]) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # rows without a target are never projected
-    ce = _LinearCE.apply(hidden.index_select(0, keep), weight, bias, targets.index_select(0, keep), math,
-                         label_smoothing, chunk_size)
+    h, t = hidden.index_select(0, keep), targets.index_select(0, keep)
+    if row_weights is not None:
+        return _LinearCESum.apply(h, weight, bias, t, row_weights.float().index_select(0, keep), math,
+                                  label_smoothing, chunk_size)
+    ce = _LinearCE.apply(h, weight, bias, t, math, label_smoothing, chunk_size)
     return torch.zeros(targets.shape[0], dtype=ce.dtype, device=ce.device).index_copy(0, keep, ce)
 
 

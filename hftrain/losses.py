@@ -23,7 +23,7 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 
-from .chunked_ce import DEFAULT_CHUNK, HeadMath, linear_ce
+from .chunked_ce import HeadMath, linear_ce
 from .constants import IGNORE_INDEX, LossAveraging
 
 MODES = get_args(LossAveraging)
@@ -66,12 +66,36 @@ def target_ce(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: floa
 
 
 def hidden_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int = DEFAULT_CHUNK):
+              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int | None = None):
     """`target_ce` from the final hidden states (B, T, H) and the output head, without the full logits
     (chunked_ce.linear_ce): the same flattened CE of each position 0..T-2, 0 where the target is ignored."""
     h = hidden[:, :-1]
     return linear_ce(h.reshape(-1, h.shape[-1]), weight, bias, labels[:, 1:].reshape(-1), math, label_smoothing,
                      chunk_size)
+
+
+def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                    mode: str = "token", position_ids: torch.Tensor | None = None, math: HeadMath = HeadMath(),
+                    label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+    """`loss_sum` from the final hidden states and the output head, without the full logits: sum(w * CE) with
+    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk."""
+    h = hidden[:, :-1]
+    return linear_ce(h.reshape(-1, h.shape[-1]), weight, bias, labels[:, 1:].reshape(-1), math, label_smoothing,
+                     chunk_size, row_weights=target_weights(labels, mode, position_ids))
+
+
+def target_weights(labels: torch.Tensor, mode: str = "token", position_ids: torch.Tensor | None = None):
+    """(B * (T-1),) fp32 weight of each position's CE in `loss_sum`: 0 where ignored; 1 (token) or 1 / the number
+    of targets of its sequence (sequence)."""
+    targets, seg = shifted(labels, position_ids)
+    mask = (targets != IGNORE_INDEX).reshape(-1).float()
+    if mode == "token":
+        return mask
+    if mode != "sequence":
+        raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")
+    _, inverse = torch.unique(seg.reshape(-1), return_inverse=True)
+    counts = torch.zeros(int(inverse.max()) + 1, device=mask.device).index_add(0, inverse, mask)
+    return mask / counts[inverse].clamp(min=1)
 
 
 def loss_sum(

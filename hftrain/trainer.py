@@ -52,7 +52,7 @@ class HFTrainer(Trainer):
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
         self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
-        self.loss_chunk_size = chunked_ce.DEFAULT_CHUNK  # target tokens per chunk of the chunked loss
+        self.loss_chunk_size: int | None = None  # target tokens per chunk of the chunked loss (None: by vocabulary)
         self._head = self._chunked_head(loss_impl)  # (lm_head, HeadMath) when the loss is chunked, else None
 
     # -- gradient compression ----------------------------------------------------------------------------------
@@ -127,28 +127,33 @@ class HFTrainer(Trainer):
             )
         return outputs
 
-    def _ce(self, model, inputs: dict, labels: torch.Tensor, label_smoothing: float = 0.0):
-        """(outputs, flattened per-position CE): chunked from lm_head's input, or from the logits."""
+    def _ce(self, model, inputs: dict, labels: torch.Tensor, mode: str | None = None, label_smoothing: float = 0.0):
+        """(outputs, the flattened per-position CE), or with `mode` (outputs, losses.loss_sum): chunked from
+        lm_head's input when the loss is chunked, else from the logits."""
+        pos = inputs.get("position_ids")
         if self._head is None:
             outputs = self._forward(model, inputs)
-            return outputs, losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
+            ce = losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
+            return outputs, ce if mode is None else losses.sum_ce(ce, labels, mode, pos)
         outputs, c = self._forward(model, inputs, capture=True)
+        hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
         with c.autocast():  # the head's matmul in the dtype the model's forward ran it in
-            hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
-            ce = losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
-                                  self.loss_chunk_size)
-        return outputs, ce
+            if mode is None:
+                return outputs, losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
+                                                 self.loss_chunk_size)
+            return outputs, losses.hidden_loss_sum(hidden, c.weight, c.bias, labels, mode, pos, self._head[1],
+                                                   label_smoothing, self.loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        outputs, ce = self._ce(model, inputs, labels, self.args.label_smoothing_factor)
+        outputs, loss_sum = self._ce(model, inputs, labels, self.loss_averaging, self.args.label_smoothing_factor)
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
             tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
             num_items_in_batch = max(tokens if self.loss_averaging == "token" else seqs, 1)
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         total = losses.normalise(
-            losses.sum_ce(ce, labels, self.loss_averaging, inputs.get("position_ids")),
+            loss_sum,
             num_items_in_batch,
             dp_size,
         )
@@ -188,7 +193,10 @@ class HFTrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            if prediction_loss_only and self._head is not None:  # no logits wanted: the eval loss in chunks too
+            # Nothing reads the logits (no metrics over them): the eval loss in chunks too, and no logits returned.
+            chunked = self._head is not None and (prediction_loss_only or self.compute_metrics is None
+                                                  and self.preprocess_logits_for_metrics is None)
+            if chunked:
                 logits, ce = None, self._ce(model, inputs, inputs["labels"])[1]
             else:
                 logits, ce = self._forward(model, inputs).logits, None
@@ -196,7 +204,7 @@ class HFTrainer(Trainer):
         # Every rank gathers the same number of rows; at the end of the eval set the rows beyond its length (the
         # sampler's repeats of its first examples) are dropped.
         self._eval_sums.append(self.accelerator.gather_for_metrics(sums).cpu())
-        if prediction_loss_only:
+        if prediction_loss_only or logits is None:
             return None, None, None
         return None, logits.detach(), inputs["labels"]
 

@@ -29,7 +29,7 @@ def packed_position_ids(b, t):
 
 
 def grads(loss, *xs):
-    return [g for g in torch.autograd.grad(loss, [x for x in xs if x is not None])]
+    return list(torch.autograd.grad(loss, [x for x in xs if x is not None], retain_graph=True))
 
 
 def reference(hidden, weight, bias, labels, mode, pos, math=HeadMath(), smoothing=0.0):
@@ -37,7 +37,10 @@ def reference(hidden, weight, bias, labels, mode, pos, math=HeadMath(), smoothin
     return losses.loss_sum(logits, labels, mode, pos, smoothing)
 
 
-def chunked(hidden, weight, bias, labels, mode, pos, math=HeadMath(), smoothing=0.0, chunk=4):
+def chunked(hidden, weight, bias, labels, mode, pos, math=HeadMath(), smoothing=0.0, chunk=4, fused=True):
+    """fused: the training loss (gradients computed in forward); else per-position CE (recomputed in backward)."""
+    if fused:
+        return losses.hidden_loss_sum(hidden, weight, bias, labels, mode, pos, math, smoothing, chunk)
     return losses.sum_ce(losses.hidden_ce(hidden, weight, bias, labels, math, smoothing, chunk), labels, mode, pos)
 
 
@@ -50,11 +53,12 @@ def assert_rel(a, b, rel=1e-5):
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16, 1000])  # 1000: one chunk; 3, 7: an uneven last chunk
 @pytest.mark.parametrize("mode", losses.MODES)
 @pytest.mark.parametrize("packed", [False, True])
-def test_loss_and_gradients_equal_the_logits_path(chunk, mode, packed):
+@pytest.mark.parametrize("fused", [True, False])
+def test_loss_and_gradients_equal_the_logits_path(chunk, mode, packed, fused):
     hidden, weight, bias, labels = problem(bias=True)
     pos = packed_position_ids(*labels.shape) if packed else None
     ref = reference(hidden, weight, bias, labels, mode, pos)
-    got = chunked(hidden, weight, bias, labels, mode, pos, chunk=chunk)
+    got = chunked(hidden, weight, bias, labels, mode, pos, chunk=chunk, fused=fused)
     assert_rel(got, ref)
     for g, r in zip(grads(got, hidden, weight, bias), grads(ref, hidden, weight, bias)):
         assert_rel(g, r)
@@ -70,19 +74,21 @@ def test_head_maths_and_label_smoothing(math):
     hidden, weight, _, labels = problem()
     for smoothing in (0.0, 0.1):
         ref = reference(hidden, weight, None, labels, "token", None, math, smoothing)
-        got = chunked(hidden, weight, None, labels, "token", None, math, smoothing, chunk=5)
-        assert_rel(got, ref)
-        for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
-            assert_rel(g, r)
+        for fused in (True, False):
+            got = chunked(hidden, weight, None, labels, "token", None, math, smoothing, chunk=5, fused=fused)
+            assert_rel(got, ref)
+            for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
+                assert_rel(g, r)
     plain = reference(hidden, weight, None, labels, "token", None)
-    assert abs(float(plain.detach()) - float(ref.detach())) > 1e-3 * float(ref.detach())  # the maths changes the loss: the test can see it
+    # the maths changes the loss: the test can see it
+    assert abs(float(plain.detach()) - float(ref.detach())) > 1e-3 * float(ref.detach())
 
 
 def test_bf16_within_bf16_tolerance():
     hidden, weight, _, labels = problem(dtype=torch.bfloat16, v=300)
     ref = reference(hidden, weight, None, labels, "token", None)
     got = chunked(hidden, weight, None, labels, "token", None, chunk=5)
-    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
     for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)  # bf16 gradients: one rounding of 8 bits
         assert g.dtype == torch.bfloat16
@@ -100,7 +106,7 @@ def test_no_targets_gives_zero_loss_and_zero_gradients():
     hidden, weight, _, labels = problem()
     labels[:] = IGNORE_INDEX
     got = chunked(hidden, weight, None, labels, "token", None)
-    assert float(got) == 0.0
+    assert float(got.detach()) == 0.0
     gh, gw = grads(got, hidden, weight)
     assert float(gh.abs().sum()) == 0.0 and float(gw.abs().sum()) == 0.0
 
