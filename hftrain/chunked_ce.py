@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .constants import IGNORE_INDEX
 
-CHUNK_BYTES = 128 * 2**20  # fp32 logits per chunk: 256 target tokens at a 131k vocabulary, 1024 at 32k
+CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk: 128 target tokens at a 131k vocabulary, 512 at 32k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,37 @@ class _LinearCE(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None
 
 
+def _fused_chunk(h, weight, bias, targets, row_weights, math: HeadMath, label_smoothing: float, needs):
+    """The chunk's CE and the gradients of sum(row_weights * CE) by hand (every target valid): the logits path's
+    forward ops, then softmax - smoothed one-hot through the head's maths, in place on one chunk x vocabulary
+    buffer (autograd would keep the log-softmax, its gradient and the one-hot's scatter besides)."""
+    z = F.linear(h, weight, bias)
+    y = math.apply(z).float()  # may be z itself (fp32, no maths): z is not read again
+    lse = torch.logsumexp(y, dim=-1)
+    ce = lse - y.gather(1, targets[:, None]).squeeze(1)
+    if label_smoothing:  # torch's: (1 - e) * nll + e * mean over classes of -log p
+        ce = (1 - label_smoothing) * ce + label_smoothing * (lse - y.mean(dim=-1))
+    if not any(needs):
+        return ce, None, None, None
+    g = torch.sub(y, lse[:, None]).exp_()  # softmax
+    if label_smoothing:
+        g.sub_(label_smoothing / y.shape[-1])
+    g[torch.arange(g.shape[0], device=g.device), targets] -= 1 - label_smoothing
+    g.mul_(row_weights[:, None])
+    if math.softcap is not None:  # d(cap * tanh(x / cap))/dx = 1 - (y / cap)^2
+        g.mul_(y.div_(math.softcap).square_().neg_().add_(1))
+    del y
+    if math.divide is not None:
+        g.div_(math.divide)
+    if math.scale is not None:
+        g.mul_(math.scale)
+    g = g.to(z.dtype)
+    grad_h = g @ weight if needs[0] else None
+    grad_w = g.t() @ h if needs[1] else None
+    grad_b = g.sum(dim=0) if needs[2] else None
+    return ce, grad_h, grad_w, grad_b
+
+
 class _LinearCESum(torch.autograd.Function):
     """sum(row_weights * CE) with the gradients computed in forward, while each chunk's logits exist (Liger's
     fused linear cross-entropy does the same): 3 head matmuls per chunk, as the logits path; backward only scales
@@ -110,10 +141,26 @@ class _LinearCESum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_weights, math, label_smoothing, chunk_size):
-        ce, gh, gw, gb = _chunks(hidden, weight, bias, targets, math, label_smoothing, chunk_size, row_weights,
-                                 ctx.needs_input_grad[:3])
-        ctx.grads = gh, gw, gb
-        return (ce * row_weights).sum()
+        needs = ctx.needs_input_grad[:3]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if needs[0] else None
+        # fp32 accumulators across chunks (the logits path accumulates its one matmul in fp32 too)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = s + chunk_size
+            ce, gh, gw, gb = _fused_chunk(hidden[s:e], weight, bias, targets[s:e], row_weights[s:e], math,
+                                          label_smoothing, needs)
+            total += (ce * row_weights[s:e]).sum()
+            if needs[0]:
+                grad_h[s:e] = gh
+            if needs[1]:
+                grad_w += gw
+            if needs[2]:
+                grad_b += gb
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if needs[1] else None,
+                     grad_b.to(bias.dtype) if needs[2] else None)
+        return total
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -128,6 +128,14 @@ def tiny_lm(vocab=512, tie=True, kind="llama", seed=0):
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie, use_cache=False)
     if kind == "gemma2":  # final_logit_softcapping 30 by default; a small cap so that it matters on random weights
         return Gemma2ForCausalLM(Gemma2Config(**common, final_logit_softcapping=0.1)).float()
+    if kind == "cohere":  # logits * logit_scale
+        from transformers import CohereConfig, CohereForCausalLM
+
+        return CohereForCausalLM(CohereConfig(**common, logit_scale=4.0)).float()
+    if kind == "granite":  # logits / logits_scaling
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        return GraniteForCausalLM(GraniteConfig(**common, logits_scaling=0.25)).float()
     return LlamaForCausalLM(LlamaConfig(**common)).float()
 
 
@@ -167,9 +175,11 @@ def loss_and_grads(model, impl, tmp_path, batch, chunk=16, **kwargs):
     return trainer, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("case", ["tied", "untied", "packed", "gemma2_softcap", "sequence", "label_smoothing"])
+@pytest.mark.parametrize("case", ["tied", "untied", "packed", "gemma2_softcap", "cohere", "granite", "sequence",
+                                  "label_smoothing"])
 def test_trainer_step_chunked_equals_logits(case, tmp_path):
-    model = tiny_lm(tie=case != "untied", kind="gemma2" if case == "gemma2_softcap" else "llama")
+    kind = {"gemma2_softcap": "gemma2", "cohere": "cohere", "granite": "granite"}.get(case, "llama")
+    model = tiny_lm(tie=case != "untied", kind=kind)
     batch = lm_batch(512, b=3 if case == "packed" else 2, packed=case == "packed")
     kwargs = {"loss_averaging": "sequence"} if case == "sequence" else {}
     if case == "label_smoothing":
@@ -183,7 +193,7 @@ def test_trainer_step_chunked_equals_logits(case, tmp_path):
         assert_rel(grads_[name], ref_grads[name])
     if case == "tied":  # the head's gradient reached the embedding (the one parameter both use)
         assert float(grads_["model.embed_tokens.weight"].abs().sum()) > 0
-    if case == "gemma2_softcap":  # the cap is applied: without it the loss differs
+    if kind != "llama":  # the head's maths is found and applied: without it the loss differs
         trainer._head = (trainer._head[0], HeadMath())
         _, plain = trainer._ce(trainer.model, {k: v for k, v in batch.items() if k != "labels"}, batch["labels"])
         assert abs(float(losses.sum_ce(plain, batch["labels"])) / int((batch["labels"][:, 1:] != -100).sum())
@@ -262,3 +272,40 @@ def test_no_tensor_of_the_full_logits_is_ever_created(tmp_path):
     # a chunk's logits are chunk x vocabulary, 32 times less than the targets' logits.
     assert largest["chunked"] <= vocab * 32
     assert n_targets * vocab > 4 * largest["chunked"]
+
+
+class HeadDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes of every matmul output whose last dimension is the vocabulary (the head's logits)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.dtypes = vocab, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default) \
+                and out.shape[-1] == self.vocab:
+            self.dtypes.add(out.dtype)
+        return out
+
+
+def test_the_head_runs_under_the_autocast_of_the_forward(tmp_path):
+    """accelerate's mixed precision wraps the model's forward in autocast, not the loss: the chunked head must
+    still run in bf16, as lm_head does in the logits path."""
+    model = tiny_lm(vocab=512)
+    forward = model.forward
+    model.forward = lambda *a, **k: torch.autocast("cpu", torch.bfloat16)(forward)(*a, **k)
+    batch = lm_batch(512)
+    seen, loss = {}, {}
+    for impl in ("logits", "chunked"):
+        trainer = trainer_for(model, impl, tmp_path)
+        with HeadDtypes(512) as mode:
+            loss[impl] = trainer.compute_loss(model, dict(batch))
+            loss[impl].backward()
+        seen[impl] = mode.dtypes
+    assert seen["logits"] == {torch.bfloat16} and seen["chunked"] == {torch.bfloat16}
+    torch.testing.assert_close(loss["chunked"], loss["logits"], rtol=1e-3, atol=1e-3)
+    del model.forward
+    with HeadDtypes(512) as mode:  # negative control: without the forward's autocast the head runs in fp32
+        trainer.compute_loss(model, dict(batch))
+    assert mode.dtypes == {torch.float32}
