@@ -109,20 +109,22 @@ def _fused_chunk(h, weight, bias, targets, row_weights, math: HeadMath, label_sm
     buffer (autograd would keep the log-softmax, its gradient and the one-hot's scatter besides)."""
     z = F.linear(h, weight, bias)
     y = math.apply(z).float()  # may be z itself (fp32, no maths): z is not read again
-    lse = torch.logsumexp(y, dim=-1)
-    ce = lse - y.gather(1, targets[:, None]).squeeze(1)
+    logp = torch.log_softmax(y, dim=-1)  # as F.cross_entropy computes it
+    ce = -logp.gather(1, targets[:, None]).squeeze(1)
     if label_smoothing:  # torch's: (1 - e) * nll + e * mean over classes of -log p
-        ce = (1 - label_smoothing) * ce + label_smoothing * (lse - y.mean(dim=-1))
+        ce = (1 - label_smoothing) * ce - label_smoothing * logp.mean(dim=-1)
     if not any(needs):
         return ce, None, None, None
-    g = torch.sub(y, lse[:, None]).exp_()  # softmax
+    if math.softcap is None:
+        del y
+    g = logp.exp_()  # softmax, in place
     if label_smoothing:
-        g.sub_(label_smoothing / y.shape[-1])
+        g.sub_(label_smoothing / g.shape[-1])
     g[torch.arange(g.shape[0], device=g.device), targets] -= 1 - label_smoothing
     g.mul_(row_weights[:, None])
     if math.softcap is not None:  # d(cap * tanh(x / cap))/dx = 1 - (y / cap)^2
         g.mul_(y.div_(math.softcap).square_().neg_().add_(1))
-    del y
+        del y
     if math.divide is not None:
         g.div_(math.divide)
     if math.scale is not None:
