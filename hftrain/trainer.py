@@ -3,7 +3,8 @@
 A subclass because `compute_loss_func` receives neither position_ids (packed sequence averaging needs them) nor a
 way to count sequences, and the Trainer multiplies its result by the world size only in some branches. Overrides:
 - `_get_num_items_in_batch`: the step's target tokens and sequences over all micro-batches and ranks (one gather);
-- `compute_loss`: logits only (no labels passed, so no model-internal loss), then
+- `compute_loss`: no labels passed (so no model-internal loss); the CE from the logits, or (training.loss_impl
+  chunked/auto) from lm_head's input in chunks without the logits (chunked_ce.py); then
   `losses.loss_sum / global count * dp_size` plus registered aux terms;
 - `evaluation_loop` / `prediction_step`: eval_loss = mean CE over every target token of the eval set, each example
   once (per-example sums through `gather_for_metrics`, which drops the rows the sampler repeated to fill its last
@@ -123,7 +124,8 @@ class HFTrainer(Trainer):
         if getattr(outputs, "logits", None) is None:
             raise ValueError(
                 f"{type(self.accelerator.unwrap_model(model)).__name__} returned no logits; hftrain computes the loss "
-                "from logits so that it is exact over the global batch (a fused-loss kernel cannot be used)"
+                "from logits (or, training.loss_impl: chunked, from lm_head's input) so that it is exact over the "
+                "global batch"
             )
         return outputs
 

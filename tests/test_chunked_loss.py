@@ -236,6 +236,11 @@ def test_eval_sums_in_chunks_equal_from_logits(tmp_path):
     for t in (a, b):
         t.prediction_step(model, dict(batch), prediction_loss_only=True)
     torch.testing.assert_close(a._eval_sums[0], b._eval_sums[0], rtol=1e-6, atol=1e-6)
+    # No metric reads the logits (compute_metrics None): chunked too, and no logits returned; the logits path
+    # returns them.
+    assert a.prediction_step(model, dict(batch), prediction_loss_only=False) == (None, None, None)
+    assert b.prediction_step(model, dict(batch), prediction_loss_only=False)[1].shape == (2, 48, 512)
+    torch.testing.assert_close(a._eval_sums[1], b._eval_sums[1], rtol=1e-6, atol=1e-6)
 
 
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
