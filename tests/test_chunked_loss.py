@@ -314,3 +314,15 @@ def test_the_head_runs_under_the_autocast_of_the_forward(tmp_path):
     with HeadDtypes(512) as mode:  # negative control: without the forward's autocast the head runs in fp32
         trainer.compute_loss(model, dict(batch))
     assert mode.dtypes == {torch.float32}
+
+
+def test_loss_impl_key():
+    from hftrain.config import RecipeError, load_recipe
+    from hftrain.launch.setup import training_arguments
+
+    base = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
+    assert load_recipe(None, [], raw=dict(base)).training["loss_impl"] == "auto"
+    assert load_recipe(None, ["training.loss_impl=chunked"], raw=dict(base)).training["loss_impl"] == "chunked"
+    with pytest.raises(RecipeError, match="training.loss_impl: expected one of 'auto', 'chunked', 'logits', got 'x'"):
+        load_recipe(None, ["training.loss_impl=x"], raw=dict(base))
+    assert "loss_impl" not in vars(training_arguments(load_recipe(None, [], raw=dict(base))))
