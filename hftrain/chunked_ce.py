@@ -108,7 +108,8 @@ def _fused_chunk(h, weight, bias, targets, row_weights, math: HeadMath, label_sm
     forward ops, then softmax - smoothed one-hot through the head's maths, in place on one chunk x vocabulary
     buffer (autograd would keep the log-softmax, its gradient and the one-hot's scatter besides)."""
     z = F.linear(h, weight, bias)
-    y = math.apply(z).float()  # may be z itself (fp32, no maths): z is not read again
+    y, dtype = math.apply(z).float(), z.dtype  # y may be z itself (fp32, no maths)
+    del z  # at most two chunk x vocabulary buffers from here: y (while the soft-cap needs it) and logp
     logp = torch.log_softmax(y, dim=-1)  # as F.cross_entropy computes it
     ce = -logp.gather(1, targets[:, None]).squeeze(1)
     if label_smoothing:  # torch's: (1 - e) * nll + e * mean over classes of -log p
@@ -129,7 +130,7 @@ def _fused_chunk(h, weight, bias, targets, row_weights, math: HeadMath, label_sm
         g.div_(math.divide)
     if math.scale is not None:
         g.mul_(math.scale)
-    g = g.to(z.dtype)
+    g = g.to(dtype)
     grad_h = g @ weight if needs[0] else None
     grad_w = g.t() @ h if needs[1] else None
     grad_b = g.sum(dim=0) if needs[2] else None
