@@ -2,6 +2,7 @@
 
     python bench/loss_memory.py [--vocab 32768 131072 262144] [--tokens 2048 8192] [--hidden 64] [--steps 3]
                                 [--max-logits-gib 3] [--out bench/loss_memory.png]
+    python bench/loss_memory.py --alternate 6 [--vocab ...] [--tokens ...]     (speed only, see below)
 
 Each (vocabulary, tokens, implementation) is measured in a fresh subprocess (so each peak is its own), on CPU, or on
 the GPU when one is present (then CUDA max allocated instead of RSS). A step is forward + backward of one row of
@@ -14,6 +15,8 @@ vocabularies. Implementations:
 Peak RSS is the child's ru_maxrss after the steps; `step` is that minus ru_maxrss before the first step (model,
 optimizer-free: the step's own memory). tokens/s is over the steps after the first. Configurations whose full fp32
 logits exceed --max-logits-gib are skipped for the logits implementations (the machine is shared).
+On a shared machine wall-clock tokens/s swing with the other jobs; `--alternate REPS` measures speed alone:
+one process, one thread, the implementations' steps alternated, median CPU time per step.
 """
 
 from __future__ import annotations
@@ -73,6 +76,36 @@ def child(vocab: int, tokens: int, impl: str, hidden: int, steps: int) -> dict:
     timed = times[1:] or times
     return {"vocab": vocab, "tokens": tokens, "impl": impl, "device": device, "peak_bytes": peak,
             "step_bytes": peak - before, "tokens_per_s": tokens * len(timed) / sum(timed), "loss": losses[0]}
+
+
+def alternate(vocab: int, tokens: int, hidden: int, reps: int) -> dict:
+    """tokens per CPU-second of each implementation, steps alternated in one process on one thread (medians of the
+    reps after the first): a shared machine's load moves every implementation alike."""
+    import statistics
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from hftrain.trainer import HFTrainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)
+    model = LlamaForCausalLM(cfg).train()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none")
+    trainers = {"plain": Trainer(model=model, args=args),
+                **{i: HFTrainer(model=model, args=args, loss_impl=i.removeprefix("hftrain_")) for i in IMPLS[1:]}}
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(reps):
+        for name, trainer in trainers.items():
+            t0 = time.process_time()
+            trainer.compute_loss(model, dict(batch)).backward()
+            times[name].append(time.process_time() - t0)
+            model.zero_grad(set_to_none=True)
+    return {k: tokens / statistics.median(v[1:] or v) for k, v in times.items()}
 
 
 def measure(vocab: int, tokens: int, impl: str, hidden: int, steps: int) -> dict:
@@ -135,10 +168,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-logits-gib", type=float, default=3.0)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "loss_memory.png"))
+    ap.add_argument("--alternate", type=int, metavar="REPS",
+                    help="instead: tokens per CPU-second, implementations alternated in one process on one thread")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(*json.loads(a.child))))
+        return
+    if a.alternate:
+        for vocab in a.vocab:
+            for tokens in a.tokens:
+                speed = alternate(vocab, tokens, a.hidden, a.alternate)
+                print(f"{vocab:>7} {tokens:>6} " + "  ".join(
+                    f"{k} {v:.0f} tok/cpu-s ({v / speed['plain']:.2f}x)" for k, v in speed.items()), flush=True)
         return
     rows = []
     for vocab in a.vocab:
