@@ -38,6 +38,11 @@ def recipe_problems(recipe: Recipe) -> Problems:
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         out.append(("model.lora.r", f"must be > 0, got {lora.r}"))
+    if isinstance(lora, LoraSection) and recipe.training.get("loss_impl") == "chunked":
+        for key in ("target_modules", "modules_to_save"):
+            if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
+                out.append((f"model.lora.{key}", "holds lm_head, which training.loss_impl: chunked cannot compute "
+                            "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
