@@ -23,6 +23,7 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 
+from .chunked_ce import HeadMath, linear_ce
 from .constants import IGNORE_INDEX, LossAveraging
 
 MODES = get_args(LossAveraging)
@@ -64,6 +65,39 @@ def target_ce(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: floa
     )
 
 
+def hidden_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+              math: HeadMath = HeadMath(), label_smoothing: float = 0.0, chunk_size: int | None = None):
+    """`target_ce` from the final hidden states (B, T, H) and the output head, without the full logits
+    (chunked_ce.linear_ce): the same flattened CE of each position 0..T-2, 0 where the target is ignored."""
+    h = hidden[:, :-1]
+    return linear_ce(h.reshape(-1, h.shape[-1]), weight, bias, labels[:, 1:].reshape(-1), math, label_smoothing,
+                     chunk_size)
+
+
+def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                    mode: str = "token", position_ids: torch.Tensor | None = None, math: HeadMath = HeadMath(),
+                    label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+    """`loss_sum` from the final hidden states and the output head, without the full logits: sum(w * CE) with
+    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk."""
+    h = hidden[:, :-1]
+    return linear_ce(h.reshape(-1, h.shape[-1]), weight, bias, labels[:, 1:].reshape(-1), math, label_smoothing,
+                     chunk_size, row_weights=target_weights(labels, mode, position_ids))
+
+
+def target_weights(labels: torch.Tensor, mode: str = "token", position_ids: torch.Tensor | None = None):
+    """(B * (T-1),) fp32 weight of each position's CE in `loss_sum`: 0 where ignored; 1 (token) or 1 / the number
+    of targets of its sequence (sequence)."""
+    targets, seg = shifted(labels, position_ids)
+    mask = (targets != IGNORE_INDEX).reshape(-1).float()
+    if mode == "token":
+        return mask
+    if mode != "sequence":
+        raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")
+    _, inverse = torch.unique(seg.reshape(-1), return_inverse=True)
+    counts = torch.zeros(int(inverse.max()) + 1, device=mask.device).index_add(0, inverse, mask)
+    return mask / counts[inverse].clamp(min=1)
+
+
 def loss_sum(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -72,8 +106,13 @@ def loss_sum(
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """The micro-batch's share of the numerator: sum of target CE (token) or of per-sequence mean CE (sequence)."""
+    return sum_ce(target_ce(logits, labels[:, 1:], label_smoothing), labels, mode, position_ids)
+
+
+def sum_ce(ce: torch.Tensor, labels: torch.Tensor, mode: str = "token",
+           position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`loss_sum` from the flattened per-position CE (`target_ce` or `hidden_ce`)."""
     targets, seg = shifted(labels, position_ids)
-    ce = target_ce(logits, targets, label_smoothing)
     mask = targets.reshape(-1) != IGNORE_INDEX
     if mode == "token":
         return ce[mask].sum()
@@ -87,14 +126,15 @@ def loss_sum(
     return (sums / counts).sum()
 
 
-def example_sums(logits: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def example_sums(logits: torch.Tensor | None, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 ce: torch.Tensor | None = None) -> torch.Tensor:
     """(examples, 2) float64, in batch order: each example's CE summed over its targets, and its number of targets.
 
     One row per example (a padded row, or a packed sequence with targets), so that rows a distributed sampler added
     to fill its last batch can be dropped by position before anything is summed (eval batches are padded, never
-    packed: packing reorders examples)."""
+    packed: packing reorders examples). `ce`: the flattened per-position CE already computed (`hidden_ce`)."""
     targets, seg = shifted(labels, position_ids)
-    ce = target_ce(logits, targets).double()
+    ce = (target_ce(logits, targets) if ce is None else ce).double()
     mask = (targets.reshape(-1) != IGNORE_INDEX).double()
     _, example = torch.unique(seg.reshape(-1), return_inverse=True)  # ids increase along the batch
     n = int(example.max()) + 1 if example.numel() else 0

@@ -3,7 +3,8 @@
 A subclass because `compute_loss_func` receives neither position_ids (packed sequence averaging needs them) nor a
 way to count sequences, and the Trainer multiplies its result by the world size only in some branches. Overrides:
 - `_get_num_items_in_batch`: the step's target tokens and sequences over all micro-batches and ranks (one gather);
-- `compute_loss`: logits only (no labels passed, so no model-internal loss), then
+- `compute_loss`: no labels passed (so no model-internal loss); the CE from the logits, or (training.loss_impl
+  chunked/auto) from lm_head's input in chunks without the logits (chunked_ce.py); then
   `losses.loss_sum / global count * dp_size` plus registered aux terms;
 - `evaluation_loop` / `prediction_step`: eval_loss = mean CE over every target token of the eval set, each example
   once (per-example sums through `gather_for_metrics`, which drops the rows the sampler repeated to fill its last
@@ -29,18 +30,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoints, distributed, guards, losses, manifest
+from . import checkpoints, chunked_ce, distributed, guards, losses, manifest
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
+from .constants import CHUNKED_LOSS_UNSUPPORTED
 from .data.collate import PackedRows, make_collator
-from .errors import CheckpointError
+from .errors import CheckpointError, ModelError
 from .patches.deepspeed import untie_zero3_universal_steps
 from .patches.transformers import staged_checkpoint_dir
 
 
 class HFTrainer(Trainer):
     def __init__(self, *args, loss_averaging: str = "token", compression=None, resume_weights_only: bool = False,
-                 strategy: str | None = None, max_bad_steps: int = 0, **kwargs):
+                 strategy: str | None = None, max_bad_steps: int = 0, loss_impl: str = "logits", **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
         self.compression = compression if compression is not None and compression.method != "none" else None
@@ -65,6 +67,8 @@ class HFTrainer(Trainer):
         self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
         self.strategy = strategy  # the recipe's strategy name: the engine built is checked against it (None: not)
         self.step_guard = guards.StepGuard(max_bad_steps)
+        self.loss_chunk_size: int | None = None  # target tokens per chunk of the chunked loss (None: by vocabulary)
+        self._head = self._chunked_head(loss_impl)  # (lm_head, HeadMath) when the loss is chunked, else None
 
     # -- gradient compression ----------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -102,27 +106,70 @@ class HFTrainer(Trainer):
         return batch_samples, num_items
 
     # -- loss ------------------------------------------------------------------------------------------------
-    def _forward(self, model, inputs: dict):
-        """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits."""
-        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+    def _chunked_head(self, loss_impl: str):
+        """training.loss_impl -> (lm_head, its maths) for the chunked loss, or None for the logits path."""
+        if loss_impl == "logits":
+            return None
+        strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
+        if self.is_deepspeed_enabled:
+            strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if strategy in CHUNKED_LOSS_UNSUPPORTED:
+            # Sharded head weight: ZeRO-3 gathers it only inside lm_head's forward and for backward only when a
+            # gradient reaches lm_head's output; FSDP2 likewise. Not done (yet): the logits path is exact there.
+            why = f"strategy {strategy!r} shards the output head's weight"
+        else:
+            head, math, why = chunked_ce.head_of(self.model)
+            if not why:
+                return head, math
+        if loss_impl == "chunked":
+            raise ModelError(f"training.loss_impl: chunked cannot be used: {why}; set training.loss_impl: auto "
+                             "(the logits path where chunked is not supported) or logits")
+        distributed.print0(f"hftrain: training.loss_impl auto: the loss is computed from logits ({why})")
+        return None
+
+    def _forward(self, model, inputs: dict, capture: bool = False):
+        """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits.
+        `capture`: lm_head computes no logits and its input is returned too (chunked_ce.capture_hidden)."""
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        if capture:
+            with chunked_ce.capture_hidden(self._head[0]) as captured:
+                return model(**inputs), captured
+        outputs = model(**inputs)
         if getattr(outputs, "logits", None) is None:
             raise ValueError(
                 f"{type(self.accelerator.unwrap_model(model)).__name__} returned no logits; hftrain computes the loss "
-                "from logits so that it is exact over the global batch (a fused-loss kernel cannot be used)"
+                "from logits (or, training.loss_impl: chunked, from lm_head's input) so that it is exact over the "
+                "global batch"
             )
         return outputs
+
+    def _ce(self, model, inputs: dict, labels: torch.Tensor, mode: str | None = None, label_smoothing: float = 0.0):
+        """(outputs, the flattened per-position CE), or with `mode` (outputs, losses.loss_sum): chunked from
+        lm_head's input when the loss is chunked, else from the logits."""
+        pos = inputs.get("position_ids")
+        if self._head is None:
+            outputs = self._forward(model, inputs)
+            ce = losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
+            return outputs, ce if mode is None else losses.sum_ce(ce, labels, mode, pos)
+        outputs, c = self._forward(model, inputs, capture=True)
+        hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
+        with c.autocast():  # the head's matmul in the dtype the model's forward ran it in
+            if mode is None:
+                return outputs, losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
+                                                 self.loss_chunk_size)
+            return outputs, losses.hidden_loss_sum(hidden, c.weight, c.bias, labels, mode, pos, self._head[1],
+                                                   label_smoothing, self.loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        outputs = self._forward(model, inputs)
+        outputs, loss_sum = self._ce(model, inputs, labels, self.loss_averaging, self.args.label_smoothing_factor)
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
             tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
             num_items_in_batch = max(tokens if self.loss_averaging == "token" else seqs, 1)
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         total = losses.normalise(
-            losses.loss_sum(outputs.logits, labels, self.loss_averaging, inputs.get("position_ids"),
-                            self.args.label_smoothing_factor),
+            loss_sum,
             num_items_in_batch,
             dp_size,
         )
@@ -163,12 +210,18 @@ class HFTrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            logits = self._forward(model, inputs).logits
-        sums = losses.example_sums(logits, inputs["labels"], inputs.get("position_ids"))
+            # Nothing reads the logits (no metrics over them): the eval loss in chunks too, and no logits returned.
+            chunked = self._head is not None and (prediction_loss_only or self.compute_metrics is None
+                                                  and self.preprocess_logits_for_metrics is None)
+            if chunked:
+                logits, ce = None, self._ce(model, inputs, inputs["labels"])[1]
+            else:
+                logits, ce = self._forward(model, inputs).logits, None
+        sums = losses.example_sums(logits, inputs["labels"], inputs.get("position_ids"), ce=ce)
         # Every rank gathers the same number of rows; at the end of the eval set the rows beyond its length (the
         # sampler's repeats of its first examples) are dropped.
         self._eval_sums.append(self.accelerator.gather_for_metrics(sums).cpu())
-        if prediction_loss_only:
+        if prediction_loss_only or logits is None:
             return None, None, None
         return None, logits.detach(), inputs["labels"]
 

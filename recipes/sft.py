@@ -59,6 +59,7 @@ def main(argv: list[str]) -> None:
         callbacks=[CurvesCallback()],
         loss_averaging=recipe.training["loss_averaging"],
         resume_weights_only=recipe.training["resume_weights_only"],  # fresh optimizer and schedule at resume
+        loss_impl=recipe.training["loss_impl"],  # chunked CE from the hidden states, without the full logits
         compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
         strategy=strategy.name,  # the engine built is checked against it before the first step
         max_bad_steps=recipe.training["max_bad_steps"],  # non-finite steps skipped before the run stops

@@ -93,14 +93,19 @@ def test_aux_loss_term_gradient_is_mean_over_all_micro_batches():
 # ---------------------------------------------------------------------------------------------------------------
 # Real runs: 1 rank x GA4, 2 ranks x GA2, 2 ranks x GA1 (double micro-batch), same global batch of 8.
 
-CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, modes)
-    "1x_ga4": (1, 2, 4, False, "ddp", losses.MODES),
-    "2x_ga2": (2, 2, 2, False, "ddp", losses.MODES),
-    "2x_ga1_bs4": (2, 4, 1, False, "ddp", losses.MODES),
-    "1x_ga4_packed": (1, 2, 4, True, "ddp", ("token",)),
+CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, modes[, training.loss_impl])
+    "1x_ga4": (1, 2, 4, False, "ddp", losses.MODES, "logits"),
+    "2x_ga2": (2, 2, 2, False, "ddp", losses.MODES, "logits"),
+    "2x_ga1_bs4": (2, 4, 1, False, "ddp", losses.MODES, "logits"),
+    "1x_ga4_packed": (1, 2, 4, True, "ddp", ("token",), "logits"),
     "2x_ga2_fsdp": (2, 2, 2, False, "fsdp", ("token",)),
-    "2x_ga2_zero2": (2, 2, 2, False, "zero2", ("token", "sequence")),
+    "2x_ga2_zero2": (2, 2, 2, False, "zero2", ("token", "sequence"), "logits"),
     "2x_ga2_zero3": (2, 2, 2, False, "zero3", ("token",)),
+    # the chunked linear cross-entropy (chunked_ce.py) must give the same losses and weights
+    "1x_ga4_chunked": (1, 2, 4, False, "ddp", losses.MODES, "chunked"),
+    "2x_ga2_chunked": (2, 2, 2, False, "ddp", losses.MODES, "chunked"),
+    "1x_ga4_packed_chunked": (1, 2, 4, True, "ddp", ("token",), "chunked"),
+    "2x_ga2_zero2_chunked": (2, 2, 2, False, "zero2", ("token",), "chunked"),
 }
 LR = 0.5
 
@@ -112,7 +117,7 @@ def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
     data = uneven_data(tmp / "uneven.jsonl")
     results = {}
     for mode in losses.MODES:
-        for name, (world, bs, ga, packing, strategy, modes) in CONFIGS.items():
+        for name, (world, bs, ga, packing, strategy, modes, *impl) in CONFIGS.items():
             if mode not in modes:
                 continue
             out = tmp / f"{mode}_{name}"
@@ -124,7 +129,7 @@ def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
                              "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
                              "logging_steps": 1, "save_steps": 1, "save_total_limit": None,
                              "train_sampling_strategy": "sequential", "seed": 0, "report_to": "none",
-                             "disable_tqdm": True, "loss_averaging": mode},
+                             "disable_tqdm": True, "loss_averaging": mode, "loss_impl": (impl or ["auto"])[0]},
             }
             rec = tmp / f"{mode}_{name}.yaml"
             rec.write_text(yaml.safe_dump(tree))

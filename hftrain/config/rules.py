@@ -10,7 +10,8 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
+from ..constants import (CHUNKED_LOSS_UNSUPPORTED, DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES,
+                         ZERO_STAGE)
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
@@ -40,6 +41,11 @@ def recipe_problems(recipe: Recipe) -> Problems:
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         out.append(("model.lora.r", f"must be > 0, got {lora.r}"))
+    if isinstance(lora, LoraSection) and recipe.training.get("loss_impl") == "chunked":
+        for key in ("target_modules", "modules_to_save"):
+            if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
+                out.append((f"model.lora.{key}", "holds lm_head, which training.loss_impl: chunked cannot compute "
+                            "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
     if isinstance(recipe.strategy, StrategySection):
@@ -80,6 +86,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
+    if recipe.training.get("loss_impl") == "chunked" and name in CHUNKED_LOSS_UNSUPPORTED:
+        out.append(("training.loss_impl", f"chunked is not supported under strategy {name!r} (the output head's "
+                    "weight is sharded); use training.loss_impl: auto (the logits path there) or logits"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":

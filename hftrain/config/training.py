@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 from transformers import TrainingArguments
 
-from ..constants import LossAveraging
+from ..constants import LossAveraging, LossImpl
 from .schema import Ctx, check, type_name, unknown
 
 # Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
@@ -46,6 +46,13 @@ HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
         "Optimizer steps with a non-finite loss or gradient norm that are skipped (gradients dropped, the update "
         "not applied; the LR schedule and step count still advance) before the run stops. 0: the first one stops "
         "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.",
+    ),
+    "loss_impl": (
+        LossImpl,
+        "auto",
+        "chunked: the CE from the final hidden states and the output head in chunks of tokens, never the full logits "
+        "(the same loss and gradients, far less memory at large vocabularies); logits: from the model's logits; "
+        "auto: chunked where supported (not under fsdp or ZeRO-3, nor with a head it cannot reproduce), else logits.",
     ),
 }
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
