@@ -28,15 +28,18 @@ _forward = HFTrainer._forward
 _init = HFTrainer.__init__
 
 
-def forward(self, model, inputs):
-    """HFTrainer._forward whose logits are NaN on the chosen steps and rank (as a bad batch or a diverged model
-    gives): the loss computed from them, and its gradients, are NaN."""
-    outputs = _forward(self, model, inputs)
+def forward(self, model, inputs, capture=False):
+    """HFTrainer._forward whose logits (or, on the chunked loss path, lm_head's input) are NaN on the chosen steps
+    and rank (as a bad batch or a diverged model gives): the loss computed from them, and its gradients, are NaN."""
+    result = _forward(self, model, inputs, capture=capture)
     steps = {int(s) for s in os.environ.get("HFTRAIN_TEST_NAN_STEPS", "").split(",") if s}
     rank = os.environ.get("HFTRAIN_TEST_NAN_RANK")
     if model.training and self.state.global_step + 1 in steps and (rank is None or int(rank) == distributed.rank()):
-        outputs.logits = outputs.logits * float("nan")
-    return outputs
+        if capture:
+            result[1].hidden = result[1].hidden * float("nan")
+        else:
+            result.logits = result.logits * float("nan")
+    return result
 
 
 class Digests(TrainerCallback):
