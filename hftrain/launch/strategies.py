@@ -145,6 +145,12 @@ HEADER = (
 )
 
 
+MACHINES = (
+    "# {n} machines: this file is machine {k}'s. On machine K (0 .. {last}) run the same with `--machine_rank K`, or\n"
+    "#   hftrain launch <recipe.yaml> --machine-rank K    (renders its own config, in a private temporary folder)\n"
+)
+
+
 def render(s: StrategySection, out_dir: str, training: dict | None = None, json_dir: str | None = None,
            communication_data_type: str | None = None) -> list[str]:
     """Write `<name>.yaml` (and `<name>.json` for ZeRO) into out_dir; return the paths written.
@@ -164,7 +170,11 @@ def render(s: StrategySection, out_dir: str, training: dict | None = None, json_
     acc = accelerate_config(s, json_ref, mixed_precision_of(training))
     yaml_path = os.path.join(out_dir, f"{s.name}.yaml")
     shown = os.path.join(json_dir, f"{s.name}.yaml")
-    atomic_write(yaml_path, HEADER.format(name=s.name, path=shown) + yaml.safe_dump(acc, sort_keys=False))
+    header = HEADER.format(name=s.name, path=shown)
+    if acc["num_machines"] > 1:
+        header += MACHINES.format(n=acc["num_machines"], last=acc["num_machines"] - 1, k=acc["machine_rank"],
+                                  path=shown)
+    atomic_write(yaml_path, header + yaml.safe_dump(acc, sort_keys=False))
     written.insert(0, yaml_path)
     return written
 
