@@ -151,3 +151,51 @@ def test_two_nodes_train_as_one_node_with_two_processes(nodes, strategy, tiny_mo
     acc = yaml.safe_load((out / f"{strategy}.yaml").read_text())
     assert acc["num_machines"] == 2 and acc["main_process_ip"] == IP[0] and acc["machine_rank"] == 0
     AutoModelForCausalLM.from_pretrained(str(out))  # the saved model reloads
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _published(out) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) if os.path.isdir(out) else []
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_model_dir, tmp_path):
+    """Node 1 is SIGKILLed whole (launcher and worker: a dead machine) or SIGSTOPped whole (a hung machine, or one
+    cut off: no connection is reset) mid-run, after its first checkpoint. Node 0 ends (non-zero) within
+    strategy.rank_timeout plus slack, every published checkpoint is complete and verified."""
+    rank_timeout = 15
+    rec = _recipe(tmp_path, tiny_model_dir, "ddp", max_steps=10_000, save_steps=3)
+    multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}", f"strategy.rank_timeout={rank_timeout}"]
+    procs = [_start(nodes[r], [rec, "--machine-rank", str(r), *multi], str(tmp_path / f"node{r}.log"), f"v{r}")
+             for r in range(2)]
+    out = tmp_path / "out"
+    try:
+        _wait_for(lambda: _published(out) or any(p.poll() is not None for p in procs), TIMEOUT, "a checkpoint")
+        assert _published(out), "\n".join((tmp_path / f"node{r}.log").read_text()[-2000:] for r in range(2))
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", nodes[1]], capture_output=True,
+                                               text=True).stdout.split()]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc0 = procs[0].wait(timeout=rank_timeout + 60)  # rank_timeout, a beat, the launcher's stop of the job
+        took = time.monotonic() - t0
+    finally:
+        _kill_namespace(nodes[1])  # SIGKILL also ends stopped processes
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    log0 = (tmp_path / "node0.log").read_text()
+    assert rc0 != 0, log0[-3000:]
+    assert took < rank_timeout + 60, took
+    if how == "frozen":  # nothing tells node 0 but the silence: the heartbeat names the rank
+        assert "rank 1 (host" in log0 and "has not answered" in log0, log0[-3000:]
+    for ckpt in _published(out):
+        verify(str(out / ckpt))
+    print(f"node 1 {how}: node 0 ended with status {rc0} after {took:.1f} s; published {_published(out)}")

@@ -128,8 +128,10 @@ def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mix
         del cfg["mixed_precision"]
         cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file or f"{s.name}.json",
                                    "zero3_init_flag": ZERO_STAGE[s.name] == 3}
-        if s.num_machines > 1:
-            cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        # Always, also in a 1-machine config (accelerate reads it only with num_machines > 1): the shipped config
+        # launched with `--num_machines 2 ...` flags must not fall back to DeepSpeed's pdsh runner, which needs pdsh
+        # and a hostfile, and without a hostfile starts a 1-machine job on each node.
+        cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     return cfg
 
 
