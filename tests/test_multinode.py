@@ -14,7 +14,9 @@ import time
 import uuid
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from .conftest import DEMO_TRAIN, PY, REPO
@@ -151,6 +153,19 @@ def test_two_nodes_train_as_one_node_with_two_processes(nodes, strategy, tiny_mo
     acc = yaml.safe_load((out / f"{strategy}.yaml").read_text())
     assert acc["num_machines"] == 2 and acc["main_process_ip"] == IP[0] and acc["machine_rank"] == 0
     AutoModelForCausalLM.from_pretrained(str(out))  # the saved model reloads
+    if strategy == "ddp":  # resume across the nodes: from checkpoint-2 both nodes redo step 3, to the same weights
+        resumed = tmp_path / "two" / "resumed"
+        resumed.mkdir()
+        shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+        results = two_nodes(nodes, rec, tmp_path / "two", f"training.output_dir={resumed}",
+                            "training.resume_from_checkpoint=true")
+        assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
+        # It resumed: step 2's checkpoint is the copy, untouched (a run from scratch would have saved it again).
+        assert os.stat(resumed / "checkpoint-2" / "model.safetensors").st_mtime_ns == os.stat(
+            out / "checkpoint-2" / "model.safetensors").st_mtime_ns
+        assert losses(resumed) == losses(out)
+        a, b = load_file(str(out / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -196,6 +211,8 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
     assert took < rank_timeout + 60, took
     if how == "frozen":  # nothing tells node 0 but the silence: the heartbeat names the rank
         assert "rank 1 (host" in log0 and "has not answered" in log0, log0[-3000:]
+    else:  # the dead node's kernel resets its connections: gloo names its address at once
+        assert f"[{IP[1]}]" in log0 and "Connection reset by peer" in log0, log0[-3000:]
     for ckpt in _published(out):
         verify(str(out / ckpt))
     print(f"node 1 {how}: node 0 ended with status {rc0} after {took:.1f} s; published {_published(out)}")
