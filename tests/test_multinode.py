@@ -224,3 +224,4 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
     for ckpt in _published(out):
         verify(str(out / ckpt))
     print(f"node 1 {how}: node 0 ended with status {rc0} after {took:.1f} s; published {_published(out)}")
+
