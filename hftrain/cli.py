@@ -91,18 +91,12 @@ def _launch(ns) -> int:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but strategy.main_process_ip is "
                           "unset: set it to machine 0's address (the same on every machine), e.g. "
                           "strategy.main_process_ip=10.0.0.1")
-    if s.num_machines > 1 and ns.max_restarts:
-        # Measured (tests/test_multinode.py, 2 network namespaces): with accelerate's static rendezvous, after a
-        # worker died both machines' agents hung instead of restarting (killed after 240 s).
-        raise LaunchError(f"{ns.recipe}: --max-restarts with strategy.num_machines {s.num_machines}: restarts across "
-                          "machines hang with the static rendezvous hftrain renders; leave --max-restarts out (a dead "
-                          "machine then ends the job within strategy.rank_timeout) and start the job again with "
-                          "training.resume_from_checkpoint: true")
     # The launcher's config goes into a folder of this launch's own, not output_dir: nothing is written there before
     # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
     # sharing output_dir cannot overwrite each other's machine_rank.
     with tempfile.TemporaryDirectory(prefix=f"hftrain-launch-node{s.machine_rank}-") as tmp:
-        config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())[0]
+        config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype(),
+                        restarts=bool(ns.max_restarts))[0]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]

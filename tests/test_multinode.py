@@ -225,3 +225,35 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
         verify(str(out / ckpt))
     print(f"node 1 {how}: node 0 ended with status {rc0} after {took:.1f} s; published {_published(out)}")
 
+
+
+def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, tmp_path):
+    """`--max-restarts 1` (c10d rendezvous): node 1's worker (not its launcher) is SIGKILLed after the first
+    checkpoint; both nodes' agents restart their workers, which resume from the newest complete checkpoint."""
+    rec = _recipe(tmp_path, tiny_model_dir, "ddp", max_steps=30, save_steps=3)
+    multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}", "--max-restarts", "1"]
+    procs = [_start(nodes[r], [rec, "--machine-rank", str(r), *multi], str(tmp_path / f"node{r}.log"), f"v{r}")
+             for r in range(2)]
+    out = tmp_path / "out"
+    try:
+        _wait_for(lambda: _published(out) or any(p.poll() is not None for p in procs), TIMEOUT, "a checkpoint")
+        victims = []
+        for pid in subprocess.run(["ip", "netns", "pids", nodes[1]], capture_output=True, text=True).stdout.split():
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            if any(a.endswith(b"sft.py") for a in argv) and not any(b"accelerate" in a for a in argv):
+                victims.append(int(pid))  # the worker: torch elastic starts it as `python -u recipes/sft.py ...`
+        assert len(victims) == 1, victims
+        os.kill(victims[0], signal.SIGKILL)
+        rcs = [p.wait(timeout=TIMEOUT) for p in procs]
+    finally:
+        for n in nodes:
+            _kill_namespace(n)
+        for p in procs:
+            p.wait()
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert rcs == [0, 0], "\n".join(log[-3000:] for log in logs)
+    assert "restarted by the launcher: resuming from" in logs[0] + logs[1], logs[0][-3000:]
+    assert (out / "run_info.json").exists() and "checkpoint-30" in _published(out)
+    for ckpt in _published(out):
+        verify(str(out / ckpt))
