@@ -95,8 +95,7 @@ def _launch(ns) -> int:
     # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
     # sharing output_dir cannot overwrite each other's machine_rank.
     with tempfile.TemporaryDirectory(prefix=f"hftrain-launch-node{s.machine_rank}-") as tmp:
-        config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype(),
-                        restarts=bool(ns.max_restarts))[0]
+        config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())[0]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]

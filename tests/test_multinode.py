@@ -228,7 +228,7 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
 
 
 def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, tmp_path):
-    """`--max-restarts 1` (c10d rendezvous): node 1's worker (not its launcher) is SIGKILLed after the first
+    """`--max-restarts 1`: node 1's worker (not its launcher) is SIGKILLed after the first
     checkpoint; both nodes' agents restart their workers, which resume from the newest complete checkpoint."""
     rec = _recipe(tmp_path, tiny_model_dir, "ddp", max_steps=30, save_steps=3)
     multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}", "--max-restarts", "1"]

@@ -85,10 +85,8 @@ def deepspeed_config(s: StrategySection, communication_data_type: str | None = N
     return cfg
 
 
-def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mixed_precision: str = "no",
-                      restarts: bool = False) -> dict:
-    """The accelerate launcher config. `deepspeed_file` is where the DeepSpeed JSON lies (ZeRO strategies).
-    `restarts`: the launch restarts dead workers (--max-restarts); on several machines the rendezvous is then c10d."""
+def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mixed_precision: str = "no") -> dict:
+    """The accelerate launcher config. `deepspeed_file` is where the DeepSpeed JSON lies (ZeRO strategies)."""
     s = resolved_strategy(s)
     cfg: dict = {
         "compute_environment": "LOCAL_MACHINE",
@@ -104,11 +102,6 @@ def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mix
         "same_network": True,
         "use_cpu": False,
     }
-    if restarts and s.num_machines > 1:
-        # Measured with two network namespaces (tests/test_multinode.py): with the static rendezvous, after a worker
-        # died both machines' agents hung instead of restarting; with c10d (accelerate passes main_process_ip:port as
-        # the rendezvous endpoint when same_network is false) both restart and the run resumes from its checkpoint.
-        cfg["rdzv_backend"], cfg["same_network"] = "c10d", False
     if s.num_machines > 1 or s.main_process_ip:
         cfg["main_process_ip"] = s.main_process_ip or "MAIN_NODE_ADDRESS"
     if s.main_process_port != DEFAULT_PORT or s.num_machines > 1:
@@ -161,7 +154,7 @@ MACHINES = (
 
 
 def render(s: StrategySection, out_dir: str, training: dict | None = None, json_dir: str | None = None,
-           communication_data_type: str | None = None, restarts: bool = False) -> list[str]:
+           communication_data_type: str | None = None) -> list[str]:
     """Write `<name>.yaml` (and `<name>.json` for ZeRO) into out_dir; return the paths written.
 
     The YAML refers to the JSON as `json_dir/<name>.json` (default: out_dir), the path seen from where you launch.
@@ -176,7 +169,7 @@ def render(s: StrategySection, out_dir: str, training: dict | None = None, json_
         json_ref = os.path.join(json_dir, f"{s.name}.json")
         atomic_write(json_path, json.dumps(ds, indent=2) + "\n")
         written.append(json_path)
-    acc = accelerate_config(s, json_ref, mixed_precision_of(training), restarts)
+    acc = accelerate_config(s, json_ref, mixed_precision_of(training))
     yaml_path = os.path.join(out_dir, f"{s.name}.yaml")
     shown = os.path.join(json_dir, f"{s.name}.yaml")
     header = HEADER.format(name=s.name, path=shown)
