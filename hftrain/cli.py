@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_plan)
 
     la = sub.add_parser("launch", allow_abbrev=False,
-                        help="Render the recipe's launcher config (into a private temporary folder) and run accelerate launch "
-                        "with it; on several machines run it on each (strategy.machine_rank / --machine-rank).")
+                        help="Render the recipe's launcher config (into a private temporary folder) and run accelerate "
+                        "launch with it; on several machines run it on each (--machine-rank K).")
     la.add_argument("recipe", help="recipe YAML")
     la.add_argument("overrides", nargs="*", help="section.key=value overrides")
     la.add_argument("--script", default=DEFAULT_SCRIPT, help="training script (default: recipes/sft.py)")
