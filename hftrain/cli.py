@@ -8,13 +8,14 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import replace
 
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
-from .config.sections import STRATEGY_DEFAULTS
+from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
 from .constants import STRATEGIES
-from .errors import exit_on_user_error
+from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
 from .data.preview import preview
@@ -82,17 +83,29 @@ def _config(ns) -> int:
 
 
 def _launch(ns) -> int:
-    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
-    config = render(strategy, recipe.output_dir, recipe.training,
-                    communication_data_type=recipe.compression.reduce_dtype())[0]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
-    if ns.max_restarts:
-        cmd += ["--max_restarts", str(ns.max_restarts)]
-    cmd += [ns.script, ns.recipe, *ns.overrides, f"strategy.name={strategy.name}"]
-    print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    if ns.dry_run:
-        return 0
-    return lifetime.run_owned(cmd)
+    overrides = list(ns.overrides) + ([f"strategy.machine_rank={ns.machine_rank}"] if ns.machine_rank is not None
+                                      else [])
+    recipe, strategy = check_recipe(ns.recipe, overrides)
+    s = resolved_strategy(strategy)
+    if s.num_machines > 1 and not s.main_process_ip:
+        raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but strategy.main_process_ip is "
+                          "unset: set it to machine 0's address (the same on every machine), e.g. "
+                          "strategy.main_process_ip=10.0.0.1")
+    # The launcher's config goes into a folder of this launch's own, not output_dir: nothing is written there before
+    # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
+    # sharing output_dir cannot overwrite each other's machine_rank.
+    with tempfile.TemporaryDirectory(prefix=f"hftrain-launch-node{s.machine_rank}-") as tmp:
+        config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())[0]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        if ns.max_restarts:
+            cmd += ["--max_restarts", str(ns.max_restarts)]
+        cmd += [ns.script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
+        print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+        if ns.dry_run:
+            with open(config, encoding="utf-8") as fh:
+                print(fh.read(), end="")
+            return 0
+        return lifetime.run_owned(cmd)
 
 
 def _plan(ns) -> int:
@@ -164,13 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_plan)
 
     la = sub.add_parser("launch", allow_abbrev=False,
-                        help="Render the recipe's strategy configs into output_dir and run accelerate launch with them.")
+                        help="Render the recipe's launcher config (into a private temporary folder) and run accelerate "
+                        "launch with it; on several machines run it on each (--machine-rank K).")
     la.add_argument("recipe", help="recipe YAML")
     la.add_argument("overrides", nargs="*", help="section.key=value overrides")
     la.add_argument("--script", default=DEFAULT_SCRIPT, help="training script (default: recipes/sft.py)")
     la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
                     help="restart the workers this many times when one dies")
-    la.add_argument("--dry-run", action="store_true", help="write the configs and print the command only")
+    la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
+                    help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
+    la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
     la.set_defaults(fn=_launch)
 
     pu = sub.add_parser("push", allow_abbrev=False,

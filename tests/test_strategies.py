@@ -337,3 +337,46 @@ def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp
     (p,) = strategy_problems(StrategySection(name="zero3_offload"))
     assert f"DeepSpeed op build lock {lock} is 16 min old" in p and f"(rm {lock})" in p
     assert strategy_problems(StrategySection(name="ddp")) == []  # no DeepSpeed op involved
+
+
+def test_launch_on_machine_k_renders_its_own_config_outside_output_dir(tmp_path, capsys):
+    """Two machines sharing output_dir: each `hftrain launch` renders a config of its own machine_rank, in a private
+    temporary folder; nothing is written into output_dir before the run's own checks."""
+    from hftrain.cli import main
+
+    rec = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "training": {"output_dir": str(out)},
+                                   "strategy": {"name": "zero3", "num_machines": 2, "num_processes": 4,
+                                                "main_process_ip": "10.0.0.1"}}))
+    configs = []
+    for k in (0, 1):
+        assert main(["launch", str(rec), "--dry-run", "--machine-rank", str(k)]) == 0
+        printed = capsys.readouterr().out
+        cmd, acc = printed.split("\n", 1)
+        configs.append(yaml.safe_load(acc))
+        assert f"strategy.machine_rank={k}" in cmd  # the workers see the same recipe as the launcher
+        assert str(out) not in cmd.split("--config_file ")[1].split()[0]
+    assert [c["machine_rank"] for c in configs] == [0, 1]
+    assert all(c["num_machines"] == 2 and c["num_processes"] == 4 and c["main_process_ip"] == "10.0.0.1"
+               for c in configs)
+    assert all(c["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard" for c in configs)
+    assert not out.exists()
+
+
+def test_launch_on_several_machines_needs_the_main_address(tmp_path, capsys):
+    from hftrain.cli import main
+
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "ddp", "num_machines": 2, "num_processes": 2}}))
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "strategy.main_process_ip is unset" in err, err
+    assert main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}",
+                 "strategy.main_process_ip=10.0.0.1"]) == 0  # negative control

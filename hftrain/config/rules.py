@@ -52,9 +52,26 @@ def recipe_problems(recipe: Recipe) -> Problems:
         t = recipe.strategy.rank_timeout
         if _num(t) and t != 0 and not MIN_RANK_TIMEOUT <= t:
             out.append(("strategy.rank_timeout", f"must be 0 (off) or at least {MIN_RANK_TIMEOUT} seconds, got {t}"))
+    if isinstance(recipe.strategy, StrategySection):
+        _machine_problems(recipe.strategy, out)
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
         out += strategy_problems(recipe, recipe.strategy.name)
     return out
+
+
+def _machine_problems(s: StrategySection, out: Problems) -> None:
+    """Several machines: each runs num_processes / num_machines processes, and knows its own rank among them."""
+    machines = s.num_machines if _num(s.num_machines) else 1
+    if _num(s.num_machines) and s.num_machines < 1:
+        out.append(("strategy.num_machines", f"must be at least 1, got {s.num_machines}"))
+        return
+    if _num(s.machine_rank) and not 0 <= s.machine_rank < machines:
+        out.append(("strategy.machine_rank", f"must be 0 .. {machines - 1} (strategy.num_machines is {machines}), "
+                    f"got {s.machine_rank}; start machine k with strategy.machine_rank=k"))
+    if _num(s.num_processes) and machines > 1 and (s.num_processes < machines or s.num_processes % machines):
+        out.append(("strategy.num_processes", f"is the processes of all machines together, and must be a multiple "
+                    f"of strategy.num_machines ({machines}), got {s.num_processes}; e.g. 2 machines x 8 GPUs is "
+                    f"num_processes: 16"))
 
 
 def strategy_problems(recipe: Recipe, name: str) -> Problems:
