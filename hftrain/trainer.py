@@ -114,9 +114,9 @@ class HFTrainer(Trainer):
         if self.is_deepspeed_enabled:
             strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         if strategy in CHUNKED_LOSS_UNSUPPORTED:
-            # Sharded head weight: ZeRO-3 gathers it only inside lm_head's forward and for backward only when a
-            # gradient reaches lm_head's output; FSDP2 likewise. Not done (yet): the logits path is exact there.
-            why = f"strategy {strategy!r} shards the output head's weight"
+            # Partitioned head weight: ZeRO-3 gathers it only inside lm_head's forward and for backward only when a
+            # gradient reaches lm_head's output. Not done (yet): the logits path is exact there. (FSDP2: see _ce.)
+            why = f"strategy {strategy!r} partitions the output head's weight"
         else:
             head, math, why = chunked_ce.head_of(self.model)
             if not why:
@@ -152,6 +152,13 @@ class HFTrainer(Trainer):
             ce = losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
             return outputs, ce if mode is None else losses.sum_ce(ce, labels, mode, pos)
         outputs, c = self._forward(model, inputs, capture=True)
+        # FSDP2: c.weight is the unsharded parameter lm_head ran with (a plain tensor). accelerate's FSDP2 puts lm_head
+        # in a unit with reshard_after_forward=False (the root's default too), so it is still gathered here, and the
+        # gradient the chunked loss accumulates into it is reduce-scattered by that unit's post-backward like
+        # lm_head's own. Were it resharded after forward, its storage would be freed: refuse rather than read it.
+        if c.weight.untyped_storage().size() == 0:
+            raise RuntimeError("lm_head's weight was resharded after the forward; the chunked loss needs it gathered: "
+                               "set training.loss_impl: logits")
         hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
         with c.autocast():  # the head's matmul in the dtype the model's forward ran it in
             if mode is None:

@@ -88,7 +88,7 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
     if recipe.training.get("loss_impl") == "chunked" and name in CHUNKED_LOSS_UNSUPPORTED:
         out.append(("training.loss_impl", f"chunked is not supported under strategy {name!r} (the output head's "
-                    "weight is sharded); use training.loss_impl: auto (the logits path there) or logits"))
+                    "weight is partitioned); use training.loss_impl: auto (the logits path there) or logits"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
