@@ -241,6 +241,31 @@ class Captured:
         """The autocast the head ran under (accelerate's mixed precision wraps the model's forward, not the loss)."""
         return torch.autocast(*self.autocast_args)
 
+    def gathered(self, deepspeed_enabled: bool):
+        """ZeRO-3 releases lm_head's partitioned weight after lm_head's forward: gather it (and the bias) again for
+        the loss, as DeepSpeed documents for a parameter used outside its module's forward (GatheredParameters, no
+        modifier rank: read only; a no-op for parameters ZeRO-3 does not partition). The gradient the loss computes
+        for it reaches the parameter, whose gradient hook reduce-scatters it like lm_head's own."""
+        if not deepspeed_enabled:
+            return contextlib.nullcontext()
+        import deepspeed  # optional dependency: only ZeRO strategies need it
+
+        return deepspeed.zero.GatheredParameters([p for p in (self.weight, self.bias) if p is not None])
+
+
+class _Placeholder(torch.autograd.Function):
+    """lm_head's output instead of logits: zeros of width 1 in the autograd graph (ZeRO-3's hooks on lm_head's
+    output and input pair up in backward only if a gradient passes its output: HFTrainer._ce adds 0 * its sum),
+    passing no gradient to the hidden states."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.new_zeros(*h.shape[:-1], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
 
 @contextlib.contextmanager
 def capture_hidden(head: torch.nn.Linear):
@@ -253,7 +278,7 @@ def capture_hidden(head: torch.nn.Linear):
     def forward(h):
         captured.hidden, captured.weight, captured.bias = h, head.weight, head.bias
         captured.autocast_args = autocast_state(h.device.type)
-        return h.new_zeros(*h.shape[:-1], 1)
+        return _Placeholder.apply(h)
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) now run it
     try:

@@ -17,7 +17,6 @@ REDUCE_DTYPES = ("fp16", "bf16")  # the methods FSDP2 and ZeRO run as their redu
 
 LossAveraging = Literal["token", "sequence"]
 LossImpl = Literal["auto", "chunked", "logits"]  # training.loss_impl: how the per-token CE is computed
-CHUNKED_LOSS_UNSUPPORTED = ZERO3 | {"fsdp"}  # the output head's weight is sharded there: the logits path is used
 
 DataLayout = Literal["messages", "sharegpt", "prompt_completion", "alpaca", "text"]  # detected in this order
 ROLES = ("system", "user", "assistant", "tool")  # the roles of a canonical conversation

@@ -33,7 +33,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from . import checkpoints, chunked_ce, distributed, guards, losses, manifest
 from . import compression as comp
 from .config import strategy_of_deepspeed_config
-from .constants import CHUNKED_LOSS_UNSUPPORTED
 from .data.collate import PackedRows, make_collator
 from .errors import CheckpointError, ModelError
 from .patches.deepspeed import untie_zero3_universal_steps
@@ -110,17 +109,10 @@ class HFTrainer(Trainer):
         """training.loss_impl -> (lm_head, its maths) for the chunked loss, or None for the logits path."""
         if loss_impl == "logits":
             return None
-        strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
-        if self.is_deepspeed_enabled:
-            strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
-        if strategy in CHUNKED_LOSS_UNSUPPORTED:
-            # Sharded head weight: ZeRO-3 gathers it only inside lm_head's forward and for backward only when a
-            # gradient reaches lm_head's output; FSDP2 likewise. Not done (yet): the logits path is exact there.
-            why = f"strategy {strategy!r} shards the output head's weight"
-        else:
-            head, math, why = chunked_ce.head_of(self.model)
-            if not why:
-                return head, math
+        # Every strategy: FSDP2 and ZeRO-3 shard lm_head's weight, _ce has it gathered for the loss.
+        head, math, why = chunked_ce.head_of(self.model)
+        if not why:
+            return head, math
         if loss_impl == "chunked":
             raise ModelError(f"training.loss_impl: chunked cannot be used: {why}; set training.loss_impl: auto "
                              "(the logits path where chunked is not supported) or logits")
@@ -152,13 +144,24 @@ class HFTrainer(Trainer):
             ce = losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
             return outputs, ce if mode is None else losses.sum_ce(ce, labels, mode, pos)
         outputs, c = self._forward(model, inputs, capture=True)
+        # FSDP2: c.weight is the unsharded parameter lm_head ran with (a plain tensor). accelerate's FSDP2 puts lm_head
+        # in a unit with reshard_after_forward=False (the root's default too), so it is still gathered here, and the
+        # gradient the chunked loss accumulates into it is reduce-scattered by that unit's post-backward like
+        # lm_head's own. ZeRO-3 releases it after lm_head's forward: gathered again for the loss (Captured.gathered),
+        # its gradient reduce-scattered by DeepSpeed's hook on the parameter. Freed storage here: refuse to read it.
         hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
-        with c.autocast():  # the head's matmul in the dtype the model's forward ran it in
+        with c.gathered(self.is_deepspeed_enabled), c.autocast():  # the head's matmul in the model's forward dtype
+            if c.weight.untyped_storage().size() == 0:
+                raise RuntimeError("lm_head's weight is not gathered after the model's forward (resharded); the "
+                                   "chunked loss needs it: set training.loss_impl: logits")
             if mode is None:
                 return outputs, losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
                                                  self.loss_chunk_size)
-            return outputs, losses.hidden_loss_sum(hidden, c.weight, c.bias, labels, mode, pos, self._head[1],
-                                                   label_smoothing, self.loss_chunk_size)
+            loss = losses.hidden_loss_sum(hidden, c.weight, c.bias, labels, mode, pos, self._head[1],
+                                          label_smoothing, self.loss_chunk_size)
+        if self.is_deepspeed_enabled and loss.requires_grad:  # ZeRO-3 pairs lm_head's backward hooks: see _Placeholder
+            loss = loss + outputs.logits.sum() * 0
+        return outputs, loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)

@@ -227,12 +227,6 @@ CASES = [
                                               [w.recipe(both(set_("strategy.name", "zero2"),
                                                              set_("strategy.fsdp_offload_params", True)))])[1],
      ["strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)"]),
-    ("loss_impl_chunked_under_zero3", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true",
-                                                               ACCELERATE_DEEPSPEED_CONFIG_FILE=os.path.join(
-                                                                   REPO, "accelerate_configs", "zero3.json")),
-                                                 [w.recipe(both(set_("strategy.name", "zero3"),
-                                                                set_("training.loss_impl", "chunked")))])[1],
-     ["training.loss_impl: chunked is not supported under strategy 'zero3'", "training.loss_impl: auto"]),
     ("loss_impl_chunked_lora_head", lambda w: [w.recipe(both(set_("model.lora", {"r": 4, "target_modules": ["lm_head"]}),
                                                               set_("training.loss_impl", "chunked")))],
      ["model.lora.target_modules: holds lm_head, which training.loss_impl: chunked cannot compute through"]),

@@ -326,3 +326,20 @@ def test_loss_impl_key():
     with pytest.raises(RecipeError, match="training.loss_impl: expected one of 'auto', 'chunked', 'logits', got 'x'"):
         load_recipe(None, ["training.loss_impl=x"], raw=dict(base))
     assert "loss_impl" not in vars(training_arguments(load_recipe(None, [], raw=dict(base))))
+
+
+def test_placeholder_is_in_the_graph_but_passes_no_gradient():
+    """ZeRO-3 pairs lm_head's backward hooks only when a gradient passes lm_head's output (HFTrainer._ce adds
+    0 * its sum): the placeholder must require grad, let a gradient through and add nothing to the hidden states."""
+    head = torch.nn.Linear(4, 7)
+    h = torch.randn(2, 3, 4, requires_grad=True)
+    with capture_hidden(head) as captured:
+        out = head(h)
+    assert captured.hidden is h and captured.weight is head.weight
+    assert out.shape == (2, 3, 1) and out.requires_grad and not out.any()
+    seen = []
+    out.register_hook(seen.append)
+    (out.sum() * 0 + h.sum()).backward()
+    assert len(seen) == 1  # the gradient passed the output, where ZeRO-3's pre-backward hook sits
+    torch.testing.assert_close(h.grad, torch.ones_like(h), rtol=0, atol=0)  # and added nothing to the input
+    assert head.weight.grad is None

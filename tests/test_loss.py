@@ -106,6 +106,8 @@ CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, m
     "2x_ga2_chunked": (2, 2, 2, False, "ddp", losses.MODES, "chunked"),
     "1x_ga4_packed_chunked": (1, 2, 4, True, "ddp", ("token",), "chunked"),
     "2x_ga2_zero2_chunked": (2, 2, 2, False, "zero2", ("token",), "chunked"),
+    "2x_ga2_fsdp_chunked": (2, 2, 2, False, "fsdp", ("token",), "chunked"),  # lm_head's weight gathered by FSDP2
+    "2x_ga2_zero3_chunked": (2, 2, 2, False, "zero3", ("token",), "chunked"),  # lm_head gathered for the loss
 }
 LR = 0.5
 

@@ -10,8 +10,7 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import (CHUNKED_LOSS_UNSUPPORTED, DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES,
-                         ZERO_STAGE)
+from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
                        LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
 
@@ -103,9 +102,6 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
-    if recipe.training.get("loss_impl") == "chunked" and name in CHUNKED_LOSS_UNSUPPORTED:
-        out.append(("training.loss_impl", f"chunked is not supported under strategy {name!r} (the output head's "
-                    "weight is sharded); use training.loss_impl: auto (the logits path there) or logits"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
