@@ -120,10 +120,21 @@ def run_owned(cmd: list[str]) -> int:
         if os.getppid() != me:  # the parent died before the signal was armed
             os._exit(1)
 
-    proc = subprocess.Popen(cmd, process_group=0, preexec_fn=in_child)
-    forward = lambda sig, frame: proc.send_signal(sig)  # noqa: E731
+    proc, pending = None, []
+
+    def forward(sig, frame):  # a signal that comes before the child exists is delivered once it does
+        if proc is None:
+            pending.append(sig)
+        else:
+            proc.send_signal(sig)
+
+    # The handlers go in before the child starts: a signal between the two would otherwise end this process alone
+    # (KeyboardInterrupt) and leave the child running in its own process group.
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        proc = subprocess.Popen(cmd, process_group=0, preexec_fn=in_child)
+        for sig in pending:
+            proc.send_signal(sig)
         code = proc.wait()
     finally:
         for sig, handler in old.items():
