@@ -291,7 +291,7 @@ class HFTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, **kwargs):
         """`resume_from_checkpoint=True` means the newest complete checkpoint (incomplete ones are skipped with a
         warning); after an elastic restart (torchrun --max-restarts) the newest complete one, if any."""
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        restarted = distributed.restart_count() > 0
         path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
                                           warn=distributed.print0, weights_only=self.resume_weights_only)
         if path and self.resume_weights_only:

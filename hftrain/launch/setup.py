@@ -120,7 +120,7 @@ def _isolate_restart_attempt() -> None:
     """After an elastic restart, start the process group on a store prefixed by the attempt number: torchrun's static
     rendezvous hands restarted workers the first attempt's store unprefixed, so the new group can read the dead
     attempt's addresses ("connectFullMesh ... Connection refused"). Runs before accelerate creates the group."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = restart_count()
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return
     world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
