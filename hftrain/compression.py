@@ -66,14 +66,55 @@ def wire_bytes(kind: str, payload_bytes: int, world: int) -> float:
 
 
 # -- measurement -------------------------------------------------------------------------------------------------
+def merge(intervals) -> list[tuple[float, float]]:
+    """The union of [start, end] intervals as sorted, disjoint intervals (empty ones dropped)."""
+    out: list[list[float]] = []
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(intervals) -> float:
+    return sum(b - a for a, b in merge(intervals))
+
+
+def minus(intervals, holes) -> list[tuple[float, float]]:
+    """The parts of `intervals` outside every interval of `holes`."""
+    out = []
+    holes = merge(holes)
+    for a, b in merge(intervals):
+        for h0, h1 in holes:
+            if h1 <= a or h0 >= b:
+                continue
+            if h0 > a:
+                out.append((a, h0))
+            a = max(a, h1)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 class CommMeter:
-    """Bytes and in-flight time of the gradient collectives. Hooks call `record`; the callback reads `step_end`."""
+    """Bytes and timing of the gradient collectives. Hooks call `record` (each collective's bytes and in-flight
+    interval) and `hook_call` (the time the backward thread spent inside the hook); the callback reads `step_end`.
+
+    Overlap: DDP calls the hook of a bucket as soon as its gradients are computed, so the call for the last bucket
+    (`bucket.is_last()`) marks the end of the backward's compute. Communication is *hidden* while a collective is in
+    flight before that mark and the backward thread is not itself waiting inside a hook (a hook that blocks, like
+    PowerSGD's on gloo, stalls the backward: its communication hides nothing)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.bytes_raw = 0.0
         self.bytes_sent = 0.0
         self._intervals: list[list[float]] = []
+        self._in_hook: list[tuple[float, float]] = []
+        self._backward_end: float | None = None
 
     def record(self, raw: float, sent: float, start: float | None = None) -> list[float]:
         """Count one bucket's bytes; returns the [start, end] interval that the caller closes on completion."""
@@ -87,18 +128,28 @@ class CommMeter:
     def close(self, interval: list[float]) -> None:
         interval[1] = time.perf_counter()
 
+    def hook_call(self, start: float, end: float, last_bucket: bool) -> None:
+        with self._lock:
+            self._in_hook.append((start, end))
+            if last_bucket:
+                self._backward_end = start
+
     def step_end(self, step_start: float) -> dict:
-        """This step's totals; the time share is the union of in-flight intervals over the step's wall time."""
+        """This step's totals. time_share: the union of in-flight intervals over the step's wall time; seconds: that
+        union; hidden_share: the part of it overlapped with the backward's compute (class docstring)."""
         now = time.perf_counter()
         with self._lock:
-            raw, sent, intervals = self.bytes_raw, self.bytes_sent, self._intervals
-            self.bytes_raw, self.bytes_sent, self._intervals = 0.0, 0.0, []
-        busy, cursor = 0.0, step_start
-        for a, b in sorted((max(a, step_start), min(b, now)) for a, b in intervals):
-            if b > cursor:
-                busy += b - max(a, cursor)
-                cursor = b
-        return {"bytes_raw": raw, "bytes_sent": sent, "time_share": busy / max(now - step_start, 1e-9)}
+            raw, sent, intervals, in_hook, end = (self.bytes_raw, self.bytes_sent, self._intervals, self._in_hook,
+                                                  self._backward_end)
+            self.bytes_raw, self.bytes_sent, self._intervals, self._in_hook = 0.0, 0.0, [], []
+            self._backward_end = None
+        flight = merge((max(a, step_start), min(b, now)) for a, b in intervals)
+        busy = length(flight)
+        hidden = 0.0
+        if end is not None:
+            hidden = length(minus([(a, min(b, end)) for a, b in flight], in_hook))
+        return {"bytes_raw": raw, "bytes_sent": sent, "time_share": busy / max(now - step_start, 1e-9),
+                "seconds": busy, "hidden_share": hidden / busy if busy > 0 else 0.0}
 
 
 def _timed(meter: CommMeter, fut: torch.futures.Future, raw: float, sent: float,
@@ -248,8 +299,10 @@ def _fp16_hook(state: HookState, bucket) -> torch.futures.Future:
 
 
 def ddp_hook(state: HookState, bucket):  # no annotations: DDP checks them, and they are strings here
-    """The hook registered on DDP: uncompressed before `start_step`, then the method's."""
+    """The hook registered on DDP: uncompressed before `start_step`, then the method's. Method "none" (with
+    compression.profile) is the plain mean all-reduce of DDP's own reducer, timed."""
     method = state.method
+    entered = time.perf_counter()
     if method == "powersgd":
         fut = _powersgd_hook(state, bucket)  # PowerSGD keeps its own step count and warm-up
     elif method == "none" or state.iter < state.start_step:
@@ -264,6 +317,7 @@ def ddp_hook(state: HookState, bucket):  # no annotations: DDP checks them, and 
         fut = topk_hook(state, bucket)
     else:
         raise ValueError(method)
+    state.meter.hook_call(entered, time.perf_counter(), bucket.is_last())
     if bucket.is_last():
         state.iter += 1
     return fut
@@ -295,8 +349,8 @@ def ddp_kwargs_with_hook(ddp_kwargs, cfg, on_register):
 
 
 class CommMetricsCallback(TrainerCallback):
-    """comm/bytes_raw, comm/bytes_sent, comm/compression_ratio, comm/time_share per optimizer step, averaged over
-    the logging window. HFTrainer.log merges `pop_logs()` into the Trainer's logs (trainer_state.json, TensorBoard).
+    """comm/bytes_raw, comm/bytes_sent, comm/compression_ratio, and under DDP comm/time_share, comm/seconds and
+    comm/hidden_share (CommMeter), per optimizer step, averaged over the logging window. HFTrainer.log merges `pop_logs()` into the Trainer's logs (trainer_state.json, TensorBoard).
 
     DDP: measured by the hook (bytes of the collectives it issued, time any of them was in flight). FSDP and ZeRO:
     the bytes their reduction is configured to send (reduce dtype vs the gradients' dtype); no time share."""
@@ -337,6 +391,7 @@ class CommMetricsCallback(TrainerCallback):
         sent = sum(s["bytes_sent"] for s in steps)
         out = {"comm/bytes_raw": raw / len(steps), "comm/bytes_sent": sent / len(steps),
                "comm/compression_ratio": raw / sent if sent else float("nan")}
-        if "time_share" in steps[0]:
-            out["comm/time_share"] = sum(s["time_share"] for s in steps) / len(steps)
+        for key in ("time_share", "seconds", "hidden_share"):  # DDP only: timed in the hook
+            if key in steps[0]:
+                out[f"comm/{key}"] = sum(s[key] for s in steps) / len(steps)
         return out

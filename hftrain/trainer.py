@@ -44,7 +44,9 @@ class HFTrainer(Trainer):
                  strategy: str | None = None, max_bad_steps: int = 0, loss_impl: str = "logits", **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
-        self.compression = compression if compression is not None and compression.method != "none" else None
+        # A method, or method none with profile (the plain all-reduce timed in hftrain's hook; DDP only, rules.py).
+        self.compression = (compression if compression is not None and (compression.method != "none"
+                                                                         or compression.profile) else None)
         if self.compression is not None:
             self.comm_metrics = comp.CommMetricsCallback(self.compression)
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.comm_metrics]

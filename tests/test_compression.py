@@ -124,6 +124,35 @@ def test_wire_bytes_and_time_share(monkeypatch):
     monkeypatch.setattr(comp.time, "perf_counter", lambda: t0 + 10)  # the step ends 10 s after it began
     stats = m.step_end(t0)
     assert stats["time_share"] == pytest.approx(0.3) and stats["bytes_raw"] == 2
+    assert stats["seconds"] == pytest.approx(3) and stats["hidden_share"] == 0  # no backward end marked: none hidden
+
+
+def test_interval_maths():
+    assert comp.merge([(3, 4), (1, 2), (1.5, 2.5), (5, 5)]) == [(1, 2.5), (3, 4)]
+    assert comp.length([(1, 3), (2, 4), (6, 7)]) == 4
+    assert comp.minus([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+    assert comp.minus([(0, 2), (4, 6)], [(1, 5)]) == [(0, 1), (5, 6)]
+    assert comp.minus([(0, 2)], []) == [(0, 2)]
+
+
+def test_hidden_share_is_the_flight_before_the_backward_ends_outside_the_hooks(monkeypatch):
+    """Two buckets: the first all-reduce flies [1, 4] while the backward computes (hidden); the last bucket's hook is
+    entered at 5 (the backward's compute is done), blocks until 6 and its collective flies [5.5, 9]: exposed. A
+    blocking hook's own flight (PowerSGD on gloo) hides nothing even before the mark."""
+    m = comp.CommMeter()
+    t0 = 100.0
+    first = m.record(1, 1, start=t0 + 1)
+    m.hook_call(t0 + 0.9, t0 + 1.0, last_bucket=False)
+    blocked = m.record(1, 1, start=t0 + 2)  # a hook that waits for its collective: [2, 3] inside the hook
+    m.hook_call(t0 + 2, t0 + 3, last_bucket=False)
+    last = m.record(1, 1, start=t0 + 5.5)
+    m.hook_call(t0 + 5, t0 + 6, last_bucket=True)
+    first[1], blocked[1], last[1] = t0 + 4, t0 + 3, t0 + 9
+    monkeypatch.setattr(comp.time, "perf_counter", lambda: t0 + 10)
+    stats = m.step_end(t0)
+    assert stats["seconds"] == pytest.approx(3 + 3.5)  # [1, 4] and [5.5, 9]
+    assert stats["hidden_share"] == pytest.approx((1 + 1) / 6.5)  # [1, 2] and [3, 4]; [2, 3] was inside a hook
+    assert m.step_end(t0 + 10)["seconds"] == 0  # reset per step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,6 +177,7 @@ def test_options_that_do_not_apply_are_errors():
     ("powersgd", "zero3", [], "'powersgd' runs only as a DDP communication hook, not under 'zero3'"),
     ("int8", "fsdp", [], "use strategy ddp, or compression.method fp16/bf16"),
     ("powersgd", "ddp", ["training.ddp_find_unused_parameters=true"], "races DDP's unused-parameter all-reduce"),
+    ("none", "fsdp", ["compression.profile=true"], "compression.profile: times DDP's gradient all-reduce"),
 ])
 def test_impossible_combinations_are_refused_before_launch(tmp_path, tiny_model_dir, method, strategy, overrides,
                                                            message):
@@ -192,6 +222,7 @@ def launch(tmp_path, tiny_model_dir, config, overrides, name):
     ("topk", ["compression.topk_ratio=0.05"]),
     # Our hooks issue one collective from the hook itself, so DDP's unused-parameter all-reduce cannot race them.
     ("int8", ["training.ddp_find_unused_parameters=true"]),
+    ("none", ["compression.profile=true"]),  # DDP's plain all-reduce, timed in hftrain's hook
 ])
 def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
     res = launch(tmp_path, tiny_model_dir, "ddp", [f"compression.method={method}", *extra], method)
@@ -204,9 +235,9 @@ def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
     for s, h in zip(steps, logs):
         assert h["comm/bytes_sent"] == pytest.approx(s["counted_bytes"], rel=1e-9), (s, h)
         assert h["comm/compression_ratio"] == pytest.approx(h["comm/bytes_raw"] / h["comm/bytes_sent"])
-        assert 0 <= h["comm/time_share"] <= 1
+        assert 0 <= h["comm/time_share"] <= 1 and 0 <= h["comm/hidden_share"] <= 1 and h["comm/seconds"] > 0
     ratio = logs[-1]["comm/compression_ratio"]
-    expected = {"fp16": (2, 2), "bf16": (2, 2), "powersgd": (4, 100), "int8": (3.9, 4), "topk": (13.2, 13.34)}[method]
+    expected = {"none": (1, 1), "fp16": (2, 2), "bf16": (2, 2), "powersgd": (4, 100), "int8": (3.9, 4), "topk": (13.2, 13.34)}[method]
     assert expected[0] <= ratio <= expected[1], ratio
     if method == "powersgd":  # vanilla all-reduce for the first start_step (2) steps
         assert logs[0]["comm/compression_ratio"] == 1 and logs[2]["comm/compression_ratio"] > 4

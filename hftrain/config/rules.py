@@ -88,6 +88,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if isinstance(c, CompressionSection) and c.method in DDP_ONLY_COMPRESSION and name != "ddp":
         out.append(("compression.method", f"'{c.method}' runs only as a DDP communication hook, not under "
                     f"'{name}'; use strategy ddp, or compression.method fp16/bf16 (reduce dtype) with '{name}'"))
+    if isinstance(c, CompressionSection) and c.profile is True and name != "ddp":
+        out.append(("compression.profile", f"times DDP's gradient all-reduce in a communication hook; '{name}' "
+                    "reduces inside its own engine, with no hook to time: use strategy ddp, or remove it"))
     if (isinstance(c, CompressionSection) and c.method == "powersgd"
             and recipe.training.get("ddp_find_unused_parameters") is True):
         out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "

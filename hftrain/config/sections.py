@@ -191,6 +191,11 @@ class CompressionSection:
     )
     int8_chunk_size: int | None = _f(None, "int8: elements per scale with granularity chunk; default 2048.")
     topk_ratio: float | None = _f(None, "topk: share of gradient elements sent each step; default 0.01.")
+    profile: bool = _f(
+        False, "ddp: time the gradient all-reduce also without compression (method none runs DDP's mean all-reduce "
+        "in hftrain's timed hook) and log comm/* per step: bytes, time_share, seconds, hidden_share (share hidden "
+        "behind the backward). With a method they are always logged."
+    )
 
     def resolved_start_step(self) -> int:
         return self.start_step if self.start_step is not None else (2 if self.method == "powersgd" else 0)
