@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from .conftest import DEMO_TRAIN, PY, REPO
+from hftrain import netns
 from hftrain.checkpoints import verify
 
 pytestmark = pytest.mark.slow
@@ -28,53 +28,14 @@ IP = ("10.98.0.1", "10.98.0.2")
 TIMEOUT = 240  # seconds a whole launch may take on the loaded 2-core machine (they take 45-90 s)
 
 
-def _netns_problem() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None:
-        return "needs `ip` (iproute2) for network namespaces"
-    probe = f"hfprobe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"`ip netns add` failed: {r.stderr.strip()[:200]}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-def _kill_namespace(ns: str) -> None:
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-
-
 @pytest.fixture(scope="module")
 def nodes():
     """Two namespaces joined by veth v0 <-> v1 (10.98.0.1 / .2); every process in them killed at the end."""
-    problem = _netns_problem()
-    if problem:
-        pytest.skip(problem)
-    tag = uuid.uuid4().hex[:6]
-    ns = (f"hfn0_{tag}", f"hfn1_{tag}")
-    try:
-        for n in ns:
-            _sh("ip", "netns", "add", n)
-        _sh("ip", "link", "add", "v0", "netns", ns[0], "type", "veth", "peer", "name", "v1", "netns", ns[1])
-        for r, n in enumerate(ns):
-            _sh("ip", "-n", n, "addr", "add", f"{IP[r]}/24", "dev", f"v{r}")
-            _sh("ip", "-n", n, "link", "set", "lo", "up")
-            _sh("ip", "-n", n, "link", "set", f"v{r}", "up")
+    why = netns.problem()
+    if why:
+        pytest.skip(why)
+    with netns.two_hosts(IP) as ns:
         yield ns
-    finally:
-        for n in ns:
-            _kill_namespace(n)
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)  # also removes the veth pair
 
 
 def _recipe(tmp, model_dir, strategy, **training) -> str:
@@ -176,6 +137,24 @@ def test_two_nodes_train_as_one_node_with_two_processes(nodes, one_node_losses, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_an_output_dir_not_shared_between_machines_is_refused(nodes, tiny_model_dir, tmp_path):
+    """Machines with local disks: each node's output_dir is a different folder (same recipe, the path overridden per
+    node). Every checkpoint would be split between them (model and manifest on node 0, rank 1's RNG state on node 1),
+    so both nodes stop with exit 2 before training, node 0 naming the machine that does not see its folder; nothing
+    is written but node 0's lock file."""
+    rec = _recipe(tmp_path, tiny_model_dir, "ddp")
+    multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}"]
+    procs = [_start(nodes[r], [rec, "--machine-rank", str(r), *multi, f"training.output_dir={tmp_path / f'out{r}'}"],
+                    str(tmp_path / f"node{r}.log"), f"v{r}") for r in range(2)]
+    rcs = [p.wait() for p in procs]
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert rcs == [2, 2], "\n".join(log[-3000:] for log in logs)
+    for log in logs:
+        assert "is not the same folder on every machine: rank 1 on" in log and "(no lock file)" in log, log[-3000:]
+    assert os.listdir(tmp_path / "out0") == [".hftrain.lock"]
+    assert not (tmp_path / "out1").exists() or os.listdir(tmp_path / "out1") == []
+
+
 def _wait_for(predicate, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not predicate():
@@ -201,15 +180,13 @@ def test_a_node_that_dies_ends_the_job_within_the_rank_timeout(nodes, how, tiny_
     try:
         _wait_for(lambda: _published(out) or any(p.poll() is not None for p in procs), TIMEOUT, "a checkpoint")
         assert _published(out), "\n".join((tmp_path / f"node{r}.log").read_text()[-2000:] for r in range(2))
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", nodes[1]], capture_output=True,
-                                               text=True).stdout.split()]
-        for pid in pids:
+        for pid in netns.pids(nodes[1]):
             os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         t0 = time.monotonic()
         rc0 = procs[0].wait(timeout=rank_timeout + 60)  # rank_timeout, a beat, the launcher's stop of the job
         took = time.monotonic() - t0
     finally:
-        _kill_namespace(nodes[1])  # SIGKILL also ends stopped processes
+        netns.kill_all(nodes[1])  # SIGKILL also ends stopped processes
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -238,17 +215,17 @@ def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, t
     try:
         _wait_for(lambda: _published(out) or any(p.poll() is not None for p in procs), TIMEOUT, "a checkpoint")
         victims = []
-        for pid in subprocess.run(["ip", "netns", "pids", nodes[1]], capture_output=True, text=True).stdout.split():
+        for pid in netns.pids(nodes[1]):
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 argv = fh.read().split(b"\0")
             if any(a.endswith(b"sft.py") for a in argv) and not any(b"accelerate" in a for a in argv):
-                victims.append(int(pid))  # the worker: torch elastic starts it as `python -u recipes/sft.py ...`
+                victims.append(pid)  # the worker: torch elastic starts it as `python -u recipes/sft.py ...`
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         rcs = [p.wait(timeout=TIMEOUT) for p in procs]
     finally:
         for n in nodes:
-            _kill_namespace(n)
+            netns.kill_all(n)
         for p in procs:
             p.wait()
     logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
