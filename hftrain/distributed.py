@@ -32,6 +32,11 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def is_local_main_process() -> bool:
+    """The first process of this machine (LOCAL_RANK 0, as the launcher exported it); the main process too."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 or is_main_process()
+
+
 def print0(*args, **kwargs) -> None:
     """print() on the main process only, flushed so it interleaves sanely with the progress bar."""
     if is_main_process():

@@ -62,8 +62,8 @@ def exit_on_user_error():
     try:
         yield
     except UserError as e:
-        # Every rank hits the same error; one copy of the message is enough.
-        if distributed.is_main_process():
+        # Every rank hits the same error; one copy per machine (each machine's log says why it stopped).
+        if distributed.is_local_main_process():
             print(f"hftrain: error: {e}", file=sys.stderr, flush=True)
         distributed.shutdown(wait=False)
         raise SystemExit(2) from None

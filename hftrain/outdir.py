@@ -110,6 +110,7 @@ def claim(path: str, overwrite: bool, resumed: bool, say=print) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()} since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)[:300]}\n").encode())
+    os.fsync(fd)  # other machines read this line to prove they see the same folder (launch.setup)
     _held[real] = fd
     if overwrite and not resumed:
         state, _ = run_state(path)
@@ -121,6 +122,15 @@ def claim(path: str, overwrite: bool, resumed: bool, say=print) -> None:
                 shutil.rmtree(target) if os.path.isdir(target) and not os.path.islink(target) else os.remove(target)
             if old:
                 say(f"hftrain: training.{OVERWRITE}: removed the previous run's {', '.join(old)} from {path}")
+
+
+def lock_line(path: str) -> str | None:
+    """The lock file's line as this machine sees it (None: no lock file here). Reads only."""
+    try:
+        with open(os.path.join(path, LOCK_FILE), encoding="utf-8", errors="replace") as fh:
+            return fh.read(500).strip()
+    except OSError:
+        return None
 
 
 def release(path: str) -> None:

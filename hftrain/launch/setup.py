@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +21,8 @@ from ..config import Recipe, StrategySection, arguments_kwargs, split_argv, stra
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
 from .. import outdir
-from ..distributed import accelerator_available, is_main_process, launcher_world_size, print0, restart_count
+from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
+                           launcher_world_size, print0, restart_count, world_size)
 from ..errors import LaunchError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
@@ -114,6 +116,28 @@ def claim_output_dir(recipe: Recipe) -> None:
     if is_main_process():
         resumed = bool(recipe.resume_from_checkpoint) or restart_count() > 0
         outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0)
+    _check_shared_output_dir(recipe.output_dir)
+
+
+def _check_shared_output_dir(path: str) -> None:
+    """Several machines write one run into output_dir (the model and manifests from global rank 0, each rank's RNG
+    state into every checkpoint), so it must be one folder that all of them see: a folder of the same name on each
+    machine would split every checkpoint between machines, none complete. The first process of each machine reads
+    the lock line the main process just wrote (after a barrier); a machine that sees another line, or none, is named,
+    and every rank stops with the same error before anything else is written."""
+    world = world_size()
+    if world <= 1 or int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+        return  # one machine
+    barrier()
+    seen = outdir.lock_line(path) if is_local_main_process() else ""
+    views = all_gather_object((socket.gethostname(), seen))
+    bad = [f"rank {r} on {host} ({'no lock file' if line is None else 'another run: ' + line[:80]})"
+           for r, (host, line) in enumerate(views) if line != "" and line != views[0][1]]
+    if bad:
+        raise LaunchError(f"training.output_dir: {path} is not the same folder on every machine: {'; '.join(bad)} "
+                          f"does not see the one the main process ({views[0][0]}) locked. Several machines must "
+                          "share output_dir (a network filesystem mounted at the same path on each), or each "
+                          "checkpoint would be split between them; point training.output_dir at a shared mount")
 
 
 def _isolate_restart_attempt() -> None:
