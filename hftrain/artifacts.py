@@ -120,11 +120,11 @@ def describe(trainer, strategy: StrategySection) -> dict:
     return out
 
 
-def first_eval(log_history: list[dict]) -> dict:
-    """The eval loss logged at step 0 (eval_on_start), if any."""
+def first_eval(log_history: list[dict], keys: tuple[str, ...] = ("eval_loss",)) -> dict:
+    """The held-out metrics `keys` before training (eval_on_start's evaluation at step 0), those logged."""
     for h in log_history:
         if "eval_loss" in h and h.get("step") == 0:
-            return {"eval_loss": h["eval_loss"]}
+            return {k: h[k] for k in keys if k in h}
     return {}
 
 

@@ -10,7 +10,7 @@ the hftrain package (hftrain/preference.py says what is built on TRL and what is
 import sys
 
 from hftrain import distributed
-from hftrain.artifacts import save_final, write_recipe
+from hftrain.artifacts import first_eval, save_final, write_recipe
 from hftrain.callbacks import CurvesCallback
 from hftrain.errors import exit_on_user_error
 from hftrain.launch import check_data, claim_output_dir, setup_run, write_strategy_configs
@@ -22,6 +22,7 @@ REPORTED = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/
 
 
 def held_out(trainer) -> dict:
+    """TRL's metrics on the held-out pairs now (after training: the evaluation loop needs train()'s set-up)."""
     if trainer.eval_dataset is None:
         return {}
     metrics = trainer.evaluate()
@@ -55,9 +56,9 @@ def main(argv: list[str]) -> None:
         strategy=strategy.name,
     )
 
-    # 4. Train, with the held-out rewards measured before and after.
-    before = held_out(trainer)
+    # 4. Train, with the held-out rewards before (eval_on_start, set when there are held-out pairs) and after.
     train_result = trainer.train(resume_from_checkpoint=recipe.resume_from_checkpoint or None)
+    before = {k[5:]: v for k, v in first_eval(trainer.state.log_history, tuple(f"eval_{k}" for k in REPORTED)).items()}
     after = held_out(trainer)
     metrics = {**train_result.metrics, **{f"final_eval_{k}": v for k, v in after.items()},
                **{f"initial_eval_{k}": v for k, v in before.items()}}
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> None:
     # 5. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir.
     save_final(trainer, recipe, strategy, tokenizer, metrics)
     for key in REPORTED:
-        if key in after:
+        if key in after and key in before:
             distributed.print0(f"hftrain: held-out {key}: before {before[key]:.4f} -> after {after[key]:.4f}")
     distributed.print0(f"hftrain: saved to {recipe.output_dir}")
     del trainer, model
