@@ -24,10 +24,20 @@ from transformers import TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
 from . import losses
-from .config import PreferenceSection, Recipe
+from .config import ModelSection, PreferenceSection, Recipe
+from .modeling import load_model, lora_config
 from .trainer import HFTrainer
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
+
+
+def load_policy(cfg: ModelSection):
+    """(model, peft_config): with model.lora the base model and its LoraConfig, for TRL to wrap: TRL computes the
+    reference with that fresh adapter disabled (no copy). A model wrapped beforehand would make TRL copy the adapter
+    as a 'ref' adapter, for adapters trained earlier."""
+    if cfg.lora is None:
+        return load_model(cfg), None
+    return load_model(dataclasses.replace(cfg, lora=None)), lora_config(cfg)
 
 
 def trl_loss(p: PreferenceSection) -> str:

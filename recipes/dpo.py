@@ -14,8 +14,7 @@ from hftrain.artifacts import first_eval, save_final, write_recipe
 from hftrain.callbacks import CurvesCallback
 from hftrain.errors import exit_on_user_error
 from hftrain.launch import check_data, claim_output_dir, setup_run, write_strategy_configs
-from hftrain.modeling import load_model
-from hftrain.preference import PreferenceTrainer, dpo_config
+from hftrain.preference import PreferenceTrainer, dpo_config, load_policy
 
 # What the demo is judged by: held-out reward accuracy and margin (TRL's metrics), before and after.
 REPORTED = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "loss")
@@ -38,7 +37,7 @@ def main(argv: list[str]) -> None:
     tokenizer, data = check_data(recipe, run.args.world_size, seed=run.args.seed)
     claim_output_dir(recipe)
     # The policy; the reference is TRL's: the adapter disabled (LoRA), a frozen copy, or precomputed log-probs.
-    model = load_model(recipe.model)
+    model, peft_config = load_policy(recipe.model)
     write_recipe(recipe)
     if distributed.is_main_process():
         write_strategy_configs(recipe, strategy)
@@ -51,6 +50,7 @@ def main(argv: list[str]) -> None:
         train_dataset=data.train,
         eval_dataset=data.eval,
         processing_class=tokenizer,
+        peft_config=peft_config,
         callbacks=[CurvesCallback()],
         preference=recipe.preference,
         strategy=strategy.name,

@@ -213,3 +213,15 @@ def test_one_rank_ga4_equals_two_ranks_ga2(tmp_path, spiky_model_dir):
         losses, final = train(tmp_path, name, spiky_model_dir, data, world, 2, ga, 2)
         assert losses == pytest.approx(ref_loss, rel=1e-5), name
         assert_close_rel(final, ref)
+
+
+@pytest.mark.slow
+def test_lora_run_saves_the_adapter(tmp_path, tiny_model_dir):
+    """With LoRA TRL gets the base model and the LoraConfig: the reference is the base (adapter disabled), no copy."""
+    data = head(PAIRS_TRAIN, 32, tmp_path / "train.jsonl")
+    rec, out = write_recipe(tmp_path, "lora", tiny_model_dir, data, max_steps=2, per_device_train_batch_size=8,
+                            save_strategy="no")
+    r = run([PY, "recipes/dpo.py", str(rec), "model.lora.r=4"], timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert os.path.exists(out / "adapter_model.safetensors")
+    assert list(json.load(open(out / "adapter_config.json"))["target_modules"])
