@@ -98,6 +98,23 @@ def test_whole_conversations_share_their_prompt_and_columns_are_renamed(tmp_path
     assert conversational and pairs == [pair()]
 
 
+def test_hftrain_check_refuses_a_bad_row_and_launch_picks_dpo_py(tmp_path, tiny_model_dir, capsys):
+    from hftrain.cli import main as cli_main
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps(pair()) + "\n" + json.dumps(pair(chosen="", rejected="x")) + "\n")
+    tree = {"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": str(data)}]}, "preference": {},
+            "training": {"output_dir": str(tmp_path / "o"), "per_device_train_batch_size": 1}}
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump(tree))
+    with pytest.raises(SystemExit) as e:
+        cli_main(["check", str(rec)])
+    assert e.value.code == 2
+    assert f"data.sources.0: {data}:2: chosen is empty" in capsys.readouterr().err
+    assert cli_main(["launch", "--dry-run", str(rec)]) == 0
+    assert "recipes/dpo.py" in capsys.readouterr().out
+
+
 # -- runs -----------------------------------------------------------------------------------------------------
 def write_recipe(tmp_path, name, model, data, **training):
     out = tmp_path / name
