@@ -242,3 +242,52 @@ def test_lora_run_saves_the_adapter(tmp_path, tiny_model_dir):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert os.path.exists(out / "adapter_model.safetensors")
     assert list(json.load(open(out / "adapter_config.json"))["target_modules"])
+
+
+def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
+    """TRL's sigmoid_norm with the constant reference PreferenceTrainer sets is SimPO's loss:
+    mean over pairs of -logsigmoid(beta * (mean logp chosen - mean logp rejected) - gamma)."""
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.launch import check_data
+    from hftrain.launch.setup import training_arguments
+    from hftrain.preference import PreferenceTrainer, dpo_config
+
+    beta, gamma = 2.0, 0.7
+    data = uneven_pairs(tmp_path / "pairs.jsonl", 4)
+    recipe, found = parse_recipe(None, [], raw={
+        "model": {"name_or_path": tiny_model_dir, "dtype": "float32"},
+        "data": {"sources": [{"path": str(data)}], "max_length": 64},
+        "preference": {"loss_type": "simpo", "beta": beta, "simpo_gamma": gamma},
+        "training": {"output_dir": str(tmp_path / "o"), "report_to": "none", "per_device_train_batch_size": 4}})
+    assert found == []
+    tokenizer, pairs = check_data(recipe, 1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = PreferenceTrainer(model=model, args=dpo_config(training_arguments(recipe), recipe),
+                                train_dataset=pairs.train, processing_class=tokenizer, preference=recipe.preference)
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    trainer.model.eval()
+    with torch.no_grad():
+        got = trainer.compute_loss(trainer.model, trainer._prepare_inputs(trainer.data_collator(rows)))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def mean_logp(prompt, answer):
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logp = plain(input_ids=ids).logits[0, :-1].log_softmax(-1)
+        return logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]].mean()
+
+    want = torch.stack([-torch.nn.functional.logsigmoid(
+        beta * (mean_logp(r["prompt_ids"], r["chosen_ids"]) - mean_logp(r["prompt_ids"], r["rejected_ids"])) - gamma)
+        for r in rows]).mean()
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_precomputed_reference_trains_like_the_frozen_copy(tmp_path, spiky_model_dir):
+    data = uneven_pairs(tmp_path / "pairs.jsonl", 8)
+    copy_loss, copy = train(tmp_path, "copy", spiky_model_dir, data, 1, 4, 1, 2)
+    pre_loss, pre = train(tmp_path, "pre", spiky_model_dir, data, 1, 4, 1, 2,
+                          {"beta": 0.5, "precompute_ref_log_probs": True})
+    assert pre_loss == pytest.approx(copy_loss, rel=1e-5)
+    assert_close_rel(pre, copy)
