@@ -54,7 +54,6 @@ def dpo_config(args: TrainingArguments, recipe: Recipe) -> DPOConfig:
     section's. A reference-free loss takes the precompute path, whose reference log-probs PreferenceTrainer sets."""
     p = recipe.preference
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
-    values.pop("deepspeed", None) if not values.get("deepspeed") else None
     return DPOConfig(**values, beta=p.beta, loss_type=[trl_loss(p)], label_smoothing=p.label_smoothing,
                      precompute_ref_log_probs=p.precompute_ref_log_probs or p.loss_type == "simpo",
                      max_length=recipe.data.max_length, truncation_mode="keep_start", disable_dropout=True)

@@ -57,6 +57,16 @@ def test_all_problems_at_once_and_loss_specific_rules():
     assert problems("preference.loss_type=simpo", "preference.simpo_gamma=1.0") == []
 
 
+def test_losses_map_to_trl():
+    from hftrain.config import PreferenceSection
+    from hftrain.preference import trl_loss
+
+    assert trl_loss(PreferenceSection()) == "sigmoid"
+    assert trl_loss(PreferenceSection(label_smoothing=0.1)) == "robust"  # TRL's sigmoid ignores label_smoothing
+    assert trl_loss(PreferenceSection(loss_type="ipo")) == "ipo"
+    assert trl_loss(PreferenceSection(loss_type="simpo")) == "sigmoid_norm"  # + the constant reference
+
+
 def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir):
     tree = {"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": PAIRS_TRAIN}]},
             "training": {"output_dir": str(tmp_path / "o")}}
