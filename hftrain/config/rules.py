@@ -15,6 +15,8 @@ from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, Co
                        HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
 
 Problems = list[tuple[str, str]]
+# Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
+PREFERENCE_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
 
 
@@ -104,9 +106,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
-    if recipe.preference is not None and name != "ddp":
-        out.append(("strategy.name", f"preference tuning runs under ddp only so far (its exactness is tested there), "
-                    f"not '{name}': launch with accelerate_configs/ddp.yaml"))
+    if recipe.preference is not None and name not in PREFERENCE_STRATEGIES:
+        out.append(("strategy.name", f"preference tuning runs under {', '.join(PREFERENCE_STRATEGIES)} (where its "
+                    f"exactness is tested), not '{name}': launch with one of those accelerate_configs"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
