@@ -23,7 +23,7 @@ CURVES_FILE = "curves.png"
 
 
 def plot_curves(log_history: list[dict], path: str) -> str | None:
-    """Train/eval loss, learning rate and tokens/s against the step, as one PNG. None when nothing was logged."""
+    """Train/eval loss, learning rate, tokens/s (and preference rewards) against the step, as one PNG. None when nothing was logged."""
     plt = pyplot()
 
     def series(key):
@@ -34,6 +34,10 @@ def plot_curves(log_history: list[dict], path: str) -> str | None:
         ("loss", [("loss", "train"), ("eval_loss", "eval")]),
         ("learning rate", [("learning_rate", None)]),
         ("tokens/s", [("train_tokens_per_second", None)]),
+        # preference tuning (TRL's metrics): rewards and how often chosen beats rejected, train and held out
+        ("rewards", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin"),
+                     ("eval_rewards/margins", "eval margin")]),
+        ("reward accuracy", [("rewards/accuracies", "train"), ("eval_rewards/accuracies", "eval")]),
     ]
     panels = [(t, [(k, lbl) for k, lbl in keys if series(k)[0]]) for t, keys in panels]
     panels = [(t, keys) for t, keys in panels if keys]
@@ -116,11 +120,11 @@ def describe(trainer, strategy: StrategySection) -> dict:
     return out
 
 
-def first_eval(log_history: list[dict]) -> dict:
-    """The eval loss logged at step 0 (eval_on_start), if any."""
+def first_eval(log_history: list[dict], keys: tuple[str, ...] = ("eval_loss",)) -> dict:
+    """The held-out metrics `keys` before training (eval_on_start's evaluation at step 0), those logged."""
     for h in log_history:
         if "eval_loss" in h and h.get("step") == 0:
-            return {"eval_loss": h["eval_loss"]}
+            return {k: h[k] for k in keys if k in h}
     return {}
 
 

@@ -26,8 +26,11 @@ from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
-# recipes/sft.py of this checkout (hftrain is installed editable from the repository).
-DEFAULT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
+# recipes/sft.py (recipes/dpo.py for a recipe with a preference: section) of this checkout (hftrain is installed
+# editable from the repository).
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+DEFAULT_SCRIPT = os.path.join(RECIPES, "sft.py")
+PREFERENCE_SCRIPT = os.path.join(RECIPES, "dpo.py")
 
 
 def _check(ns) -> int:
@@ -40,6 +43,11 @@ def _check(ns) -> int:
 
 def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
+    if recipe.preference is not None:  # pairs: their counts (check_data prints them) and the first N as read
+        _, data = check_data(recipe, 1)
+        for i in range(min(ns.examples, len(data.train))):
+            print(json.dumps(data.train[i], ensure_ascii=False))
+        return 0
     print(preview(recipe.data, load_tokenizer(recipe.model, recipe.data.chat_template), ns.examples))
     return 0
 
@@ -99,7 +107,8 @@ def _launch(ns) -> int:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
-        cmd += [ns.script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
+        script = ns.script or (PREFERENCE_SCRIPT if recipe.preference is not None else DEFAULT_SCRIPT)
+        cmd += [script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if ns.dry_run:
             with open(config, encoding="utf-8") as fh:
@@ -181,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "launch with it; on several machines run it on each (--machine-rank K).")
     la.add_argument("recipe", help="recipe YAML")
     la.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    la.add_argument("--script", default=DEFAULT_SCRIPT, help="training script (default: recipes/sft.py)")
+    la.add_argument("--script", default=None, help="training script (default: recipes/sft.py, or recipes/dpo.py "
+                    "for a recipe with a preference: section)")
     la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
                     help="restart the workers this many times when one dies")
     la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,

@@ -164,3 +164,15 @@ def aux_loss_term(aux: torch.Tensor, coef: float, accumulation_steps: int) -> to
     model's forward instead rides on the main loss and is multiplied by the dp size.)
     """
     return coef * aux / accumulation_steps
+
+
+def pair_mean_share(micro_mean: torch.Tensor, local_pairs: int, global_pairs: torch.Tensor | int,
+                    dp_size: int) -> torch.Tensor:
+    """A micro-batch's share of the preference loss, the mean over every pair of the optimizer step's global batch.
+
+    A preference loss (TRL's DPO, IPO, ...) returns the mean over the micro-batch's pairs; the Trainer would divide
+    it by the accumulation steps and DDP average it over ranks, a mean of means that is the global mean only when
+    every micro-batch holds as many pairs (not at the end of an epoch, nor with a partial last window). The mean
+    times its pairs is the micro-batch's sum; over the global count and times dp_size (DDP's average cancels it)
+    the micro-batches of every rank add up to the exact global mean, as `normalise` does for tokens."""
+    return normalise(micro_mean * local_pairs, global_pairs, dp_size)

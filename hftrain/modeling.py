@@ -209,22 +209,22 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
         # attend to each other. Training never needs the cache (generate() turns it back on for itself).
         model.config.use_cache = False
     if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model  # optional dependency, heavy to import: LoRA runs only
+        from peft import get_peft_model  # optional dependency, heavy to import: LoRA runs only
 
-        lora = LoraConfig(
-            task_type="CAUSAL_LM",
-            r=cfg.lora.r,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,
-            modules_to_save=cfg.lora.modules_to_save,
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
     if packing and reads_packing_from_one_row(model.config._attn_implementation):
         join_packed_rows(model)  # on the outermost model: peft calls the base model's forward() without hooks
     return model
+
+
+def lora_config(cfg: ModelSection):
+    """peft's LoraConfig of model.lora."""
+    from peft import LoraConfig  # optional dependency, heavy to import: LoRA runs only
+
+    return LoraConfig(task_type="CAUSAL_LM", r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save)
 
 
 def save_merged(model, tokenizer, output_dir: str) -> str:

@@ -11,10 +11,12 @@ from dataclasses import fields
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
-from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, DataSource, HubSection,
-                       LoraSection, MoeSection, Recipe, StrategySection, UpcycleSection)
+from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, CompressionSection, DataSource,
+                       HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
 
 Problems = list[tuple[str, str]]
+# Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
+PREFERENCE_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
 
 
@@ -47,6 +49,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
                             "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
+    if isinstance(recipe.preference, PreferenceSection):
+        out += preference_problems(recipe)
     if isinstance(recipe.strategy, StrategySection):
         t = recipe.strategy.rank_timeout
         if _num(t) and t != 0 and not MIN_RANK_TIMEOUT <= t:
@@ -105,6 +109,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
+    if recipe.preference is not None and name not in PREFERENCE_STRATEGIES:
+        out.append(("strategy.name", f"preference tuning runs under {', '.join(PREFERENCE_STRATEGIES)} (where its "
+                    f"exactness is tested), not '{name}': launch with one of those accelerate_configs"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
@@ -285,3 +292,49 @@ def repo_id_problem(repo_id: str) -> str | None:
     except HFValidationError as e:
         return f"{repo_id!r} is not a repository id ({str(e).splitlines()[0]}); write your-name/model-name"
     return None
+
+
+# data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
+_SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
+                  "skip_untrainable": False, "truncation": "right"}
+
+
+def preference_problems(recipe: Recipe) -> Problems:
+    """Rules of the `preference:` section, and what the rest of a preference recipe may not ask for."""
+    p, out = recipe.preference, []
+    if _num(p.beta) and not (math.isfinite(p.beta) and p.beta > 0):
+        out.append(("preference.beta", f"must be a finite number > 0, got {p.beta}"))
+    if _num(p.label_smoothing) and not 0.0 <= p.label_smoothing < 0.5:
+        out.append(("preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}"))
+    if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type == "ipo":
+        out.append(("preference.label_smoothing", "does not apply to loss_type ipo (a squared loss has no labels "
+                    "to flip): remove it, or use loss_type sigmoid"))
+    if p.simpo_gamma is not None and p.loss_type != "simpo":
+        out.append(("preference.simpo_gamma", f"applies to loss_type simpo, not '{p.loss_type}': remove it"))
+    if _num(p.simpo_gamma) and not (math.isfinite(p.simpo_gamma) and p.simpo_gamma >= 0):
+        out.append(("preference.simpo_gamma", f"must be a finite number >= 0, got {p.simpo_gamma}"))
+    if p.precompute_ref_log_probs is True and p.loss_type in REFERENCE_FREE:
+        out.append(("preference.precompute_ref_log_probs", f"loss_type {p.loss_type} is reference-free: there is "
+                    "nothing to precompute; remove it"))
+    d = recipe.data
+    for key, unset in (_SFT_ONLY_DATA.items() if d is not None else ()):
+        if getattr(d, key) != unset:
+            out.append((f"data.{key}", f"applies to supervised fine-tuning, not to preference pairs (each pair is "
+                        f"scored on its chosen and rejected answers whole): remove it"))
+    for group in ("sources", "eval_sources"):
+        for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
+            if isinstance(s, DataSource) and s.format != "auto":
+                out.append((f"data.{group}.{i}.format", "preference rows are read by their columns prompt/chosen/"
+                            "rejected (rename yours with columns:): remove format"))
+    if recipe.training.get("loss_averaging") not in ("token", None):
+        out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; a preference loss is "
+                    "the mean over the pairs of the global batch: remove it"))
+    if recipe.training.get("loss_impl") == "chunked":
+        out.append(("training.loss_impl", "applies to supervised fine-tuning (TRL computes the preference "
+                    "log-probs with its own fused head): remove it"))
+    if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
+        out.append(("eval.exact_match", "is not measured by preference tuning (held-out reward accuracy and margins "
+                    "are): set it to 0"))
+    if recipe.moe is not None:
+        out.append(("moe", "is not supported with preference tuning: train the MoE model with recipes/sft.py"))
+    return out

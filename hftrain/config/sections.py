@@ -268,6 +268,23 @@ class MoeSection:
     )
 
 
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
+REFERENCE_FREE = ("simpo",)  # losses that need no reference model
+
+
+@dataclass
+class PreferenceSection:
+    loss_type: PreferenceLoss = _f(
+        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised).")
+    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO), or the reward scale (SimPO).")
+    label_smoothing: float = _f(0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
+                                "in [0, 0.5).")
+    simpo_gamma: float | None = _f(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
+    precompute_ref_log_probs: bool = _f(
+        False, "sigmoid/ipo without LoRA: compute the reference log-probs once before training and keep no reference "
+        "model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+
+
 @dataclass
 class Recipe:
     model: ModelSection
@@ -279,6 +296,8 @@ class Recipe:
                                             metadata={"help": "Gradient compression."})
     hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
     moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
+    preference: PreferenceSection | None = field(default=None, metadata={
+        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})

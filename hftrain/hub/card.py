@@ -47,7 +47,10 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     adapter = bool(lora) and not merged
     sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or []) if isinstance(s, dict)]
     strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
-    tags = ["hftrain", "sft", strategy] + (["lora", "peft"] if lora else [])
+    pref = recipe.get("preference")  # a preference stage (recipes/dpo.py) on top of its base model
+    method = (f"preference tuning ({pref.get('loss_type')} loss, beta={pref.get('beta')})" if isinstance(pref, dict)
+              else "supervised fine-tuning")
+    tags = ["hftrain", "dpo" if isinstance(pref, dict) else "sft", strategy] + (["lora", "peft"] if lora else [])
     card_data = ModelCardData(
         base_model=base if _hub_id(base) else None,
         datasets=[s for s in sources if _hub_id(s)] or None,
@@ -60,7 +63,7 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     kind = "A LoRA adapter" if adapter else ("base + LoRA merged" if lora else "A full fine-tune")
     base_ref = f"[`{base}`](https://huggingface.co/{base})" if _hub_id(base) else f"`{base}` (a local model)"
     lines = [f"# {name}", "",
-             f"{kind} of {base_ref}, trained by supervised fine-tuning with hftrain"
+             f"{kind} of {base_ref}, trained by {method} with hftrain"
              + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
                 if lora else "") + ".", ""]
 

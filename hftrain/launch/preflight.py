@@ -19,6 +19,7 @@ from ..config.rules import strategy_problems as rule_problems
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
+from ..data.preference import PreferenceData, build_preference_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
@@ -315,12 +316,16 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     optimizer step's worth of examples present. `hftrain check` and the run share this phase."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     seed = recipe.training_value("seed") if seed is None else seed
-    data: Datasets = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+    data: Datasets | PreferenceData
+    if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
+        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
+    else:
+        data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
                             recipe.training_value("gradient_accumulation_steps"),
                             recipe.training_value("dataloader_drop_last"), len(data.train))
     if problem:
         raise LaunchError(problem)
-    print0(f"hftrain: {len(data.train)} training examples"
+    print0(f"hftrain: {len(data.train)} training {'pairs' if recipe.preference is not None else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data

@@ -23,7 +23,7 @@ from ..constants import ZERO_STAGE
 from .. import outdir
 from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
                            launcher_world_size, print0, restart_count, world_size)
-from ..errors import LaunchError
+from ..errors import LaunchError, RecipeError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
@@ -58,19 +58,24 @@ def training_arguments(recipe: Recipe, **extra) -> TrainingArguments:
     return TrainingArguments(**arguments_kwargs(recipe, accelerator_available()), **extra)
 
 
-def setup_run(argv: list[str], raw: dict | None = None) -> Run:
+def setup_run(argv: list[str], raw: dict | None = None, method: str = "sft") -> Run:
     """Validate, then set this process up: environment, patches, process group, TrainingArguments, seed.
 
     The launcher decides processes and the engine family; the recipe's `strategy:` options apply on top (for ZeRO
     the DeepSpeed config is rendered from the recipe and given to TrainingArguments, for FSDP the options go into
     the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
-    dict, for tests and benchmarks) it holds overrides only."""
+    dict, for tests and benchmarks) it holds overrides only. `method` is the recipe script's: "dpo" (recipes/dpo.py)
+    needs a `preference:` section, "sft" refuses one."""
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
+    if (recipe.preference is not None) != (method == "dpo"):
+        raise RecipeError([f"{recipe.source}: preference: " + (
+            "this recipe has a preference: section: run it with recipes/dpo.py" if recipe.preference is not None
+            else "recipes/dpo.py needs a preference: section (e.g. preference: {loss_type: sigmoid, beta: 0.1})")])
     _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     extra = {}
     if strategy.name in ZERO_STAGE:
