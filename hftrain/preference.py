@@ -63,10 +63,13 @@ class PreferenceTrainer(DPOTrainer, HFTrainer):
     """DPOTrainer first in the method order (its loss, batches, metrics and eval), HFTrainer below it (checkpoints,
     guards, compression, engine check), transformers' Trainer at the bottom."""
 
-    def __init__(self, *args, preference: PreferenceSection, strategy: str | None = None, **kwargs):
+    def __init__(self, *args, preference: PreferenceSection, strategy: str | None = None, compression=None,
+                 max_bad_steps: int = 0, resume_weights_only: bool = False, **kwargs):
         self.preference = preference
+        # DPOTrainer builds HFTrainer without hftrain's keywords: HFTrainer.__init__ reads them from here.
+        self.hftrain_options = {"strategy": strategy, "compression": compression, "max_bad_steps": max_bad_steps,
+                                "resume_weights_only": resume_weights_only}
         super().__init__(*args, **kwargs)
-        self.strategy = strategy  # HFTrainer's engine check before the first step
         self.loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses.py)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):

@@ -44,6 +44,13 @@ class HFTrainer(Trainer):
                  strategy: str | None = None, max_bad_steps: int = 0, loss_impl: str = "logits", **kwargs):
         if loss_averaging not in losses.MODES:
             raise ValueError(f"training.loss_averaging must be one of {losses.MODES}, got {loss_averaging!r}")
+        # A subclass whose other parent builds this one without these keywords (TRL's DPOTrainer, preference.py)
+        # sets them on the instance first: `hftrain_options`.
+        preset = getattr(self, "hftrain_options", {})
+        compression = preset.get("compression", compression)
+        resume_weights_only = preset.get("resume_weights_only", resume_weights_only)
+        max_bad_steps = preset.get("max_bad_steps", max_bad_steps)
+        strategy = preset.get("strategy", strategy)
         # A method, or method none with profile (the plain all-reduce timed in hftrain's hook; DDP only, rules.py).
         self.compression = (compression if compression is not None and (compression.method != "none"
                                                                          or compression.profile) else None)
@@ -232,12 +239,13 @@ class HFTrainer(Trainer):
 
     # -- logging ---------------------------------------------------------------------------------------------
     def log(self, logs: dict, start_time=None) -> None:
-        if "loss" in logs and self._step_counts:
-            tokens = [c[0] for c in self._step_counts]
-            logs["target_tokens_per_step"] = sum(tokens) / len(tokens)
-            if self.loss_averaging == "sequence":
-                logs["sequences_per_step"] = sum(c[1] for c in self._step_counts) / len(self._step_counts)
-            self._step_counts.clear()
+        if "loss" in logs:  # a training log (every rank logs it)
+            if self._step_counts:  # token counts (a preference loss counts pairs instead: none recorded)
+                tokens = [c[0] for c in self._step_counts]
+                logs["target_tokens_per_step"] = sum(tokens) / len(tokens)
+                if self.loss_averaging == "sequence":
+                    logs["sequences_per_step"] = sum(c[1] for c in self._step_counts) / len(self._step_counts)
+                self._step_counts.clear()
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()

@@ -13,6 +13,7 @@ from hftrain import distributed
 from hftrain.artifacts import first_eval, save_final, write_recipe
 from hftrain.callbacks import CurvesCallback
 from hftrain.errors import exit_on_user_error
+from hftrain.hub.push import check_token, push_after_training
 from hftrain.launch import check_data, claim_output_dir, setup_run, write_strategy_configs
 from hftrain.preference import PreferenceTrainer, dpo_config, load_policy
 
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> None:
     # 1. Set up: every problem of the recipe (its preference: section included) at once, then the process group.
     run = setup_run(argv, method="dpo")
     recipe, strategy = run.recipe, run.strategy
+    check_token(recipe.hub)  # hub.push: the token must be there before training, not after
 
     # 2. Pairs before the model: every row read and checked (file and row named), one step's worth present.
     tokenizer, data = check_data(recipe, run.args.world_size, seed=run.args.seed)
@@ -53,7 +55,10 @@ def main(argv: list[str]) -> None:
         peft_config=peft_config,
         callbacks=[CurvesCallback()],
         preference=recipe.preference,
-        strategy=strategy.name,
+        strategy=strategy.name,  # the engine built is checked against it before the first step
+        compression=recipe.compression,  # gradient compression on the data-parallel reduction (+ comm/* metrics)
+        max_bad_steps=recipe.training["max_bad_steps"],  # non-finite steps skipped before the run stops
+        resume_weights_only=recipe.training["resume_weights_only"],  # fresh optimizer and schedule at resume
     )
 
     # 4. Train, with the held-out rewards before (eval_on_start, set when there are held-out pairs) and after.
@@ -72,6 +77,7 @@ def main(argv: list[str]) -> None:
     distributed.print0(f"hftrain: saved to {recipe.output_dir}")
     del trainer, model
     distributed.shutdown()
+    push_after_training(recipe)  # hub.push: validate output_dir, then upload it (main process, no collective)
 
 
 if __name__ == "__main__":

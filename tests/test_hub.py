@@ -227,6 +227,30 @@ def test_run_pushes_exactly_the_validated_folder(pushed_run, hub, tmp_path):
     assert hub.repos["me/tiny-sft"]["private"] is False
 
 
+@pytest.mark.slow
+def test_a_preference_run_pushes_itself_with_its_stage_on_the_card(tiny_model_dir, hub, tmp_path):
+    """recipes/dpo.py with hub.push: the token checked before training, the folder validated and uploaded after; the
+    card says the model was preference-tuned from its base."""
+    pairs = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
+    out = tmp_path / "out"
+    rec = recipe_file(tmp_path, tiny_model_dir, out, preference={"beta": 0.1},
+                      eval={"exact_match": 0}, hub={"push": True, "repo_id": "me/tiny-dpo"})
+    tree = yaml.safe_load(open(rec))
+    tree["data"] = {"sources": [{"path": pairs}], "max_length": 48}
+    tree["training"].update(eval_strategy="no", per_device_train_batch_size=2)
+    open(rec, "w").write(yaml.safe_dump(tree))
+    r = run([PY, "recipes/dpo.py", rec], env=hub_env(hub, tmp_path, token=""))
+    assert r.returncode == 2 and "no Hugging Face token found" in r.stderr, r.stderr[-2000:]
+    assert not (out / "model.safetensors").exists()  # refused before training
+    r = run([PY, "recipes/dpo.py", rec], env=hub_env(hub, tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    received = hub.files("me/tiny-dpo")
+    assert {"model.safetensors", "README.md", "recipe.yaml"} <= set(received)
+    card = received["README.md"].decode()
+    assert "preference tuning (sigmoid loss, beta=0.1)" in card and tiny_model_dir in card, card[:2000]
+    assert TOKEN not in card
+
+
 def test_cli_dry_run_needs_no_token_and_a_push_without_one_stages_nothing(pushed_run, hub, tmp_path):
     out, _ = pushed_run
     env = hub_env(hub, tmp_path, token="")
