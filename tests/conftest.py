@@ -150,3 +150,11 @@ def deepspeed_ops():
     if missing:
         pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS}: run "
                     "`.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)", pytrace=False)
+
+
+def assert_close_rel(a: dict, b: dict, rel=1e-5):
+    # Savers differ only in whether they also write the tied lm_head.weight (equal to the embedding).
+    assert {k for k in a if k != "lm_head.weight"} == {k for k in b if k != "lm_head.weight"}
+    for k in set(a) & set(b):
+        err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12)
+        assert err <= rel, f"{k}: relative difference {err:.2e}"

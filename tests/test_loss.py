@@ -12,7 +12,7 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
 from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, run, uneven_data
+from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run, uneven_data
 
 
 def rand_batch(b=3, t=9, v=11, seed=0):
@@ -180,14 +180,6 @@ def reference(tiny_model_dir, tokenizer, data, mode):
     micro = [per_example[i:i + 2] for i in range(0, 8, 2)]  # the naive bug: mean of micro-batch means
     naive = sum(sum(s for s, _ in mb) / sum(n for _, n in mb) for mb in micro) / len(micro)
     return model, loss.item(), float(naive.detach()), sum(n for _, n in per_example)
-
-
-def assert_close_rel(a: dict, b: dict, rel=1e-5):
-    # Savers differ only in whether they also write the tied lm_head.weight (equal to the embedding).
-    assert {k for k in a if k != "lm_head.weight"} == {k for k in b if k != "lm_head.weight"}
-    for k in set(a) & set(b):
-        err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12)
-        assert err <= rel, f"{k}: relative difference {err:.2e}"
 
 
 @pytest.mark.slow

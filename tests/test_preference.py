@@ -17,7 +17,7 @@ from hftrain.distributed import free_port
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 
-from .conftest import ACCELERATE_LAUNCH, PY, REPO, run
+from .conftest import ACCELERATE_LAUNCH, PY, REPO, assert_close_rel, run
 
 PAIRS_TRAIN = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}, "preference": {}}
@@ -221,14 +221,6 @@ def train(tmp_path, name, model, data, world, bs, ga, steps, preference=None, st
 
 WRAPPERS = {"ddp": "DistributedDataParallel", "fsdp": "FSDPLlamaForCausalLM", "zero2": "DeepSpeedEngine",
             "zero3": "DeepSpeedEngine"}
-
-
-def assert_close_rel(a: dict, b: dict, rel=1e-5):
-    # Savers differ only in whether they also write the tied lm_head.weight (equal to the embedding).
-    assert {k for k in a if k != "lm_head.weight"} == {k for k in b if k != "lm_head.weight"}
-    for k in set(a) & set(b):
-        err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12)
-        assert err <= rel, f"{k}: relative difference {err:.2e}"
 
 
 @pytest.mark.slow
