@@ -294,8 +294,12 @@ def test_chaos_kill_the_launcher_at_random_points_then_finish_equals_uninterrupt
         proc = start_slow(launch("ddp", "tests/slow_sft.py", args), sleep=0.5)
         if kills < 4 and done + 1 < STEPS:
             if attempt == 0:  # in the start-up: loading, tokenising, the process group, the first step
-                time.sleep(rng.uniform(2, 8))
-                where = "start-up"
+                # At a random moment, but no later than checkpoint-1's publication: a fast start-up must still leave
+                # room for the later kills (once seen: the kill landed after checkpoint-3 of 6, 2 kills in all).
+                deadline = time.monotonic() + rng.uniform(1, 4)
+                while time.monotonic() < deadline and not os.path.isdir(os.path.join(out, "checkpoint-1")):
+                    time.sleep(0.05)
+                where = "start-up" if not os.path.isdir(os.path.join(out, "checkpoint-1")) else "after checkpoint-1"
             else:  # once checkpoint-N is published, a moment later: in step N+1 or in its save
                 target = min(done + rng.choice([1, 2]), STEPS - 1)
                 wait_for(os.path.join(out, f"checkpoint-{target}"), proc)
