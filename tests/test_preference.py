@@ -103,7 +103,7 @@ def test_whole_conversations_share_their_prompt_and_columns_are_renamed(tmp_path
     conv = lambda answer: [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": answer}]
     path = tmp_path / "conv.jsonl"
     path.write_text(json.dumps({"good": conv("b a"), "bad": conv("a b")}) + "\n")
-    _, pairs, conversational = read_pairs(DataSource(path=str(path), columns={"chosen": "good", "rejected": "bad"}),
+    pairs, conversational = read_pairs(DataSource(path=str(path), columns={"chosen": "good", "rejected": "bad"}),
                                           "data.sources.0")
     assert conversational and pairs == [pair()]
 

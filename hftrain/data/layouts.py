@@ -17,7 +17,7 @@ from ..config import DataSource
 from ..constants import ROLE_TARGETS, ROLES
 from ..distributed import print0
 from ..errors import DataError
-from .sources import Rows, read_rows
+from .sources import Rows, column_map, read_rows
 
 LAYOUT_COLUMNS = {  # the columns that identify each layout (constants.DataLayout), tried in this order
     "messages": ("messages",),
@@ -44,10 +44,7 @@ def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, 
 
 def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
     """read_canonical for rows already read."""
-    rename = {theirs: ours for ours, theirs in src.columns.items()}
-    missing = [c for c in rename if c not in rows.columns]
-    if missing:
-        raise DataError(f"{key}.columns: {missing} not in {src.path} (columns: {rows.columns})")
+    rename = column_map(rows, src, key)
     columns = [rename.get(c, c) for c in rows.columns]
     fmt = src.format
     if fmt == "auto":

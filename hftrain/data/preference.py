@@ -23,7 +23,7 @@ from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
 from .build import mix
-from .sources import read_rows
+from .sources import column_map, read_rows
 
 PAIR = ("chosen", "rejected")
 
@@ -96,16 +96,13 @@ def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
     return pair
 
 
-def read_pairs(src: DataSource, key: str) -> tuple[list[str], list[dict], bool]:
-    """(where, pair) of every row of a source, and whether they are conversations; the first bad row stops."""
+def read_pairs(src: DataSource, key: str) -> tuple[list[dict], bool]:
+    """The pair of every row of a source, and whether they are conversations; the first bad row stops."""
     rows = read_rows(src, key)
-    rename = {theirs: ours for ours, theirs in src.columns.items()}
-    missing = [c for c in rename if c not in rows.columns]
-    if missing:
-        raise DataError(f"{key}.columns: {missing} not in {src.path} (columns: {rows.columns})")
+    rename = column_map(rows, src, key)
     if rows.count == 0:
         raise DataError(f"{key}.path: {src.path} has no examples")
-    wheres, pairs, kinds = [], [], {}
+    pairs, kinds = [], {}
     for where, row in rows.iterate():
         try:
             pair = pair_of_row({rename.get(k, k): v for k, v in row.items()}, src.roles)
@@ -116,11 +113,10 @@ def read_pairs(src: DataSource, key: str) -> tuple[list[str], list[dict], bool]:
         if len(kinds) > 1:
             raise DataError(f"{key}: {where}: is {'a conversation' if kind else 'text'} but {kinds[not kind]} is "
                             f"{'text' if kind else 'a conversation'}; put each kind in a source of its own")
-        wheres.append(where)
         pairs.append(pair)
     print0(f"hftrain: {key} ({src.path}): layout preference ({'conversations' if kinds.get(True) else 'text'}), "
            f"{len(pairs)} pairs", file=sys.stderr)
-    return wheres, pairs, bool(kinds.get(True))
+    return pairs, bool(kinds.get(True))
 
 
 def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42) -> PreferenceData:
@@ -131,7 +127,7 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42) 
         ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
     for group, src, i in groups:
         key = f"data.{group}.{i}"
-        _, pairs, conversational = read_pairs(src, key)
+        pairs, conversational = read_pairs(src, key)
         kinds.setdefault(conversational, key)
         if len(kinds) > 1:
             raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} pairs but "

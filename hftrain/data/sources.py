@@ -34,6 +34,16 @@ class Rows:
     iterate: Callable[[], Iterator[tuple[str, dict]]]
 
 
+def column_map(rows: Rows, src: DataSource, key: str) -> dict[str, str]:
+    """The source's `columns:` as a map from the file's column names to hftrain's; a mapped column the file lacks
+    is a DataError naming it."""
+    rename = {theirs: ours for ours, theirs in src.columns.items()}
+    missing = [c for c in rename if c not in rows.columns]
+    if missing:
+        raise DataError(f"{key}.columns: {missing} not in {src.path} (columns: {rows.columns})")
+    return rename
+
+
 def read_rows(src: DataSource, key: str) -> Rows:
     """The rows of one source: local file(s), a save_to_disk folder, a folder of data files, or a Hub id."""
     path = src.path
