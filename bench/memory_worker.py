@@ -29,17 +29,13 @@ def rss(field: str = "VmRSS") -> int:
     return 0
 
 
-def tensor_bytes() -> int:
-    """Bytes of every CPU tensor storage alive in this process (each storage once, however many views use it):
-    model states and the engine's buffers, without allocator slack or the libraries' own memory."""
-    import torch
-
-    seen, total = set(), 0
-    for obj in gc.get_objects():
+def storage_bytes(tensors, seen: set) -> int:
+    """Bytes of the storages behind `tensors` not yet in `seen` (each storage once, however many views use it);
+    `seen` gains them, so one set across calls counts shared storages once."""
+    total = 0
+    for t in tensors:
         try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_meta:
-                continue
-            st = obj.untyped_storage()
+            st = t.untyped_storage()
             key = st.data_ptr()
         except Exception:  # tensor subclasses without a plain storage (e.g. DTensor wrappers): their locals count
             continue
@@ -47,6 +43,15 @@ def tensor_bytes() -> int:
             seen.add(key)
             total += st.nbytes()
     return total
+
+
+def tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in this process: model states and the engine's buffers, without
+    allocator slack or the libraries' own memory."""
+    import torch
+
+    return storage_bytes((o for o in gc.get_objects()
+                          if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta), set())
 
 
 class StepTensors:

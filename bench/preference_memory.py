@@ -30,6 +30,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from memory_worker import rss, storage_bytes, tensor_bytes  # noqa: E402  bench/memory.py's measurements
+
 MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
          "num_key_value_heads": 12, "max_position_embeddings": 512}
 VARIANTS = {
@@ -43,47 +45,19 @@ LABELS = {"sft": "SFT, plain `Trainer` (baseline)", "frozen": "DPO, frozen refer
           "simpo": "SimPO (`loss_type: simpo`)"}
 
 
-def status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def storage_bytes(tensors, seen: set) -> int:
-    total = 0
-    for t in tensors:
-        try:
-            st = t.untyped_storage()
-        except Exception:
-            continue
-        if st.data_ptr() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
-
-def live_tensor_bytes() -> int:
-    import torch
-
-    return storage_bytes((o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"
-                          and not o.is_meta), set())
-
-
 def measure(trainer) -> dict:
     gc.collect()
     seen: set = set()
     policy = storage_bytes(trainer.model.parameters(), seen)
     ref = getattr(trainer, "ref_model", None)
     return {"policy_bytes": policy, "ref_bytes": storage_bytes(ref.parameters(), seen) if ref is not None else 0,
-            "has_ref_model": ref is not None, "tensor_bytes": live_tensor_bytes()}
+            "has_ref_model": ref is not None, "tensor_bytes": tensor_bytes()}
 
 
 def worker(variant: str, model_dir: str, data: str, out: str, steps: int) -> None:
     """One variant in this process; writes OUT/mem.json."""
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    report: dict = {"rss_before": status("VmRSS")}
+    report: dict = {"rss_before": rss()}
     common = [f"data.max_length=64", f"training.output_dir={out}", f"training.max_steps={steps}",
               "training.per_device_train_batch_size=4", "training.save_strategy=no", "training.report_to=none",
               "training.disable_tqdm=true", "training.logging_steps=1", "training.learning_rate=1e-5",
@@ -129,7 +103,7 @@ def worker(variant: str, model_dir: str, data: str, out: str, steps: int) -> Non
         sys.argv = [os.path.join(REPO, "recipes", "dpo.py"), *argv]
         runpy.run_path(sys.argv[0], run_name="__main__")
     gc.collect()
-    report["peak_rss"] = status("VmHWM")
+    report["peak_rss"] = rss("VmHWM")
     with open(os.path.join(out, "mem.json"), "w") as fh:
         json.dump(report, fh)
 
