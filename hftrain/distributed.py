@@ -33,8 +33,9 @@ def is_main_process() -> bool:
 
 
 def is_local_main_process() -> bool:
-    """The first process of this machine (LOCAL_RANK 0, as the launcher exported it); the main process too."""
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0 or is_main_process()
+    """The first process of this machine (LOCAL_RANK 0 as the launcher exported it; unset: a lone process). The
+    main process is one (every launcher gives global rank 0 local rank 0)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def print0(*args, **kwargs) -> None:
