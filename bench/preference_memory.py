@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -100,8 +99,9 @@ def worker(variant: str, model_dir: str, data: str, out: str, steps: int) -> Non
         pref.PreferenceTrainer.train = measured_train
         argv = [os.path.join(REPO, "recipes", "demo", "dpo.yaml"), f"model.name_or_path={model_dir}",
                 f"data.sources.0.path={data}", "data.eval_sources=[]", *common, *VARIANTS[variant]]
-        sys.argv = [os.path.join(REPO, "recipes", "dpo.py"), *argv]
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        from hftrain.recipes import dpo
+
+        dpo.main(argv)
     gc.collect()
     report["peak_rss"] = rss("VmHWM")
     with open(os.path.join(out, "mem.json"), "w") as fh:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
 from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
-from .constants import STRATEGIES
+from .constants import RECIPE_MODULES, STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
@@ -26,11 +26,6 @@ from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
-# recipes/sft.py (recipes/dpo.py for a recipe with a preference: section) of this checkout (hftrain is installed
-# editable from the repository).
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-DEFAULT_SCRIPT = os.path.join(RECIPES, "sft.py")
-PREFERENCE_SCRIPT = os.path.join(RECIPES, "dpo.py")
 
 
 def _check(ns) -> int:
@@ -107,8 +102,10 @@ def _launch(ns) -> int:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
-        script = ns.script or (PREFERENCE_SCRIPT if recipe.preference is not None else DEFAULT_SCRIPT)
-        cmd += [script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
+        # The recipe scripts ship in the package (hftrain/recipes/): run as modules, they work from any folder.
+        kind = getattr(ns, "kind", None) or ("dpo" if recipe.preference is not None else "sft")
+        cmd += [ns.script] if ns.script else ["-m", RECIPE_MODULES[kind]]
+        cmd += [ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if ns.dry_run:
             with open(config, encoding="utf-8") as fh:
@@ -185,19 +182,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory", dest="gpu_memory", type=float, default=None, help="GiB per GPU")
     pl.set_defaults(fn=_plan)
 
-    la = sub.add_parser("launch", allow_abbrev=False,
-                        help="Render the recipe's launcher config (into a private temporary folder) and run accelerate "
-                        "launch with it; on several machines run it on each (--machine-rank K).")
-    la.add_argument("recipe", help="recipe YAML")
-    la.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    la.add_argument("--script", default=None, help="training script (default: recipes/sft.py, or recipes/dpo.py "
-                    "for a recipe with a preference: section)")
-    la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
-                    help="restart the workers this many times when one dies")
-    la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
-                    help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
-    la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
-    la.set_defaults(fn=_launch)
+    launch_help = ("Render the recipe's launcher config (into a private temporary folder) and run accelerate launch "
+                   "with it; on several machines run it on each (--machine-rank K).")
+    for name, what in (("launch", "the recipe's method (dpo for a recipe with a preference: section, else sft)"),
+                       ("sft", "supervised fine-tuning (hftrain/recipes/sft.py)"),
+                       ("dpo", "preference tuning (hftrain/recipes/dpo.py)")):
+        la = sub.add_parser(name, allow_abbrev=False, help=f"Train: {what}. {launch_help}")
+        la.add_argument("recipe", help="recipe YAML")
+        la.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "launch":
+            la.add_argument("--script", default=None, help="a training script of your own instead of the recipe's "
+                            "method")
+        la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
+                        help="restart the workers this many times when one dies")
+        la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
+                        help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
+        la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
+        la.set_defaults(fn=_launch, kind=None if name == "launch" else name, script=None)
 
     pu = sub.add_parser("push", allow_abbrev=False,
                         help="Validate a finished run's output_dir, write its model card and upload it to the Hub.")
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "data", "launch", "plan"):
+    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "plan"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from hftrain import guards
 from hftrain.errors import LaunchError, NonFiniteError, exit_on_user_error
-from hftrain.trainer import HFTrainer
+from hftrain.trainer import SFTTrainer
 
 from . import guard_worker
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, run
@@ -38,7 +38,7 @@ def recipe(tmp_path, model_dir, **training) -> str:
 def run_main(argv, capsys) -> tuple[int, str]:
     try:
         with exit_on_user_error():
-            guard_worker.sft_module().main(argv)
+            guard_worker.sft.main(argv)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -80,8 +80,8 @@ def test_a_sane_run_is_not_stopped(tmp_path, tiny_model_dir, capsys):
 
 def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tiny_model_dir, capsys, monkeypatch):
     digests = tmp_path / "digests.jsonl"
-    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
-    monkeypatch.setattr(HFTrainer, "__init__", guard_worker.init)
+    monkeypatch.setattr(SFTTrainer, "_forward", guard_worker.forward)
+    monkeypatch.setattr(SFTTrainer, "__init__", guard_worker.init)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2")
     monkeypatch.setenv("HFTRAIN_TEST_DIGESTS", str(digests))
     code, err = run_main([recipe(tmp_path, tiny_model_dir, max_bad_steps=1, weight_decay=0.1)], capsys)
@@ -98,7 +98,7 @@ def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tin
 
 
 def test_one_bad_step_more_than_allowed_stops(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
+    monkeypatch.setattr(SFTTrainer, "_forward", guard_worker.forward)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2,3")
     code, err = run_main([recipe(tmp_path, tiny_model_dir, max_bad_steps=1)], capsys)
     assert code == 2, err[-3000:]

@@ -73,7 +73,7 @@ def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir):
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump(tree))
     r = run([PY, "recipes/dpo.py", str(rec)], timeout=120)
-    assert r.returncode == 2 and "recipes/dpo.py needs a preference: section" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in r.stderr, r.stderr[-2000:]
 
 
 # -- data: every bad row refused by file and line ----------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_hftrain_check_refuses_a_bad_row_and_launch_picks_dpo_py(tmp_path, tiny_
     assert e.value.code == 2
     assert f"data.sources.0: {data}:2: chosen is empty" in capsys.readouterr().err
     assert cli_main(["launch", "--dry-run", str(rec)]) == 0
-    assert "recipes/dpo.py" in capsys.readouterr().out
+    assert "-m hftrain.recipes.dpo" in capsys.readouterr().out
 
 
 # -- runs -----------------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from hftrain.launch import check_data
-    from hftrain.launch.setup import training_arguments
+    from hftrain.launch.setup import run_arguments
     from hftrain.preference import PreferenceTrainer, dpo_config
 
     beta, gamma = 2.0, 0.7
@@ -296,8 +296,8 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
     assert found == []
     tokenizer, pairs = check_data(recipe, 1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = PreferenceTrainer(model=model, args=dpo_config(training_arguments(recipe), recipe),
-                                train_dataset=pairs.train, processing_class=tokenizer, preference=recipe.preference)
+    trainer = PreferenceTrainer(model=model, args=dpo_config(recipe, **run_arguments(recipe)),
+                                train_dataset=pairs.train, processing_class=tokenizer)
     rows = [trainer.train_dataset[i] for i in range(4)]
     trainer.model.eval()
     with torch.no_grad():
