@@ -31,6 +31,11 @@ class Method:
         """The run's arguments from every resolved TrainingArguments value (launch.setup); built once."""
         return HFTrainingArguments(**kwargs)
 
+    def data(self, run: Run):
+        """(tokenizer, datasets): every row read and checked, errors naming the file and row (launch.check_data:
+        SFT examples, or preference pairs for a recipe with a preference: section)."""
+        return check_data(run.recipe, run.args.world_size, seed=run.args.seed)
+
     def model(self, run: Run):
         raise NotImplementedError
 
@@ -51,7 +56,7 @@ def run(method: Method, argv: list[str]) -> dict:
 
     # 2. Data before the model: every row read and checked (the main process first; the others reuse its cache),
     #    so a bad row stops the run before any weight is loaded. Then output_dir is locked for this run.
-    tokenizer, data = check_data(recipe, args.world_size, seed=args.seed)
+    tokenizer, data = method.data(run)
     claim_output_dir(recipe)
     model = method.model(run)
     stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
