@@ -131,7 +131,7 @@ def _ep_worker(ns) -> None:
 
 
 def ep(ns) -> None:
-    from hftrain.distributed import free_port
+    from tests.support import free_port
 
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.abspath(__file__), "_ep_worker", "--tokens", str(ns.tokens), "--iters", str(ns.iters),

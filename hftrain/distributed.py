@@ -112,13 +112,6 @@ def launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, for a local launch's rendezvous (tests and benchmarks start many)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def restart_count() -> int:
     """How many times an elastic launcher (torchrun / accelerate --max_restarts) has restarted the workers."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

@@ -11,7 +11,7 @@ from hftrain import losses
 from hftrain.config import DataSection, DataSource, ModelSection
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import build_datasets
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.evaluate import greedy_answer, shard
 
 from .conftest import ACCELERATE_LAUNCH, PY, eval_token_mean_and_old, run, uneven_data

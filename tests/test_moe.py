@@ -13,7 +13,7 @@ from hftrain.errors import MoeError
 from hftrain.moe.aux import z_loss
 from hftrain.moe.blocks import moe_blocks, routers
 from hftrain.moe.upcycle import upcycle
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run
 

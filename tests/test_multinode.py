@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from .conftest import DEMO_TRAIN, PY, REPO
-from hftrain import netns
+from tests import netns
 from hftrain.checkpoints import verify
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from hftrain.config import strategy_of_deepspeed_config
 from hftrain.config import RecipeError, StrategySection, load_recipe
 from hftrain.constants import STRATEGIES
 from hftrain.launch.strategies import accelerate_config, deepspeed_config, render
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, eval_token_mean, run
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import yaml
 
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.lifetime import DONE, Heartbeat
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning

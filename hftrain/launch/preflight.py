@@ -110,24 +110,6 @@ def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, fl
     return found
 
 
-# The CPU ops hftrain's DeepSpeed strategies JIT-build on first use (scripts/build_deepspeed_ops.py builds them once).
-DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-
-
-def deepspeed_op_builders() -> list:
-    """DeepSpeed's builders of DEEPSPEED_CPU_OPS that can build here (async_io needs libaio)."""
-    from deepspeed.accelerator import get_accelerator  # optional dependency: only ZeRO strategies need it
-
-    builders = [get_accelerator().create_op_builder(name) for name in DEEPSPEED_CPU_OPS]
-    return [b for b in builders if b.name != "async_io" or b.is_compatible(verbose=False)]
-
-
-def op_is_built(builder, root: str | None = None) -> bool:
-    """torch's JIT cache holds `<root>/<name>/<name>.so` once the op has been built."""
-    root = root or extensions_dir()
-    return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
-
-
 def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
     problems = []
     engine = environment_engine_problem(strategy.name, accelerator_available())
