@@ -8,6 +8,8 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.data import tokenize_example
 from hftrain.data.preview import marked, preview
 
+from .template_families import FAMILIES, tokenizer_for
+
 MSGS = [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": "b a"}]
 
 
@@ -44,8 +46,6 @@ def test_cli_data_prints_the_report(tmp_path, tiny_model_dir, capsys):
 def test_a_multi_turn_qwen3_reasoning_conversation_trains_every_turn(tmp_path):
     """Qwen3 drops the reasoning of turns before the last user query: the row becomes one example per turn, each
     trained with its reasoning, and the report says so (issue 27)."""
-    from .template_families import FAMILIES, tokenizer_for
-
     tok = tokenizer_for(FAMILIES["qwen3"], str(tmp_path / "qwen3"))
     turns = [("Weather in Paris?", "I should look it up.", "It is sunny."), ("And tomorrow?", "Clouds.", "Rain.")]
     msgs = [m for user, thought, answer in turns for m in (

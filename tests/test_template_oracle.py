@@ -23,7 +23,7 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.data import to_messages_or_text, tokenize_examples
 from hftrain.data.forms import REASONING_FIELDS, template_messages
 from hftrain.data.render import label, render_examples
-from hftrain.data.templates import template_kwargs
+from hftrain.data.templates import TEMPLATE_ERRORS, template_kwargs
 from hftrain.errors import DataError
 
 from .template_families import FAMILIES, tokenizer_for
@@ -88,8 +88,7 @@ CONVERSATIONS = {  # name: (messages, tools) as a row of a messages file holds t
 # not, and why hftrain is right. DiffusionGemma's generation prompt after tool results is empty (the model goes on in
 # its turn), but the template writes "<|turn>model\n" before the answer that follows them: the model must write it
 # after that prompt, so hftrain trains it; TRL's training template leaves it out of its generation block.
-KNOWN = {("diffusion_gemma", "tool"): ("<|turn>model\n", "after tool results the generation prompt is empty and the "
-                                                          "template writes <|turn>model\n before the answer")}
+KNOWN = {("diffusion_gemma", "tool"): ("<|turn>model\n", "after tool results its generation prompt is empty")}
 
 
 def _common(a: str, b: str) -> int:
@@ -180,7 +179,7 @@ def _lost(tok, msgs, tools, kwargs, at) -> str | None:
     def render(ms):
         try:
             return tok.apply_chat_template(ms, tools=tools, tokenize=False, **kwargs)
-        except Exception:  # a template that cannot render the conversation writes none of it
+        except TEMPLATE_ERRORS:  # a template that cannot render the conversation writes none of it
             return ""
 
     full = render(plain)
@@ -208,7 +207,7 @@ def run_case(name: str, conv: str, tmp_path_factory) -> tuple[str, dict]:
         examples = render_examples(canon, tok["own"], False, family.kwargs, at)
     except DataError as e:
         if "the chat template refused" in str(e):
-            with pytest.raises(Exception):  # the oracle, the same template marked, refuses it too
+            with pytest.raises(TEMPLATE_ERRORS):  # the oracle, the same template marked, refuses it too
                 msgs_o = template_messages(canon["messages"], tok["oracle"], kwargs, at)
                 tok["oracle"].apply_chat_template(msgs_o, tools=canon.get("tools"), tokenize=False, **kwargs)
             return "template refuses", {}

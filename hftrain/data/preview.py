@@ -35,9 +35,10 @@ def _why(canon: dict, tokenizer, on_prompt: bool, cfg: DataSection, source: str)
     """Why a row became several examples, and the assistant messages each one trains."""
     exs = render_examples(canon, tokenizer, on_prompt, cfg.chat_template_kwargs, source, cfg.train_turns)
     split = [ex.turns[-1] for ex in exs if ex.split]
-    return (f"the chat template writes assistant message(s) {', '.join(map(str, split))} differently once later "
-            "messages follow (it rewrites earlier turns, e.g. drops their reasoning), so each is trained in an "
-            "example that ends with it", [ex.turns for ex in exs])
+    why = (f"the chat template writes assistant message(s) {', '.join(map(str, split))} differently once later "
+           "messages follow (it rewrites earlier turns, e.g. drops their reasoning), so each is trained in an "
+           "example that ends with it")
+    return why, [ex.turns for ex in exs]
 
 
 def source_report(ds, fmt: str, tokenizer, cfg: DataSection, key: str, path: str, examples: int) -> list[str]:

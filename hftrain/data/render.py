@@ -14,6 +14,7 @@ from .offsets import encode
 from .templates import apply, end_of_turn, has_generation_marker, stop_ids, template_kwargs, warn_eos_once, where
 from .turns import Example, conversation_examples
 
+
 def render_examples(canon: dict, tokenizer, train_on_prompt: bool, chat_template_kwargs: dict | None = None,
                     source: str | None = None, train_turns: str = "all") -> list[Example]:
     """The examples (text, trainable char spans) one canonical example becomes."""

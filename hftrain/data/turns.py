@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 from ..errors import DataError
 from .forms import REASONING_FIELDS, forms, template_messages
-from .layouts import content_text
 from .offsets import encode
 from .templates import apply, stop_ids
 
