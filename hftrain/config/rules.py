@@ -198,6 +198,9 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
     problem = _chat_template_problem(d.chat_template)
     if problem:
         out.append(("data.chat_template", problem))
+    if d.train_turns == "last" and d.assistant_only_loss is False:
+        out.append(("data.train_turns", "'last' picks the assistant turn to train, and data.assistant_only_loss: "
+                    "false trains every token of the conversation: remove one of them"))
     if _num(d.max_length) and d.max_length < 2:
         out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
     for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
@@ -296,7 +299,7 @@ def repo_id_problem(repo_id: str) -> str | None:
 
 # data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
 _SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False, "truncation": "right"}
+                  "skip_untrainable": False, "truncation": "right", "train_turns": "all"}
 
 
 def preference_problems(recipe: Recipe) -> Problems:

@@ -79,6 +79,11 @@ class DataSection:
     packing: bool = _f(False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
                                "example so none attends another.")
     assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
+    train_turns: Literal["all", "last"] = _f(
+        "all", "Conversations: train every assistant turn, each as the chat template writes it when it is the last "
+        "message (a template that rewrites earlier turns, e.g. drops their reasoning, makes one example per such "
+        "turn), or only the 'last' one."
+    )
     completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
     skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
     num_proc: int | None = _f(None, "Processes for tokenisation (datasets.map).")
