@@ -73,7 +73,7 @@ SlurmctldPort={port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=15
 CredType=cred/munge
 StateSaveLocation={tmp}/state
 SlurmdSpoolDir={tmp}/spool/%n

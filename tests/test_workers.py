@@ -122,6 +122,18 @@ def hftrain_cmd(rec):
     return [PY, "-m", "hftrain.cli", "launch", rec, "--script", "tests/slow_sft.py"]
 
 
+def deepspeed_cmd(rec):
+    """DeepSpeed's runner (the `deepspeed` command): it starts a node launcher (deepspeed.launcher.launch), which
+    starts the workers; `--num_gpus 2` makes it start 2 on CPU, `--no_local_rank` keeps --local_rank off the recipe's
+    arguments. The workers run DDP (no DeepSpeed config: the launcher is only a process launcher here)."""
+    port = yaml.safe_load(open(rec))["strategy"]["main_process_port"]
+    return [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), "--no_local_rank",
+            "tests/slow_sft.py", rec, "strategy.name=ddp"]
+
+
+LAUNCH_COMMANDS = {"accelerate": accelerate_cmd, "hftrain": hftrain_cmd, "deepspeed": deepspeed_cmd}
+
+
 def start_until_training(cmd, sleep=0.5, timeout=300):
     """Start the launch (slowed steps), return it once the first loss line is printed, with the output so far."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP=str(sleep))
@@ -159,11 +171,12 @@ def worker_pids(marker) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher,sig", [("accelerate", signal.SIGKILL), ("accelerate", signal.SIGINT),
                                           ("hftrain", signal.SIGKILL), ("hftrain", signal.SIGINT),
-                                          ("hftrain", signal.SIGTERM)],
-                         ids=["accelerate-kill", "accelerate-int", "hftrain-kill", "hftrain-int", "hftrain-term"])
+                                          ("hftrain", signal.SIGTERM), ("deepspeed", signal.SIGKILL)],
+                         ids=["accelerate-kill", "accelerate-int", "hftrain-kill", "hftrain-int", "hftrain-term",
+                              "deepspeed-kill"])
 def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, tmp_path, tiny_model_dir):
     rec = recipe(tmp_path, tiny_model_dir)
-    proc, lines = start_until_training((accelerate_cmd if launcher == "accelerate" else hftrain_cmd)(rec))
+    proc, lines = start_until_training(LAUNCH_COMMANDS[launcher](rec))
     try:
         workers = worker_pids(rec)
         assert sorted(workers) == [0, 1], processes_mentioning(rec)

@@ -43,8 +43,10 @@ class Run:
     args: TrainingArguments
 
 
-def launcher_strategy() -> str:
-    """The strategy the launcher set up, read from the environment accelerate's launcher exports."""
+def launcher_strategy() -> str | None:
+    """The strategy the launcher set up, read from the environment accelerate's launcher exports; None under
+    DeepSpeed's launcher (`deepspeed`, which exports CROSS_RANK): it sets up no engine, the recipe's strategy
+    decides (its DeepSpeed config goes to TrainingArguments)."""
     env = os.environ
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -54,6 +56,8 @@ def launcher_strategy() -> str:
         return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return "fsdp"
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:  # deepspeed.launcher.launch's variables
+        return None
     return "ddp"
 
 
