@@ -78,9 +78,10 @@ def _proc(pid: int, what: str) -> bytes:
 
 
 def _identity(pid: int) -> bytes:
-    """The pid's start time (/proc/PID/stat field 22): the same pid with another start time is another process."""
-    stat = _proc(pid, "stat")
-    return stat.rsplit(b")", 1)[-1].split()[19] if stat else b""
+    """The pid's start time (/proc/PID/stat field 22): the same pid with another start time is another process; b""
+    for none, or a zombie (dead, not yet reaped by its parent)."""
+    fields = _proc(pid, "stat").rsplit(b")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 and fields[0] != b"Z" else b""
 
 
 def outer_launchers(parent: int) -> list[tuple[int, bytes]]:

@@ -283,3 +283,44 @@ def test_the_child_dies_when_its_owner_is_sigkilled(marker):
     proc.kill()
     proc.wait()
     assert_no_process_left(marker, within=5)
+
+
+# -- DeepSpeed's runner -> node launcher -> worker chain, without training --------------------------------------
+
+FAKE_RUNNER = """
+import subprocess, sys
+# argv holds 'deepspeed.launcher.runner' (as `python -m deepspeed.launcher.runner` does): it starts the node launcher
+subprocess.Popen([sys.executable, "-c", sys.argv[2], "deepspeed.launcher.launch", sys.argv[3], sys.argv[4]]).wait()
+"""
+FAKE_NODE_LAUNCHER = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[3]]).wait()  # not owned by the runner: lives on
+"""
+WORKER = """
+import time
+from hftrain.lifetime import die_with_parent, launched_by_a_launcher
+assert launched_by_a_launcher()
+die_with_parent(poll_seconds=0.2)
+print("worker up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_of_deepspeeds_launcher_dies_with_the_runner_too(marker):
+    """`deepspeed` (the runner) starts deepspeed.launcher.launch, which starts the workers: the node launcher does not
+    end with a SIGKILLed runner, so the worker watches the runner as well as its parent (lifetime.outer_launchers)."""
+    proc = subprocess.Popen([PY, "-c", FAKE_RUNNER, "deepspeed.launcher.runner", FAKE_NODE_LAUNCHER, WORKER, marker],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "worker up\n"
+        worker = [pid for pid in processes_mentioning(marker)
+                  if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[2] == WORKER.encode()]
+        assert len(worker) == 1, processes_mentioning(marker)
+        proc.kill()  # the runner
+        t0 = time.time()
+        while worker[0] in processes_mentioning(marker) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        assert worker[0] not in processes_mentioning(marker), "the worker outlived DeepSpeed's runner"
+    finally:
+        proc.kill()
+        proc.wait()
