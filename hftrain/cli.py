@@ -57,6 +57,8 @@ def _tiny_model(ns) -> int:
 
 def _config(ns) -> int:
     training, comm_dtype, overrides = None, None, list(ns.overrides)
+    if not ns.slurm and (ns.launcher or ns.script):
+        raise RecipeError(["command line: --launcher and --script shape the SLURM script: add --slurm"])
     if ns.recipe:
         if ns.strategy:
             overrides.append(f"strategy.name={ns.strategy}")
@@ -80,7 +82,8 @@ def _config(ns) -> int:
                 raise RecipeError(["command line: --slurm needs a recipe: hftrain config RECIPE --slurm"])
             path = os.path.join(out, "launch.sbatch")
             atomic_write(path, slurm_script(recipe, replace(strategy, name=name), ns.recipe, ns.overrides,
-                                            config_path=written[0], launcher=ns.launcher, script=ns.script,
+                                            config_path=written[0], launcher=ns.launcher or "accelerate",
+                                            script=ns.script,
                                             path=path))
             os.chmod(path, 0o755)
             written += [path, prepare_log_folder(recipe)]
@@ -176,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
     g.add_argument("--slurm", action="store_true", help="also write launch.sbatch, the SLURM job: one launcher per "
                    "node, logs in OUTPUT_DIR/slurm, a checkpoint and a requeue before the time limit")
-    g.add_argument("--launcher", choices=LAUNCHERS, default="accelerate",
+    g.add_argument("--launcher", choices=LAUNCHERS, default=None,
                    help="--slurm: the launcher each node runs (torchrun: ddp; deepspeed: zero*; default accelerate)")
     g.add_argument("--script", default=None, help="--slurm: a training script of your own instead of the recipe's "
                    "method")

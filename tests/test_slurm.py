@@ -112,6 +112,8 @@ def test_torchrun_and_deepspeed_forms(tmp_path, monkeypatch):
     assert "--module hftrain.recipes.sft" in script
     with pytest.raises(SystemExit):
         main(["config", "r.yaml", "--slurm", "--launcher", "torchrun", "strategy.name=fsdp"])
+    with pytest.raises(SystemExit):  # not silently ignored without --slurm
+        main(["config", "r.yaml", "--launcher", "torchrun"])
 
 
 def test_the_main_address_is_one_the_other_machines_reach(monkeypatch):
@@ -165,6 +167,32 @@ def test_sigusr1_saves_a_checkpoint_stops_and_the_resumed_run_ends_as_one_never_
     r = _run(["-m", "hftrain.recipes.sft", rec, "training.resume_from_checkpoint=true"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert close(losses(out), losses(tmp_path / "ref")), (losses(out), losses(tmp_path / "ref"))
+
+
+@pytest.mark.slow
+def test_a_request_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_model_dir):
+    """2 processes (accelerate launch), SIGUSR1 to rank 1 only (as when the nodes' signals come at different steps):
+    both ranks stop after the same step, which is saved whole (both ranks' RNG states, verified), and exit 0."""
+    from .test_workers import accelerate_cmd, recipe as workers_recipe, start_until_training, worker_pids
+
+    rec = workers_recipe(tmp_path, tiny_model_dir)  # 40 steps, a checkpoint every 2, slowed steps
+    proc, lines = start_until_training(accelerate_cmd(rec), sleep=0.5)
+    try:
+        workers = worker_pids(rec)
+        assert sorted(workers) == [0, 1]
+        os.kill(workers[1], signal.SIGUSR1)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(lines) + rest
+    out = tmp_path / "out"
+    assert proc.returncode == 0, log[-3000:]
+    step = int(log.split("every rank stopped after step ")[1].split()[0])
+    assert step < 40 and not (out / "run_info.json").exists()
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(out / f"checkpoint-{step}"))
+    verify(str(out / f"checkpoint-{step}"))
+    assert _published(out)[-1] == f"checkpoint-{step}"
 
 
 def test_the_request_is_recorded_not_fatal():
