@@ -207,14 +207,24 @@ def _alive(pid: int) -> bool:
         return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _ours(pid: int, tmp: str) -> bool:
+    """The pid is alive and is one of this cluster's daemons (its command line names the cluster's folder): a pid
+    recorded long ago may belong to another process now."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return _alive(pid) and tmp.encode() in fh.read()
+    except OSError:
+        return False
+
+
 def _teardown(record: dict) -> None:
     """Remove what one cluster made (its record, cluster.json): daemons, namespaces with every process in them, the
     bridge, munged, the folder."""
-    for pid in record.get("daemons", []):
-        if _alive(pid):
-            os.kill(pid, signal.SIGTERM)
-    time.sleep(0.5 if record.get("daemons") else 0)
-    for pid in record.get("daemons", []):
+    daemons = [p for p in record.get("daemons", []) + [record.get("munged") or 0] if p and _ours(p, record["tmp"])]
+    for pid in daemons:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5 if daemons else 0)
+    for pid in daemons:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     for n in record.get("namespaces", []):
@@ -222,8 +232,6 @@ def _teardown(record: dict) -> None:
         subprocess.run(["ip", "netns", "del", n], capture_output=True)
     if record.get("bridge"):
         subprocess.run(["ip", "link", "del", record["bridge"]], capture_output=True)
-    if record.get("munged") and _alive(record["munged"]):
-        os.kill(record["munged"], signal.SIGKILL)
     shutil.rmtree(record["tmp"], ignore_errors=True)
 
 
