@@ -118,7 +118,8 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
         f"PY={_q(python)}",
         f"OUT={_q(out)}",
         "export PY",
-        "# The network, in one place: the interface the nodes reach each other on (strategy.socket_ifname).",
+        "# The network, in one place: the interface the nodes reach each other on (strategy.socket_ifname)"
+        + ("." if s.socket_ifname else ": unset, NCCL and gloo bind what the hostname resolves to."),
         *[f"export {k}={_q(v)}" for k, v in socket_environment(s).items()],
         "export PYTHONUNBUFFERED=1",
         f'if [ "$SLURM_NNODES" != {s.num_machines} ]; then',
