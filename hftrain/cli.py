@@ -21,7 +21,8 @@ from .hub.push import push, settings_for_run
 from .data.preview import preview
 from .launch import check_data, check_recipe
 from .launch.plan import GiB, format_plan, model_facts, plan
-from .launch.strategies import render, slurm_script
+from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
+from .launch.strategies import render
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
@@ -56,6 +57,8 @@ def _tiny_model(ns) -> int:
 
 def _config(ns) -> int:
     training, comm_dtype, overrides = None, None, list(ns.overrides)
+    if not ns.slurm and (ns.launcher or ns.script):
+        raise RecipeError(["command line: --launcher and --script shape the SLURM script: add --slurm"])
     if ns.recipe:
         if ns.strategy:
             overrides.append(f"strategy.name={ns.strategy}")
@@ -78,8 +81,12 @@ def _config(ns) -> int:
             if not ns.recipe:
                 raise RecipeError(["command line: --slurm needs a recipe: hftrain config RECIPE --slurm"])
             path = os.path.join(out, "launch.sbatch")
-            atomic_write(path, slurm_script(replace(strategy, name=name), written[0], ns.recipe, ns.overrides))
-            written.append(path)
+            atomic_write(path, slurm_script(recipe, replace(strategy, name=name), ns.recipe, ns.overrides,
+                                            config_path=written[0], launcher=ns.launcher or "accelerate",
+                                            script=ns.script,
+                                            path=path))
+            os.chmod(path, 0o755)
+            written += [path, prepare_log_folder(recipe)]
         for path in written:
             print(f"hftrain: wrote {path}")
     return 0
@@ -170,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=STRATEGIES)
     g.add_argument("--all", action="store_true", help="every strategy (how accelerate_configs/ is made)")
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
-    g.add_argument("--slurm", action="store_true", help="also write launch.sbatch: one accelerate launch per node")
+    g.add_argument("--slurm", action="store_true", help="also write launch.sbatch, the SLURM job: one launcher per "
+                   "node, logs in OUTPUT_DIR/slurm, a checkpoint and a requeue before the time limit")
+    g.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="--slurm: the launcher each node runs (torchrun: ddp; deepspeed: zero*; default accelerate)")
+    g.add_argument("--script", default=None, help="--slurm: a training script of your own instead of the recipe's "
+                   "method")
     g.set_defaults(fn=_config)
 
     pl = sub.add_parser("plan", allow_abbrev=False,

@@ -3,6 +3,9 @@ differs (its arguments, model, trainer and held-out metrics) and calls `run(meth
 
     validate + set up (arguments built once, resume resolved once) -> Hub token -> data -> claim output_dir -> model
     -> trainer -> metrics before -> train -> metrics after -> save -> report -> shut down -> push
+
+A stop request (SIGUSR1, e.g. SLURM's warning before a time limit) ends the run after train() with its checkpoint
+saved (trainer/stop_request.py): no metrics after, no final save, no push; the restarted run resumes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def run(method: Method, argv: list[str]) -> dict:
     trainer = method.trainer(run, model, tokenizer, data, [CurvesCallback()])
     before = method.metrics(run, trainer, data, before=True)
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if trainer.stopped_at is not None:  # a stop request (SIGUSR1): checkpoint-N is saved; no final save, exit 0
+        del trainer, model
+        distributed.shutdown()
+        return {"stopped_at": result.global_step}
     before.update(first_eval(trainer.state.log_history, method.reported))
     after = method.metrics(run, trainer, data, before=False)
     if data.eval is not None:

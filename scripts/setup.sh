@@ -3,7 +3,8 @@
 # HFTRAIN_NEWEST=1: the newest releases pyproject.toml allows instead (torch stays 2.13.0). On a machine without an
 # NVIDIA GPU the CPU build of torch (torch==2.13.0) goes in first, so the package's torch range does not pull a
 # multi-GB CUDA build.
-# ZeRO-Infinity (NVMe offload) needs libaio: installed with apt-get when missing and we are root.
+# ZeRO-Infinity (NVMe offload) needs libaio, the SLURM tests SLURM and munge: installed with apt-get when missing and
+# we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio.h ]; then
@@ -14,6 +15,8 @@ if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio
     echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
   fi
 fi
+# The SLURM tests stand up a 2-node cluster of the distribution's slurmctld/slurmd/munge: installed when missing.
+bash scripts/install_slurm.sh || echo "setup: SLURM packages not installed; the SLURM tests will be skipped"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0

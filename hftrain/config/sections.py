@@ -103,6 +103,11 @@ class StrategySection:
         None, "Seconds a rank may go without answering (stopped, hung, dead) before the job fails naming it; "
         "0 turns the check off; default 300."
     )
+    socket_ifname: str | None = _f(
+        None, "Network interface the machines reach each other on (e.g. eth0, ib0): exported as GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME to every rank, and the SLURM script takes the main address from it; default: what the "
+        "hostname resolves to."
+    )
     fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
     fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
     fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
@@ -120,7 +125,7 @@ class StrategySection:
 
 # Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
 COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
-                            "main_process_port", "rank_timeout"})
+                            "main_process_port", "rank_timeout", "socket_ifname"})
 STRATEGY_OPTIONS = {
     "ddp": COMMON_OPTIONS,
     "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},

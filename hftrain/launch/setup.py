@@ -23,13 +23,15 @@ from ..config import (HFTrainingArguments, Recipe, StrategySection, arguments_kw
                       strategy_of_deepspeed_config)
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
-from .. import outdir
-from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
-                           launcher_world_size, print0, restart_count, world_size)
+from .. import outdir, stop_request
+from ..distributed import (accelerator_available, all_gather_object, barrier, elastic_restart_count,
+                           is_local_main_process, is_main_process, launcher_world_size, print0, restart_count,
+                           world_size)
 from ..errors import LaunchError, RecipeError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
+from .network import export_socket_environment
 from .preflight import check_recipe, extensions_dir
 from .strategies import deepspeed_config, render
 
@@ -41,8 +43,10 @@ class Run:
     args: TrainingArguments
 
 
-def launcher_strategy() -> str:
-    """The strategy the launcher set up, read from the environment accelerate's launcher exports."""
+def launcher_strategy() -> str | None:
+    """The strategy the launcher set up, read from the environment accelerate's launcher exports; None under
+    DeepSpeed's launcher (`deepspeed`, which exports CROSS_RANK): it sets up no engine, the recipe's strategy
+    decides (its DeepSpeed config goes to TrainingArguments)."""
     env = os.environ
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -52,6 +56,8 @@ def launcher_strategy() -> str:
         return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return "fsdp"
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:  # deepspeed.launcher.launch's variables
+        return None
     return "ddp"
 
 
@@ -84,6 +90,7 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
+    stop_request.arm()  # SIGUSR1 (SLURM's warning before a time limit): save a checkpoint and stop, not die
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
@@ -92,6 +99,7 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
             "this recipe has a preference: section: run it with `hftrain dpo` (recipes/dpo.py)"
             if recipe.preference is not None else f"`hftrain {kind}` (recipes/{kind}.py) needs a preference: section "
             "(e.g. preference: {loss_type: sigmoid, beta: 0.1})")])
+    export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
     _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     extra = {}
     if strategy.name in ZERO_STAGE:
@@ -110,7 +118,7 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     resume = checkpoints.resolve_resume(recipe.resume_from_checkpoint, recipe.output_dir, restart_count() > 0,
                                         warn=print0, weights_only=recipe.training_value("resume_weights_only") is True)
     if resume and restart_count() > 0 and not recipe.resume_from_checkpoint:
-        print0(f"hftrain: restarted by the launcher: resuming from {resume}")
+        print0(f"hftrain: {_restarted_by()}: resuming from {resume}")
     kwargs = run_arguments(recipe, strategy, resume, **extra)
     args = method.arguments(recipe, kwargs) if method is not None else HFTrainingArguments(**kwargs)
     if strategy.name in ZERO_STAGE:
@@ -170,7 +178,7 @@ def _isolate_restart_attempt() -> None:
     """After an elastic restart, start the process group on a store prefixed by the attempt number: torchrun's static
     rendezvous hands restarted workers the first attempt's store unprefixed, so the new group can read the dead
     attempt's addresses ("connectFullMesh ... Connection refused"). Runs before accelerate creates the group."""
-    attempt = restart_count()
+    attempt = elastic_restart_count()  # a requeued SLURM job starts a new launcher, with a new store
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return
     world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -183,3 +191,6 @@ def _isolate_restart_attempt() -> None:
     print0(f"hftrain: restart {attempt}: process group on a fresh store prefix")
 
 
+def _restarted_by() -> str:
+    """Who started this run again: the launcher's restart, or SLURM's requeue of the job."""
+    return "restarted by the launcher" if elastic_restart_count() else "the job was requeued by SLURM"
