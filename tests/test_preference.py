@@ -35,7 +35,8 @@ def test_shipped_recipe_parses():
 
 @pytest.mark.parametrize("override, expected", [
     ("preference.beta_=0.2", "command line: preference.beta_: unknown key; did you mean 'preference.beta'?"),
-    ("preference.loss_type=orpo", "command line: preference.loss_type: expected one of 'sigmoid', 'ipo', 'simpo'"),
+    ("preference.loss_type=cpo", "command line: preference.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', "
+                                 "'orpo', 'kto'"),
     ("preference.beta=0", "preference.beta: must be a finite number > 0, got 0.0"),
     ("preference.label_smoothing=0.5", "preference.label_smoothing: must be in [0, 0.5), got 0.5"),
     ("preference.simpo_gamma=1", "preference.simpo_gamma: applies to loss_type simpo, not 'sigmoid': remove it"),
