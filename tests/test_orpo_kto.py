@@ -48,6 +48,12 @@ def test_config_errors_name_the_key_and_the_fix(overrides, expected):
     assert any(expected in p for p in found), found
 
 
+@pytest.mark.parametrize("name, loss", [("kto", "kto"), ("orpo", "orpo")])
+def test_shipped_demo_recipes_parse(name, loss):
+    recipe, found = parse_recipe(os.path.join(REPO, "recipes", "demo", f"{name}.yaml"))
+    assert found == [] and recipe.preference.loss_type == loss
+
+
 def test_the_defaults_are_valid():
     assert problems("preference.loss_type=orpo") == []
     assert problems("preference.loss_type=kto", "preference.desirable_weight=1.33",

@@ -25,10 +25,11 @@ TRAINERS = {"orpo": (orpo_config, ORPOPreferenceTrainer), "kto": (kto_config, KT
 
 class DPO(Method):
     name = "dpo"
-    # Those the trainer logs: DPO and ORPO rewards/accuracies (a pair's chosen reward above its rejected one); KTO its
-    # examples' KL reference point instead.
+    # Those the loss's trainer logs: rewards/accuracies (DPO, ORPO: a pair's chosen reward above its rejected one);
+    # ORPO's log odds of the chosen answer over the rejected and its NLL; KTO's KL reference point (its examples are
+    # unpaired: no accuracy).
     reported = ("eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen", "eval_rewards/rejected",
-                "eval_kl", "eval_nll_loss", "eval_loss")
+                "eval_log_odds_chosen", "eval_nll_loss", "eval_kl", "eval_loss")
 
     def arguments(self, recipe, kwargs):
         return TRAINERS.get(recipe.preference.loss_type, (dpo_config,))[0](recipe, **kwargs)
