@@ -246,19 +246,25 @@ def test_orpo_loss_is_the_global_nll_mean_minus_the_mean_odds_ratio_term(tmp_pat
     assert abs(sum(trl) / 2 - want) > 1e-3 * abs(want)  # the micro-batches' lengths differ: TRL's average is off
 
 
-def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir):
+@pytest.mark.parametrize("precompute", [False, True])
+def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir, precompute):
     """z = max(0, mean over the step's 8 examples of log pi(y'|x) - log pi_ref(y'|x)), y' the completion TRL paired
     with x; the loss the mean over them of w (1 - sigmoid(beta (r - z))) (desirable) or w (1 - sigmoid(beta (z - r)))
-    (undesirable): 4 micro-batches of 2 with the step's count give both; TRL's z, per micro-batch, differs."""
+    (undesirable): 4 micro-batches of 2 with the step's count give both, the reference a frozen copy or precomputed;
+    TRL's z, per micro-batch, differs."""
+    from transformers import AutoModelForCausalLM
+
     beta, weights = 0.5, {True: 1.0, False: 1.5}
-    trainer = build_trainer(tmp_path, spiky_model_dir, {"loss_type": "kto", "beta": beta, "undesirable_weight": 1.5})
+    trainer = build_trainer(tmp_path, spiky_model_dir, {"loss_type": "kto", "beta": beta, "undesirable_weight": 1.5,
+                                                        "precompute_ref_log_probs": precompute})
+    assert (trainer.ref_model is None) == precompute and trainer.precompute_ref_logps == precompute
     torch.manual_seed(0)
-    with torch.no_grad():  # the policy moves away from the reference (TRL's frozen copy, loaded from the folder)
+    with torch.no_grad():  # the policy moves away from the reference (the model in the folder)
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     rows = [trainer.train_dataset[i] for i in range(8)]
-    policy, reference = plain_model(trainer), plain_model(trainer)
-    reference.load_state_dict(trainer.ref_model.state_dict())
+    policy = plain_model(trainer)
+    reference = AutoModelForCausalLM.from_pretrained(spiky_model_dir, dtype=torch.float32).eval()
 
     def logp(model, r, key):
         return float(token_logps(model, r["prompt_ids"] + r[key])[len(r["prompt_ids"]) - 1:].sum())
