@@ -16,18 +16,20 @@ with both counts taken over every micro-batch of every rank (one gather per step
 from __future__ import annotations
 
 import dataclasses
-import os
+import warnings
 
 import torch
+from trl.import_utils import TRLExperimentalWarning
 
 from . import losses
 from .config import HFTrainOptions, Recipe
 from .trainer import RUN_MIXINS
 
-# hftrain pins TRL's version and tests what it uses of the experimental ORPO (tests/test_upstream_contract.py): the
+# hftrain checks what it uses of the experimental ORPO against the installed TRL (tests/test_upstream_contract.py): the
 # warning that the API may change is for code that does not.
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", TRLExperimentalWarning)
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 
 @dataclasses.dataclass
@@ -82,7 +84,8 @@ class OddsRatioExactMixin:
         loss = (losses.normalise(terms["nll"] * nll_tokens(inputs), tokens, dp_size)
                 - losses.normalise(terms["odds_ratio"].sum(), pairs, dp_size))
         if "aux" in terms:  # a router's load-balancing loss (MoE), TRL's coefficient: its mean over the micro-batches
-            loss = loss + losses.aux_loss_term(terms["aux"], self.aux_loss_coef, self.current_gradient_accumulation_steps)
+            steps = self.current_gradient_accumulation_steps
+            loss = loss + losses.aux_loss_term(terms["aux"], self.aux_loss_coef, steps)
         loss = loss.to(self.args.device)
         return (loss, outputs) if return_outputs else loss
 

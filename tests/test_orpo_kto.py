@@ -92,8 +92,8 @@ def write(path, rows):
 
 @pytest.mark.parametrize("bad, message", [
     ({k: v for k, v in unpaired().items() if k != "label"}, "no 'label' column (the row has ['prompt', 'completion'])"),
-    (unpaired(label="yes"), "label must be true or false (a JSON boolean: true for a desirable completion, false for "
-                            "an undesirable one), got str 'yes'"),
+    (unpaired(label="yes"), ("label must be true or false (a JSON boolean: true for a desirable completion, false "
+                             "for an undesirable one), got str 'yes'")),
     (unpaired(label=1), "label must be true or false"),
     (unpaired(completion=" "), "completion is empty"),
     ({"prompt": "x", "completion": [{"role": "assistant", "content": "y"}], "label": True}, "mixes text and message"),

@@ -252,7 +252,8 @@ def test_one_rank_ga4_equals_one_batch(one_rank):
 
 
 # The losses whose exactness across ranks is tested (sigmoid: DPO, whose runs above also hold the one-batch reference).
-LOSSES = {"sigmoid": {"beta": 0.5}, "orpo": {"loss_type": "orpo", "beta": 0.5}, "kto": {"loss_type": "kto", "beta": 0.5}}
+LOSSES = {"sigmoid": {"beta": 0.5}, "orpo": {"loss_type": "orpo", "beta": 0.5},
+          "kto": {"loss_type": "kto", "beta": 0.5}}
 
 
 def uneven_unpaired(path, n, seed=0, desirable=0.75):
