@@ -13,7 +13,7 @@ import yaml
 
 from hftrain.config import parse_recipe
 from hftrain.config.sections import DataSection, DataSource
-from hftrain.data.unpaired import build_unpaired_data, read_unpaired
+from hftrain.data.unpaired import build_unpaired_data, read_unpaired, split_in_two
 from hftrain.errors import DataError
 
 from .conftest import REPO
@@ -108,16 +108,26 @@ def test_bad_rows_are_refused_naming_file_and_line(tmp_path, bad, message):
 
 
 def test_pairs_are_split_in_two_and_columns_renamed(tmp_path):
-    ds, conversational = read_unpaired(DataSource(path=write(tmp_path / "p.jsonl", [pair(), pair("reverse: c d",
-                                                                                                  "d c", "c d")])),
-                                       "data.sources.0")
-    assert conversational and len(ds) == 4 and ds["label"] == [True, True, False, False]
+    ds, paired, conversational = read_unpaired(DataSource(path=write(tmp_path / "p.jsonl", [
+        pair(), pair("reverse: c d", "d c", "c d")])), "data.sources.0")
+    ds = split_in_two(ds, paired)
+    assert paired and conversational and len(ds) == 4 and ds["label"] == [True, True, False, False]
     assert [c[0]["content"] for c in ds["completion"]] == ["b a", "d c", "a b", "c d"]
     rows = [{"q": "2+2=", "a": "4", "ok": True}, {"q": "2+2=", "a": "5", "ok": False}]
-    ds, conversational = read_unpaired(DataSource(path=write(tmp_path / "u.jsonl", rows),
-                                                  columns={"prompt": "q", "completion": "a", "label": "ok"}), "k")
-    assert not conversational and ds.to_list() == [{"prompt": "2+2=", "completion": "4", "label": True},
-                                                   {"prompt": "2+2=", "completion": "5", "label": False}]
+    ds, paired, conversational = read_unpaired(DataSource(path=write(tmp_path / "u.jsonl", rows),
+                                                          columns={"prompt": "q", "completion": "a", "label": "ok"}),
+                                               "k")
+    assert not paired and not conversational and ds.to_list() == [
+        {"prompt": "2+2=", "completion": "4", "label": True}, {"prompt": "2+2=", "completion": "5", "label": False}]
+
+
+def test_held_out_pairs_stay_whole(tmp_path):
+    """data.eval_fraction holds out pairs, then splits them: no prompt has an answer on each side."""
+    pairs = write(tmp_path / "pairs.jsonl", [pair(f"reverse: {c} {d}", f"{d} {c}", f"{c} {d}")
+                                             for c in "abcdefgh" for d in "xyz"])
+    data = build_unpaired_data(DataSection(sources=[DataSource(path=pairs)], eval_fraction=0.25), True)
+    prompts = [{r["prompt"][0]["content"] for r in part} for part in (data.train, data.eval)]
+    assert (len(data.train), len(data.eval)) == (36, 12) and not prompts[0] & prompts[1]
 
 
 def test_one_label_only_is_refused_by_key_and_the_examples_are_shuffled_once(tmp_path):
@@ -170,21 +180,21 @@ def uneven_pairs(path, n, seed=0):
                         for _ in range(n)])
 
 
-def build_trainer(tmp_path, model_dir, preference, n_pairs=4):
-    from transformers import AutoModelForCausalLM
-
+def build_trainer(tmp_path, model_dir, preference, n_pairs=4, lora=None):
+    """The trainer hftrain dpo builds for this preference section (the policy and LoRA config as the recipe's)."""
     from hftrain.launch import check_data
     from hftrain.launch.setup import run_arguments
+    from hftrain.preference import load_policy, policy_peft_config
     from hftrain.recipes.dpo import TRAINERS
 
     rec = recipe_file(tmp_path, model_dir, uneven_pairs(tmp_path / "pairs.jsonl", n_pairs), preference)
-    recipe, found = parse_recipe(rec, [])
+    recipe, found = parse_recipe(rec, [f"model.lora.r={lora}"] if lora else [])
     assert found == []
     tokenizer, data = check_data(recipe, 1)
     config, trainer_class = TRAINERS[preference["loss_type"]]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return trainer_class(model=model, args=config(recipe, **run_arguments(recipe)), train_dataset=data.train,
-                         processing_class=tokenizer)
+    return trainer_class(model=load_policy(recipe.model), args=config(recipe, **run_arguments(recipe)),
+                         train_dataset=data.train, processing_class=tokenizer,
+                         peft_config=policy_peft_config(recipe.model))
 
 
 def plain_model(trainer):
@@ -246,24 +256,26 @@ def test_orpo_loss_is_the_global_nll_mean_minus_the_mean_odds_ratio_term(tmp_pat
     assert abs(sum(trl) / 2 - want) > 1e-3 * abs(want)  # the micro-batches' lengths differ: TRL's average is off
 
 
-@pytest.mark.parametrize("precompute", [False, True])
-def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir, precompute):
+@pytest.mark.parametrize("reference", ["copy", "precompute", "lora"])
+def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir, reference):
     """z = max(0, mean over the step's 8 examples of log pi(y'|x) - log pi_ref(y'|x)), y' the completion TRL paired
     with x; the loss the mean over them of w (1 - sigmoid(beta (r - z))) (desirable) or w (1 - sigmoid(beta (z - r)))
-    (undesirable): 4 micro-batches of 2 with the step's count give both, the reference a frozen copy or precomputed;
-    TRL's z, per micro-batch, differs."""
+    (undesirable): 4 micro-batches of 2 with the step's count give both, the reference a frozen copy, precomputed, or
+    the LoRA policy with its adapter disabled; TRL's z, per micro-batch, differs."""
     from transformers import AutoModelForCausalLM
 
     beta, weights = 0.5, {True: 1.0, False: 1.5}
     trainer = build_trainer(tmp_path, spiky_model_dir, {"loss_type": "kto", "beta": beta, "undesirable_weight": 1.5,
-                                                        "precompute_ref_log_probs": precompute})
-    assert (trainer.ref_model is None) == precompute and trainer.precompute_ref_logps == precompute
+                                                        "precompute_ref_log_probs": reference == "precompute"},
+                            lora=4 if reference == "lora" else None)
+    assert (trainer.ref_model is None) == (reference != "copy")
     torch.manual_seed(0)
-    with torch.no_grad():  # the policy moves away from the reference (the model in the folder)
+    with torch.no_grad():  # the policy (its adapter, with LoRA) moves away from the reference: the model in the folder
         for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            if p.requires_grad:
+                p.add_((0.05 if reference != "lora" else 0.3) * torch.randn_like(p))
     rows = [trainer.train_dataset[i] for i in range(8)]
-    policy = plain_model(trainer)
+    policy = trainer.model.eval()  # its plain forward (TRL's loss uses a fused head)
     reference = AutoModelForCausalLM.from_pretrained(spiky_model_dir, dtype=torch.float32).eval()
 
     def logp(model, r, key):

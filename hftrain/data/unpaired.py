@@ -61,9 +61,10 @@ def example_of_row(row: dict, roles: dict[str, str]) -> dict:
     return example
 
 
-def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool]:
-    """The examples of a source (pairs split in two) and whether they are conversations; the first bad row stops.
-    A source holds either unpaired rows or pairs, as its first row does."""
+def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool, bool]:
+    """The rows of a source as checked (unpaired examples, or pairs: `split_in_two` makes them examples), whether they
+    are pairs, and whether they are conversations; the first bad row stops. A source holds either kind, as its first
+    row does."""
     rows = read_rows(src, key)
     rename = column_map(rows, src, key)
     if rows.count == 0:
@@ -87,14 +88,17 @@ def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool]:
             raise DataError(f"{key}: {where}: is {'a conversation' if kind else 'text'} but {kinds[not kind]} is "
                             f"{'text' if kind else 'a conversation'}; put each kind in a source of its own")
         out.append(item)
-    ds = datasets.Dataset.from_list(out)
-    if first[0]:  # TRL's own split: each pair's chosen answer labelled true, its rejected answer false
-        ds = unpair_preference_dataset(ds)
-    desirable = sum(ds["label"])
+    n = len(out) * (2 if first[0] else 1)
+    desirable = len(out) if first[0] else sum(e["label"] for e in out)
     print0(f"hftrain: {key} ({src.path}): layout {'preference pairs, split in two' if first[0] else 'unpaired'} "
-           f"({'conversations' if kinds.get(True) else 'text'}), {len(ds)} examples ({desirable} desirable, "
-           f"{len(ds) - desirable} undesirable)", file=sys.stderr)
-    return ds, bool(kinds.get(True))
+           f"({'conversations' if kinds.get(True) else 'text'}), {n} examples ({desirable} desirable, "
+           f"{n - desirable} undesirable)", file=sys.stderr)
+    return datasets.Dataset.from_list(out), first[0], bool(kinds.get(True))
+
+
+def split_in_two(ds: datasets.Dataset, paired: bool) -> datasets.Dataset:
+    """Pairs as examples, by TRL's own split: each pair's chosen answer labelled true, its rejected answer false."""
+    return unpair_preference_dataset(ds) if paired else ds
 
 
 def _both_labels(ds: datasets.Dataset, key: str, fix: str) -> None:
@@ -113,7 +117,7 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) ->
         ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
     for group, src, i in groups:
         key = f"data.{group}.{i}"
-        ds, conversational = read_unpaired(src, key)
+        ds, paired, conversational = read_unpaired(src, key)
         kinds.setdefault(conversational, key)
         if len(kinds) > 1:
             raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} examples but "
@@ -124,13 +128,13 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) ->
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             ds = ds.add_column("chat_template_kwargs", [cfg.chat_template_kwargs] * len(ds))
         if group == "eval_sources":
-            eval_parts.append(ds)
+            eval_parts.append(split_in_two(ds, paired))
             continue
-        if cfg.eval_fraction > 0:
+        if cfg.eval_fraction > 0:  # pairs are held out whole: no prompt's answers on both sides
             split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
             ds = split["train"]
-            eval_parts.append(split["test"])
-        train_parts.append(ds)
+            eval_parts.append(split_in_two(split["test"], paired))
+        train_parts.append(split_in_two(ds, paired))
         weights.append(src.weight)
     train = mix(train_parts, weights, seed).shuffle(seed=seed)
     _both_labels(train, "data.sources", "add examples of the other label, or train with a paired loss on pairs")
