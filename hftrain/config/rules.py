@@ -11,8 +11,9 @@ from dataclasses import fields
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
-from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection, DataSource,
-                       HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
+from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
+                       DataSource, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection,
+                       UpcycleSection)
 
 Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
