@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
-from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
+from .config.sections import STRATEGY_DEFAULTS, UNPAIRED, resolved_strategy
 from .constants import RECIPE_MODULES, STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
@@ -41,6 +41,9 @@ def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
     if recipe.preference is not None:  # pairs: their counts (check_data prints them) and the first N as read
         _, data = check_data(recipe, 1)
+        if recipe.preference.loss_type in UNPAIRED:  # kto: single examples, in the order they train
+            print(f"hftrain: the first {min(ns.examples, len(data.train))} training examples, in training order "
+                  "(label true: desirable, false: undesirable)", file=sys.stderr)
         for i in range(min(ns.examples, len(data.train))):
             print(json.dumps(data.train[i], ensure_ascii=False))
         return 0

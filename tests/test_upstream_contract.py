@@ -49,6 +49,18 @@ CONTRACT = [
     ("trl:DPOTrainer", "_get_grad_norm", ["model", "grad_norm"], "step_guard under DPOTrainer"),
     ("trl:DPOTrainer", "_load_optimizer_and_scheduler", ["checkpoint"], "checkpointing under DPOTrainer"),
     ("trl:DPOTrainer", "_load_rng_state", ["checkpoint"], "checkpointing under DPOTrainer"),
+    ("trl.experimental.orpo:ORPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"],
+     "orpo: the step's pairs and chosen tokens"),
+    ("trl:KTOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "kto: the step's examples"),
+    ("trl:KTOTrainer", "_compute_kl_logps", ["model", "batch"], "kto: the step's KL reference point"),
+    *[(owner, name, params, f"{where} under {owner.split(':')[1]}")
+      for owner in ("trl.experimental.orpo:ORPOTrainer", "trl:KTOTrainer")
+      for name, params, where in (("_save_checkpoint", ["model", "trial"], "checkpointing"),
+                                  ("_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"],
+                                   "step_guard"),
+                                  ("_get_grad_norm", ["model", "grad_norm"], "step_guard"),
+                                  ("_load_optimizer_and_scheduler", ["checkpoint"], "checkpointing"),
+                                  ("_load_rng_state", ["checkpoint"], "checkpointing"))],
     # accelerate (patches/accelerate.py)
     ("accelerate.state:AcceleratorState", "__init__", ["fsdp_plugin"], "apply_fsdp_on_cpu"),
     ("accelerate.state:AcceleratorState", "_mixed_precision", None, "apply_fsdp_on_cpu (instance attribute)"),
@@ -98,6 +110,20 @@ ORDER = [
      "an RNG file is judged before training resumes"),
     ("transformers:Trainer", "_inner_training_loop", ["self._tr_loss = ", "self._run_epoch("],
      "the step guard may zero the logged loss of a skipped step"),
+    ("trl.experimental.orpo:ORPOTrainer", "concatenated_forward",
+     ["labels = torch.where(attention_mask == 1, labels, -100)",
+      "chosen_nll_loss = cross_entropy_loss(all_logits[:len_chosen], labels[:len_chosen])",
+      "return (chosen_logps, rejected_logps, chosen_logits, rejected_logits, chosen_nll_loss, outputs.aux_loss)"],
+     "orpo: the NLL is the mean over the chosen rows' attended positions after the first; it is returned 5th"),
+    ("trl.experimental.orpo:ORPOTrainer", "get_batch_loss_metrics",
+     ["self.concatenated_forward(model, batch)", "self.odds_ratio_loss(", "loss = policy_nll_loss - losses.mean()",
+      "loss += self.aux_loss_coef * aux_loss"], "orpo: the loss is the NLL minus the mean of the odds-ratio terms"),
+    ("trl:KTOTrainer", "_compute_loss",
+     ["KL_logps = self._compute_kl_logps(model, batch)", 'ref_KL_logps = batch["ref_KL_logps"]',
+      "ref_KL_logps = self._compute_kl_logps(", "kl = (KL_logps - ref_KL_logps).mean().detach()",
+      "kl = self.accelerator.gather_for_metrics(kl).mean().clamp(min=0)", "loss = losses.nanmean()"],
+     "kto: the policy's KL forward comes first, then the reference's (or the batch's), and KTO's KL is their mean "
+     "difference; the loss the mean over the micro-batch"),
 ]
 
 
@@ -189,7 +215,9 @@ def test_a_reordered_loop_breaks_the_contract(monkeypatch):
 
 # -- completeness ------------------------------------------------------------------------------------------------
 def _hftrain_classes():
-    import hftrain.preference  # noqa: F401  (imports every trainer)
+    import hftrain.kto  # noqa: F401  (imports every trainer)
+    import hftrain.orpo  # noqa: F401
+    import hftrain.preference  # noqa: F401
     import hftrain.trainer  # noqa: F401
 
     seen = set()

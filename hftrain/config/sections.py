@@ -278,21 +278,27 @@ class MoeSection:
     )
 
 
-PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
-REFERENCE_FREE = ("simpo",)  # losses that need no reference model
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
+REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
+UNPAIRED = ("kto",)  # losses trained on single examples labelled desirable or not (pairs are split in two)
 
 
 @dataclass
 class PreferenceSection:
     loss_type: PreferenceLoss = _f(
-        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised).")
-    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO), or the reward scale (SimPO).")
+        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised); "
+        "orpo: ORPO (reference-free: NLL of the chosen + odds-ratio term); kto: KTO (unpaired examples with a "
+        "true/false label, or pairs split in two; KL reference point).")
+    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO/KTO), the reward scale (SimPO), or the weight "
+                     "lambda of the odds-ratio term (ORPO).")
     label_smoothing: float = _f(0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
                                 "in [0, 0.5).")
     simpo_gamma: float | None = _f(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
     precompute_ref_log_probs: bool = _f(
-        False, "sigmoid/ipo without LoRA: compute the reference log-probs once before training and keep no reference "
-        "model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+        False, "sigmoid/ipo/kto without LoRA: compute the reference log-probs once before training and keep no "
+        "reference model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+    desirable_weight: float = _f(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
+    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
 
 
 @dataclass
@@ -307,7 +313,8 @@ class Recipe:
     hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
     moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
     preference: PreferenceSection | None = field(default=None, metadata={
-        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected."})
+        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
+        "(kto: also prompt/completion/label)."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})

@@ -152,6 +152,10 @@ def arguments_kwargs(recipe, accelerator: bool) -> dict:
         # The "before" eval loss must come from inside train(): a trainer.evaluate() before train() marks the model
         # prepared and train() then skips the DDP wrap (transformers 5.23, accelerate 1.15).
         kwargs["eval_on_start"] = True
+    for precision in ("bf16", "fp16"):
+        # TRL's configs turn bf16 on when neither is set (trl's _BaseConfig.__post_init__): the recipe's value, or
+        # TrainingArguments' default (off) that `training_value` reports, must be the one a TRL trainer runs with.
+        kwargs.setdefault(precision, training_value(recipe.training, precision))
     if "use_cpu" not in kwargs and not accelerator:
         # Without it a GPU-less multi-process launch silently trains world-size-1 copies.
         kwargs["use_cpu"] = True

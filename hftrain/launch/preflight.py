@@ -16,10 +16,11 @@ from dataclasses import replace
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.rules import strategy_problems as rule_problems
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
+from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
@@ -300,7 +301,9 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     seed = recipe.training_value("seed") if seed is None else seed
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
+        unpaired = recipe.preference.loss_type in UNPAIRED  # kto: examples labelled desirable or not
+        build = build_unpaired_data if unpaired else build_preference_data
+        data = build(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
@@ -308,6 +311,7 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
                             recipe.training_value("dataloader_drop_last"), len(data.train))
     if problem:
         raise LaunchError(problem)
-    print0(f"hftrain: {len(data.train)} training {'pairs' if recipe.preference is not None else 'examples'}"
+    pairs = recipe.preference is not None and recipe.preference.loss_type not in UNPAIRED
+    print0(f"hftrain: {len(data.train)} training {'pairs' if pairs else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data
