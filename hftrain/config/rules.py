@@ -11,8 +11,10 @@ from dataclasses import fields
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
+from .grpo_rules import GRPO_STRATEGIES, grpo_problems
 from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, CompressionSection, DataSource,
-                       HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
+                       GrpoSection, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection,
+                       UpcycleSection)
 
 Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
@@ -51,6 +53,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
         out += hub_problems(recipe.hub, lora)
     if isinstance(recipe.preference, PreferenceSection):
         out += preference_problems(recipe)
+    if isinstance(recipe.grpo, GrpoSection):
+        out += grpo_problems(recipe)
     if isinstance(recipe.strategy, StrategySection):
         t = recipe.strategy.rank_timeout
         if _num(t) and t != 0 and not MIN_RANK_TIMEOUT <= t:
@@ -112,6 +116,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if recipe.preference is not None and name not in PREFERENCE_STRATEGIES:
         out.append(("strategy.name", f"preference tuning runs under {', '.join(PREFERENCE_STRATEGIES)} (where its "
                     f"exactness is tested), not '{name}': launch with one of those accelerate_configs"))
+    if recipe.grpo is not None and name not in GRPO_STRATEGIES:
+        out.append(("strategy.name", f"GRPO runs under {', '.join(GRPO_STRATEGIES)} (where its exactness is "
+                    f"tested), not '{name}': launch with one of those accelerate_configs"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
@@ -338,3 +345,4 @@ def preference_problems(recipe: Recipe) -> Problems:
     if recipe.moe is not None:
         out.append(("moe", "is not supported with preference tuning: train the MoE model with recipes/sft.py"))
     return out
+
