@@ -29,4 +29,4 @@ PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_in
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe beside the model
 RUN_INFO_FILE = "run_info.json"  # what actually ran
 # Recipe kind -> the module hftrain/recipes/ runs under the launcher (`hftrain launch` picks by the recipe's sections).
-RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo"}
+RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo", "grpo": "hftrain.recipes.grpo"}

@@ -15,15 +15,18 @@ from dataclasses import replace
 
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
+from ..config.grpo_rules import grpo_batch_problem
 from ..config.rules import strategy_problems as rule_problems
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
+from ..data.prompts import PromptData, build_prompt_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
+from ..rewards import dry_run, load_rewards
 from .plan import model_facts, swap_buffer_elems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
@@ -239,6 +242,9 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
         problems += [_message(recipe, k, m) for k, m in rule_problems(recipe, name)]
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
     strategy = replace(s, name=name)
+    grpo = grpo_batch_problem(recipe, world) if not any(k.startswith("training.") for k in recipe.invalid) else None
+    if grpo:
+        problems.append(_message(recipe, *grpo))
     if environment:
         env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
         problems += env
@@ -316,6 +322,8 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     optimizer step's worth of examples present. `hftrain check` and the run share this phase."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     seed = recipe.training_value("seed") if seed is None else seed
+    if recipe.grpo is not None:
+        return tokenizer, check_prompts(recipe, tokenizer, world_size, seed)
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
         data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
@@ -329,3 +337,23 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     print0(f"hftrain: {len(data.train)} training {'pairs' if recipe.preference is not None else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data
+
+
+def check_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PromptData:
+    """GRPO's data phase: every prompt read and checked, every reward function importable and answering the first
+    prompts (their references and empty completions as the completions) with one number each, and one optimizer
+    step's worth of prompts present. Nothing here loads the model."""
+    g = recipe.grpo
+    exact = next((f"grpo.rewards.{i} (exact_match)" for i, r in enumerate(g.rewards) if r.function == "exact_match"),
+                 None)
+    data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
+                             exact_match=recipe.eval.exact_match, needs_reference=exact)
+    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
+    per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
+        "gradient_accumulation_steps") // g.num_generations
+    if len(data.train) < per_step:
+        raise LaunchError(f"one optimizer step samples grpo.num_generations {g.num_generations} completions of each "
+                          f"of {per_step} prompts and the data has {len(data.train)}: lower the batch or add prompts")
+    print0(f"hftrain: {len(data.train)} training prompts" + (
+        f", {len(data.eval_examples)} held out for exact match" if data.eval_examples else ""))
+    return data
