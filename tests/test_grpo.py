@@ -272,3 +272,21 @@ def test_the_model_card_names_the_grpo_stage(tmp_path):
     card = str(build_card(str(tmp_path), os.listdir(tmp_path)))
     assert "trained by GRPO (dapo loss, groups of 8, beta=0.0, rewards: exact_match, regex) with hftrain" in card
     assert "- grpo" in card
+
+
+def test_vllm_generation_is_refused_where_vllm_cannot_run(tmp_path, tiny_model_dir):
+    import importlib.util
+
+    from hftrain.distributed import accelerator_available
+    from hftrain.launch import check_recipe
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+
+    tree = {**BASE, "model": {"name_or_path": tiny_model_dir}, "training": {"output_dir": str(tmp_path / "o")},
+            "grpo": {**BASE["grpo"], "num_generations": 2, "generation": "vllm"}}
+    with pytest.raises(RecipeError) as e:
+        check_recipe(None, [], raw=tree)
+    assert "grpo.generation: vllm is not installed here: `pip install vllm`" in str(e.value)
+    assert ("grpo.generation: vllm generates on a GPU and there is none on this machine" in str(e.value)) == (
+        not accelerator_available())

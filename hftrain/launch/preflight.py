@@ -7,6 +7,7 @@ strategy's and this machine's all at once; `check_data` is the data phase `hftra
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -85,6 +86,17 @@ def async_io_problem() -> str | None:
         return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
                 "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
     return None
+
+
+def vllm_problems() -> list[str]:
+    """grpo.generation: vllm runs TRL's colocated vLLM engine: it needs the vllm package and a GPU."""
+    out = []
+    if importlib.util.find_spec("vllm") is None:
+        out.append("vllm is not installed here: `pip install vllm` (a version TRL supports), or use generation: "
+                   "transformers")
+    if not accelerator_available():
+        out.append("vllm generates on a GPU and there is none on this machine: use generation: transformers")
+    return out
 
 
 def extensions_dir() -> str:
@@ -245,6 +257,8 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     grpo = grpo_batch_problem(recipe, world) if not any(k.startswith("training.") for k in recipe.invalid) else None
     if grpo:
         problems.append(_message(recipe, *grpo))
+    if environment and recipe.grpo is not None and recipe.grpo.generation == "vllm":
+        problems += [_message(recipe, "grpo.generation", msg) for msg in vllm_problems()]
     if environment:
         env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
         problems += env
