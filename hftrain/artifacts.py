@@ -23,7 +23,8 @@ CURVES_FILE = "curves.png"
 
 
 def plot_curves(log_history: list[dict], path: str) -> str | None:
-    """Train/eval loss, learning rate, tokens/s (and preference rewards) against the step, as one PNG. None when nothing was logged."""
+    """Train/eval loss, learning rate, tokens/s (and preference rewards, GRPO's rewards, KL, clipping, completion length
+    and advantages) against the step, as one PNG, four panels a row. None when nothing was logged."""
     plt = pyplot()
 
     def series(key):
@@ -38,13 +39,23 @@ def plot_curves(log_history: list[dict], path: str) -> str | None:
         ("rewards", [("rewards/chosen", "chosen"), ("rewards/rejected", "rejected"), ("rewards/margins", "margin"),
                      ("eval_rewards/margins", "eval margin")]),
         ("reward accuracy", [("rewards/accuracies", "train"), ("eval_rewards/accuracies", "eval")]),
+        # GRPO (TRL's metrics, hftrain's advantages): the weighted reward and each function's mean
+        ("reward", [("reward", "weighted sum")] + sorted({(k, k.split("/")[1]) for h in log_history for k in h
+                                                          if k.startswith("rewards/") and k.endswith("/mean")})),
+        ("KL to the reference", [("kl", None)]),
+        ("clipped tokens", [("clip_ratio/region_mean", None)]),
+        ("completion length", [("completions/mean_length", "mean"), ("completions/max_length", "max")]),
+        ("advantage", [("advantages/abs_mean", "mean |A|"), ("advantages/std", "std")]),
     ]
     panels = [(t, [(k, lbl) for k, lbl in keys if series(k)[0]]) for t, keys in panels]
     panels = [(t, keys) for t, keys in panels if keys]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
-    for ax, (title, keys) in zip(axes[0], panels):
+    cols, rows = min(4, len(panels)), -(-len(panels) // 4)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (title, keys) in zip(axes.flat, panels):
         for key, label in keys:
             x, y = series(key)
             ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=label or key)

@@ -19,6 +19,7 @@ from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
 from .data.preview import preview
+from .data.prompts import preview_prompts
 from .launch import check_data, check_recipe
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
@@ -39,6 +40,10 @@ def _check(ns) -> int:
 
 def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
+    if recipe.grpo is not None:  # prompts rendered as the policy receives them, with their reference answers
+        tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+        print(preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, ns.examples))
+        return 0
     if recipe.preference is not None:  # pairs: their counts (check_data prints them) and the first N as read
         _, data = check_data(recipe, 1)
         if recipe.preference.loss_type in UNPAIRED:  # kto: single examples, in the order they train
@@ -113,7 +118,8 @@ def _launch(ns) -> int:
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
         # The recipe scripts ship in the package (hftrain/recipes/): run as modules, they work from any folder.
-        kind = getattr(ns, "kind", None) or ("dpo" if recipe.preference is not None else "sft")
+        kind = getattr(ns, "kind", None) or ("dpo" if recipe.preference is not None else
+                                             "grpo" if recipe.grpo is not None else "sft")
         cmd += [ns.script] if ns.script else ["-m", RECIPE_MODULES[kind]]
         cmd += [ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
@@ -199,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch_help = ("Render the recipe's launcher config (into a private temporary folder) and run accelerate launch "
                    "with it; on several machines run it on each (--machine-rank K).")
-    for name, what in (("launch", "the recipe's method (dpo for a recipe with a preference: section, else sft)"),
+    for name, what in (("launch", "the recipe's method (dpo for a recipe with a preference: section, grpo for one "
+                                  "with a grpo: section, else sft)"),
                        ("sft", "supervised fine-tuning (hftrain/recipes/sft.py)"),
-                       ("dpo", "preference tuning (hftrain/recipes/dpo.py)")):
+                       ("dpo", "preference tuning (hftrain/recipes/dpo.py)"),
+                       ("grpo", "online RL with verifiable rewards (hftrain/recipes/grpo.py)")):
         la = sub.add_parser(name, allow_abbrev=False, help=f"Train: {what}. {launch_help}")
         la.add_argument("recipe", help="recipe YAML")
         la.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "plan"):
+    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "grpo", "plan"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -31,4 +31,4 @@ RUN_INFO_FILE = "run_info.json"  # what actually ran
 # The SLURM job's folder in output_dir (`hftrain config --slurm`): its logs (slurm-<job id>.out), its working files.
 SLURM_DIR = "slurm"
 # Recipe kind -> the module hftrain/recipes/ runs under the launcher (`hftrain launch` picks by the recipe's sections).
-RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo"}
+RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo", "grpo": "hftrain.recipes.grpo"}

@@ -30,6 +30,11 @@ class DataError(UserError, ValueError):
     """A data source that cannot be read or trained on."""
 
 
+class RewardError(UserError, ValueError):
+    """A GRPO reward function that cannot be loaded, raises, or returns something other than one number per
+    completion."""
+
+
 class ModelError(UserError, ValueError):
     """A model or tokenizer that cannot be loaded as asked."""
 

@@ -61,6 +61,19 @@ CONTRACT = [
                                   ("_get_grad_norm", ["model", "grad_norm"], "step_guard"),
                                   ("_load_optimizer_and_scheduler", ["checkpoint"], "checkpointing"),
                                   ("_load_rng_state", ["checkpoint"], "checkpointing"))],
+    ("trl:GRPOTrainer", "_calculate_rewards", ["inputs", "prompts", "completions", "completion_ids_list"],
+     "grpo: reward errors raised on every rank after the all-gather"),
+    ("trl:GRPOTrainer", "_generate_and_score_completions", ["inputs"], "grpo: the advantages' spread logged"),
+    ("trl:GRPOTrainer", "_metrics", None, "grpo: metrics TRL averages and logs (instance attribute)"),
+    ("trl:GRPOTrainer", "_tokenizer", None, "grpo: the tokenizer of its processing class (instance attribute)"),
+    ("trl:GRPOTrainer", "_save_checkpoint", ["model", "trial"], "checkpointing under GRPOTrainer's model card"),
+    ("trl:GRPOTrainer", "_load_optimizer_and_scheduler", ["checkpoint"], "checkpointing under GRPOTrainer"),
+    ("trl:GRPOTrainer", "_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"],
+     "step_guard and grpo (generation in lockstep under FSDP2) under GRPOTrainer"),
+    ("trl:GRPOTrainer", "_get_grad_norm", ["model", "grad_norm"], "step_guard under GRPOTrainer"),
+    ("trl:GRPOTrainer", "_load_rng_state", ["checkpoint"], "checkpointing under GRPOTrainer"),
+    ("transformers.distributed.fsdp:is_fsdp_managed_module", "_is_fsdp_managed_module", None,
+     "patches.transformers.mark_fsdp_managed: generate() in lockstep under FSDP2"),
     # accelerate (patches/accelerate.py)
     ("accelerate.state:AcceleratorState", "__init__", ["fsdp_plugin"], "apply_fsdp_on_cpu"),
     ("accelerate.state:AcceleratorState", "_mixed_precision", None, "apply_fsdp_on_cpu (instance attribute)"),
@@ -94,6 +107,10 @@ INSTANCE_ATTRIBUTES = {
     ("torch.nn.parallel:DistributedDataParallel", "_ddp_params_and_buffers_to_ignore"): (
         "torch.nn.parallel.distributed", "_ddp_params_and_buffers_to_ignore"),
     ("datasets:Dataset", "_fingerprint"): ("datasets.arrow_dataset", "self._fingerprint = "),
+    ("trl:GRPOTrainer", "_metrics"): ("trl.trainer.grpo_trainer", "self._metrics = {"),
+    ("trl:GRPOTrainer", "_tokenizer"): ("trl.trainer.grpo_trainer", "self._tokenizer = processing_class"),
+    ("transformers.distributed.fsdp:is_fsdp_managed_module", "_is_fsdp_managed_module"): (
+        "transformers.distributed.fsdp", 'getattr(module, "_is_fsdp_managed_module", False)'),
 }
 # The order of calls hftrain relies on: (owner, method, the fragments that must appear in this order in its source).
 ORDER = [
@@ -124,6 +141,14 @@ ORDER = [
       "kl = self.accelerator.gather_for_metrics(kl).mean().clamp(min=0)", "loss = losses.nanmean()"],
      "kto: the policy's KL forward comes first, then the reference's (or the batch's), and KTO's KL is their mean "
      "difference; the loss the mean over the micro-batch"),
+    ("trl:GRPOConfig", "__post_init__", ["self.steps_per_generation = self.gradient_accumulation_steps"],
+     "grpo: the generation batch is one optimizer step, which makes TRL's grpo/dr_grpo/dapo exact"),
+    ("trl:GRPOTrainer", "_generate_and_score_completions", ["self._calculate_rewards(", "advantages = ",
+                                                            '"advantages": advantages'],
+     "grpo: reward errors are raised before any advantage is used; the advantages returned are logged"),
+    ("trl:GRPOTrainer", "_compute_loss", ['normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / '
+                                          "self.accelerator.num_processes"],
+     "grpo: dapo divides by the generation batch's token count, all-reduced over the ranks"),
 ]
 
 

@@ -14,8 +14,8 @@ import yaml
 from ..errors import RecipeError
 from .rules import recipe_problems
 from .schema import Ctx, build, unknown
-from .sections import (CompressionSection, DataSection, EvalSection, HubSection, ModelSection, MoeSection,
-                       PreferenceSection, Recipe, StrategySection)
+from .sections import (CompressionSection, DataSection, EvalSection, GrpoSection, HubSection, ModelSection,
+                       MoeSection, PreferenceSection, Recipe, StrategySection)
 from .training import TRAINING_DEFAULTS, TRAINING_REFUSED, validate_training
 
 SECTIONS = {
@@ -28,6 +28,7 @@ SECTIONS = {
     "hub": HubSection,
     "moe": MoeSection,
     "preference": PreferenceSection,
+    "grpo": GrpoSection,
 }
 
 
@@ -179,7 +180,7 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         if name not in SECTIONS:
             unknown(str(name), str(name), list(SECTIONS), ctx)
             continue
-        if value is None and name in ("moe", "preference"):  # an optional section, written as `moe: null` by to_yaml
+        if value is None and name in ("moe", "preference", "grpo"):  # an optional section, written as `moe: null` by to_yaml
             continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")
@@ -203,6 +204,7 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         hub=built.get("hub") or HubSection(),
         moe=built.get("moe"),
         preference=built.get("preference"),
+        grpo=built.get("grpo"),
         source=source,
         origins=dict(origins or {}),
     )

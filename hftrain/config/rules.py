@@ -11,8 +11,10 @@ from dataclasses import fields
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
+from .grpo_rules import GRPO_STRATEGIES, grpo_problems
 from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
-                       DataSource, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection,
+                       DataSource, GrpoSection, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe,
+                       StrategySection,
                        UpcycleSection)
 
 Problems = list[tuple[str, str]]
@@ -52,6 +54,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
         out += hub_problems(recipe.hub, lora)
     if isinstance(recipe.preference, PreferenceSection):
         out += preference_problems(recipe)
+    if isinstance(recipe.grpo, GrpoSection):
+        out += grpo_problems(recipe)
     if isinstance(recipe.strategy, StrategySection):
         t = recipe.strategy.rank_timeout
         if _num(t) and t != 0 and not MIN_RANK_TIMEOUT <= t:
@@ -113,6 +117,9 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if recipe.preference is not None and name not in PREFERENCE_STRATEGIES:
         out.append(("strategy.name", f"preference tuning runs under {', '.join(PREFERENCE_STRATEGIES)} (where its "
                     f"exactness is tested), not '{name}': launch with one of those accelerate_configs"))
+    if recipe.grpo is not None and name not in GRPO_STRATEGIES:
+        out.append(("strategy.name", f"GRPO runs under {', '.join(GRPO_STRATEGIES)} (where its exactness is "
+                    f"tested), not '{name}': launch with one of those accelerate_configs"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":

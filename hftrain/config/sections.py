@@ -301,6 +301,49 @@ class PreferenceSection:
     undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
 
 
+GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
+BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
+
+
+@dataclass
+class RewardSpec:
+    function: str = _f(
+        help="exact_match (1 when the completion equals the reference answer, whitespace-stripped), regex (1 when the "
+        "whole completion matches `pattern`), length_penalty (-tokens beyond `limit` / grpo.max_completion_length), "
+        "or your own as module:function or path/to/file.py:function, called as fn(prompts, completions, reference, "
+        "**kwargs) and returning one number (or None: does not apply) per completion.")
+    weight: float = _f(1.0, "Weight of this reward in the sum that scores each completion.")
+    pattern: str | None = _f(None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
+    limit: int | None = _f(None, "length_penalty: completion tokens that cost nothing; default 0.")
+
+
+@dataclass
+class GrpoSection:
+    rewards: list[RewardSpec] = _f(help="The reward functions each completion is scored by (weighted sum).")
+    num_generations: int = _f(
+        8, "Group size G: completions sampled per prompt, whose rewards are normalised within the group. Must divide "
+        "the global batch (processes x per_device_train_batch_size x gradient_accumulation_steps).")
+    loss_type: GrpoLoss = _f(
+        "dapo", "How the per-token loss is averaged: grpo (each sequence's mean, averaged over the sequences), "
+        "dr_grpo (sum over tokens / (sequences x max_completion_length)), dapo (sum over tokens / tokens); each over "
+        "the optimizer step's global batch.")
+    beta: float = _f(0.0, "KL coefficient to the reference model (0: none is built). The reference: with model.lora "
+                     "the policy with the adapter disabled, else a frozen copy of the model.")
+    num_iterations: int = _f(1, "Optimizer steps on each batch of completions (mu); > 1 makes the clipping bite.")
+    epsilon: float | None = _f(
+        None, "Clipping: the probability ratio to the policy that generated is kept within [1 - epsilon, "
+        "1 + epsilon_high]; needs num_iterations > 1 (with one step per batch the ratio is 1); default 0.2.")
+    epsilon_high: float | None = _f(None, "Upper clipping bound (DAPO's clip-higher, e.g. 0.28); default epsilon.")
+    max_completion_length: int = _f(256, "Tokens generated at most per completion.")
+    temperature: float = _f(1.0, "Sampling temperature of the generation.")
+    top_p: float = _f(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "Divide each advantage by the reward std of its group, of the batch, or not at all (Dr. GRPO).")
+    generation: Literal["transformers", "vllm"] = _f(
+        "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
+        "and a GPU; untested here).")
+
+
 @dataclass
 class Recipe:
     model: ModelSection
@@ -315,6 +358,8 @@ class Recipe:
     preference: PreferenceSection | None = field(default=None, metadata={
         "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
         "(kto: also prompt/completion/label)."})
+    grpo: GrpoSection | None = field(default=None, metadata={
+        "help": "Online RL with verifiable rewards (recipes/grpo.py): rewards, group size, loss, generation."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})

@@ -31,6 +31,12 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _grpo_method(g: dict) -> str:
+    rewards = ", ".join(str(r.get("function")) for r in g.get("rewards") or [] if isinstance(r, dict))
+    return (f"GRPO ({g.get('loss_type')} loss, groups of {g.get('num_generations')}, beta={g.get('beta')}, "
+            f"rewards: {rewards})")
+
+
 def build_card(output_dir: str, files: list[str], repo_id: str | None = None, license: str | None = None,
                merged: bool = False):
     """The model card (huggingface_hub.ModelCard): metadata, results, curves, how it was made, the recipe and configs.
@@ -48,9 +54,11 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or []) if isinstance(s, dict)]
     strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
     pref = recipe.get("preference")  # a preference stage (recipes/dpo.py) on top of its base model
+    grpo = recipe.get("grpo")  # online RL with verifiable rewards (recipes/grpo.py)
     method = (f"preference tuning ({pref.get('loss_type')} loss, beta={pref.get('beta')})" if isinstance(pref, dict)
-              else "supervised fine-tuning")
-    tags = ["hftrain", "dpo" if isinstance(pref, dict) else "sft", strategy] + (["lora", "peft"] if lora else [])
+              else _grpo_method(grpo) if isinstance(grpo, dict) else "supervised fine-tuning")
+    tags = ["hftrain", "dpo" if isinstance(pref, dict) else "grpo" if isinstance(grpo, dict) else "sft",
+            strategy] + (["lora", "peft"] if lora else [])
     card_data = ModelCardData(
         base_model=base if _hub_id(base) else None,
         datasets=[s for s in sources if _hub_id(s)] or None,

@@ -7,6 +7,7 @@ strategy's and this machine's all at once; `check_data` is the data phase `hftra
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -15,16 +16,19 @@ from dataclasses import replace
 
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
+from ..config.grpo_rules import grpo_batch_problem
 from ..config.rules import strategy_problems as rule_problems
 from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
+from ..data.prompts import PromptData, build_prompt_data
 from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
+from ..rewards import dry_run, load_rewards
 from .plan import model_facts, swap_buffer_elems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
@@ -83,6 +87,17 @@ def async_io_problem() -> str | None:
         return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
                 "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
     return None
+
+
+def vllm_problems() -> list[str]:
+    """grpo.generation: vllm runs TRL's colocated vLLM engine: it needs the vllm package and a GPU."""
+    out = []
+    if importlib.util.find_spec("vllm") is None:
+        out.append("vllm is not installed here: `pip install vllm` (a version TRL supports), or use generation: "
+                   "transformers")
+    if not accelerator_available():
+        out.append("vllm generates on a GPU and there is none on this machine: use generation: transformers")
+    return out
 
 
 def extensions_dir() -> str:
@@ -222,6 +237,11 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
         problems += [_message(recipe, k, m) for k, m in rule_problems(recipe, name)]
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
     strategy = replace(s, name=name)
+    grpo = grpo_batch_problem(recipe, world) if not any(k.startswith("training.") for k in recipe.invalid) else None
+    if grpo:
+        problems.append(_message(recipe, *grpo))
+    if environment and recipe.grpo is not None and recipe.grpo.generation == "vllm":
+        problems += [_message(recipe, "grpo.generation", msg) for msg in vllm_problems()]
     if environment:
         env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
         problems += env
@@ -299,6 +319,8 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     optimizer step's worth of examples present. `hftrain check` and the run share this phase."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     seed = recipe.training_value("seed") if seed is None else seed
+    if recipe.grpo is not None:
+        return tokenizer, check_prompts(recipe, tokenizer, world_size, seed)
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
         unpaired = recipe.preference.loss_type in UNPAIRED  # kto: examples labelled desirable or not
@@ -315,3 +337,23 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     print0(f"hftrain: {len(data.train)} training {'pairs' if pairs else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data
+
+
+def check_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PromptData:
+    """GRPO's data phase: every prompt read and checked, every reward function importable and answering the first
+    prompts (their references and empty completions as the completions) with one number each, and one optimizer
+    step's worth of prompts present. Nothing here loads the model."""
+    g = recipe.grpo
+    exact = next((f"grpo.rewards.{i} (exact_match)" for i, r in enumerate(g.rewards) if r.function == "exact_match"),
+                 None)
+    data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
+                             exact_match=recipe.eval.exact_match, needs_reference=exact)
+    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
+    per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
+        "gradient_accumulation_steps") // g.num_generations
+    if len(data.train) < per_step:
+        raise LaunchError(f"one optimizer step samples grpo.num_generations {g.num_generations} completions of each "
+                          f"of {per_step} prompts and the data has {len(data.train)}: lower the batch or add prompts")
+    print0(f"hftrain: {len(data.train)} training prompts" + (
+        f", {len(data.eval_examples)} held out for exact match" if data.eval_examples else ""))
+    return data

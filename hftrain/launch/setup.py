@@ -85,7 +85,7 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
     dict, for tests and benchmarks) it holds overrides only. `method` (lifecycle.Method; None: SFT) builds the
     arguments once (`method.arguments`) and names the recipe kind: "dpo" needs a `preference:` section, the others
-    refuse one. The checkpoint to resume from is resolved here, once."""
+    refuse one (likewise "grpo" and a `grpo:` section). The checkpoint to resume from is resolved here, once."""
     kind = getattr(method, "name", "sft")
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
@@ -94,11 +94,16 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
-    if (recipe.preference is not None) != (kind == "dpo"):
-        raise RecipeError([f"{recipe.source}: preference: " + (
-            "this recipe has a preference: section: run it with `hftrain dpo` (recipes/dpo.py)"
-            if recipe.preference is not None else f"`hftrain {kind}` (recipes/{kind}.py) needs a preference: section "
-            "(e.g. preference: {loss_type: sigmoid, beta: 0.1})")])
+    sections = {"preference": ("dpo", "preference: {loss_type: sigmoid, beta: 0.1}"),
+                "grpo": ("grpo", "grpo: {rewards: [{function: exact_match}]}")}
+    for section, (wants, _) in sections.items():
+        if getattr(recipe, section) is not None and kind != wants:
+            raise RecipeError([f"{recipe.source}: {section}: this recipe has a {section}: section: run it with "
+                               f"`hftrain {wants}` (recipes/{wants}.py)"])
+    for section, (wants, example) in sections.items():
+        if getattr(recipe, section) is None and kind == wants:
+            raise RecipeError([f"{recipe.source}: {section}: `hftrain {kind}` (recipes/{kind}.py) needs a {section}: "
+                               f"section (e.g. {example})"])
     export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
     _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     extra = {}

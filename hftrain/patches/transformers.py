@@ -18,3 +18,8 @@ def staged_checkpoint_dir(trainer, root: str):
         yield
     finally:
         del trainer._get_output_dir
+
+
+def mark_fsdp_managed(model) -> None:
+    """Mark an FSDP2 (fully_shard) model as FSDP-managed for transformers' generate() (module docstring)."""
+    model._is_fsdp_managed_module = True

@@ -2,6 +2,7 @@
 
     hftrain sft RECIPE [key=value ...]        (or: accelerate launch ... -m hftrain.recipes.sft RECIPE ...)
     hftrain dpo RECIPE [key=value ...]        (or: accelerate launch ... -m hftrain.recipes.dpo RECIPE ...)
+    hftrain grpo RECIPE [key=value ...]       (or: accelerate launch ... -m hftrain.recipes.grpo RECIPE ...)
 
-`recipes/sft.py` and `recipes/dpo.py` in the repository run these same modules.
+`recipes/sft.py`, `recipes/dpo.py` and `recipes/grpo.py` in the repository run these same modules.
 """

@@ -1,0 +1,169 @@
+"""GRPO's reward functions: the built-ins a recipe names, the user's own, and the checks that turn a bad one into one
+clear error naming it (errors.RewardError, exit 2) rather than a traceback or a NaN advantage.
+
+    exact_match     1 when the completion equals the row's reference answer (both whitespace-stripped), else 0
+    regex           1 when the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0
+    length_penalty  -(completion tokens beyond `limit`) / grpo.max_completion_length
+    module:function or path/to/file.py:function: your own
+
+Each is called as TRL's GRPOTrainer 1.16 calls reward functions: fn(prompts, completions, completion_ids, reference,
+trainer_state, log_extra, log_metric), with completions as text, or as [{"role": "assistant", "content": ...}] for
+conversation prompts; it returns one number per completion (None: does not apply). Why hftrain checks: TRL checks
+only the length (a bare ValueError), turns None into NaN and hands anything else to torch.tensor, and a function that
+raises on one rank leaves the others waiting in the rewards' all-gather. Here a function that raises, returns the
+wrong number of values or a non-number is reported with its name, and (`defer`) the error is held until after the
+all-gather, where every rank raises it (GroupTrainer). `dry_run` calls every function on the data before the model
+loads, so what can be caught before any weight moves is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+import traceback
+
+from .config import GrpoSection, RewardSpec
+from .errors import RewardError
+
+
+def text_of(completion) -> str:
+    """The text of a completion: itself, or the content of the assistant message(s) of a conversation."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion)
+
+
+def exact_match(prompts, completions, reference, **_):
+    return [None if ref is None else float(text_of(c).strip() == ref.strip()) for c, ref in zip(completions, reference)]
+
+
+def _regex(pattern: str):
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def regex(prompts, completions, **_):
+        return [float(compiled.fullmatch(text_of(c).strip()) is not None) for c in completions]
+
+    return regex
+
+
+def _length_penalty(limit: int, max_completion_length: int):
+    def length_penalty(prompts, completions, completion_ids, **_):
+        return [-max(0, len(ids) - limit) / max_completion_length for ids in completion_ids]
+
+    return length_penalty
+
+
+def _import(spec: str, key: str):
+    """The function `module:function` or `path/to/file.py:function` names, imported from the working folder."""
+    module, _, name = spec.rpartition(":")
+    try:
+        if module.endswith(".py"):
+            path = os.path.abspath(module)
+            if not os.path.isfile(path):
+                raise RewardError(f"{key}.function: {module} does not exist (relative to {os.getcwd()})")
+            loader = importlib.util.spec_from_file_location(f"hftrain_reward_{abs(hash(path))}", path)
+            mod = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(mod)
+        else:
+            if os.getcwd() not in sys.path:  # a module beside the recipe, as `python -m` would find it
+                sys.path.insert(0, os.getcwd())
+            mod = importlib.import_module(module)
+    except RewardError:
+        raise
+    except Exception as e:  # ImportError, SyntaxError, or whatever its top level raises
+        raise RewardError(f"{key}.function: cannot import {module}: {type(e).__name__}: {e}{_place(e)}") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise RewardError(f"{key}.function: {module} has no function {name!r}"
+                          + (f" ({name} is {type(fn).__name__})" if fn is not None else ""))
+    if inspect.iscoroutinefunction(fn):
+        raise RewardError(f"{key}.function: {spec} is async; give a plain function")
+    return fn
+
+
+def _place(e: BaseException) -> str:
+    """' (at file.py:12)': where in the user's code an exception was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+class Reward:
+    """One reward function as TRL calls it, its result checked. `defer`: an error is kept in `error` (and None
+    returned for every completion) instead of raised, for the caller to raise on every rank at once."""
+
+    def __init__(self, fn, name: str, key: str, defer: bool = False):
+        self.fn, self.__name__, self.key, self.defer, self.error = fn, name, key, defer, None
+
+    def __call__(self, prompts, completions, **kwargs):
+        n = len(completions)
+        try:
+            try:
+                values = self.fn(prompts=prompts, completions=completions, **kwargs)
+            except Exception as e:
+                raise RewardError(f"{self.key} ({self.__name__}) raised {type(e).__name__}: {e}{_place(e)}") from None
+            return self._checked(values, n)
+        except RewardError as e:
+            if not self.defer:
+                raise
+            self.error = self.error or str(e)
+            return [None] * n
+
+    def _checked(self, values, n: int) -> list:
+        what = f"{self.key} ({self.__name__})"
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(f"{what} returned {type(values).__name__} {str(values)[:60]!r}; return a list of one "
+                              f"number per completion ({n})")
+        if len(values) != n:
+            raise RewardError(f"{what} returned {len(values)} values for {n} completions; return one number per "
+                              "completion")
+        out = []
+        for i, v in enumerate(values):
+            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # a 0-d tensor or a numpy scalar
+                v = v.item()
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise RewardError(f"{what} returned {v!r} ({type(v).__name__}) for completion {i}; each value must "
+                                  "be a finite number, or None where the function does not apply")
+            out.append(None if v is None else float(v))
+        return out
+
+
+def load_rewards(g: GrpoSection, defer: bool = False) -> list[Reward]:
+    """The recipe's reward functions, named as TRL logs them (rewards/<name>/mean): a name used twice gets _2, ..."""
+    out, seen = [], {}
+    for i, spec in enumerate(g.rewards):
+        key = f"grpo.rewards.{i}"
+        fn = _builtin(spec, g.max_completion_length) or _import(spec.function, key)
+        name = spec.function if spec.function in ("exact_match", "regex", "length_penalty") else fn.__name__
+        seen[name] = seen.get(name, 0) + 1
+        out.append(Reward(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer))
+    return out
+
+
+def _builtin(spec: RewardSpec, max_completion_length: int):
+    if spec.function == "exact_match":
+        return exact_match
+    if spec.function == "regex":
+        return _regex(spec.pattern)
+    if spec.function == "length_penalty":
+        return _length_penalty(spec.limit or 0, max_completion_length)
+    return None
+
+
+def dry_run(rewards: list[Reward], rows: list[dict], tokenizer) -> None:
+    """Every reward function on `rows` (prompt, reference), answered by their references and by empty completions,
+    as TRL will call it: what fails here fails before the model is loaded."""
+    from transformers import TrainerState  # heavy import, only for the run's data phase
+
+    conversational = isinstance(rows[0]["prompt"], list)
+    answers = [r["reference"] or "" for r in rows] + [""] * len(rows)
+    completions = [[{"role": "assistant", "content": a}] for a in answers] if conversational else answers
+    ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
+    kwargs = {"reference": [r["reference"] for r in rows] * 2, "trainer_state": TrainerState(),
+              "log_extra": lambda *a: None, "log_metric": lambda *a: None}
+    for reward in rewards:
+        reward(prompts=[r["prompt"] for r in rows] * 2, completions=completions, completion_ids=ids, **kwargs)

@@ -1,0 +1,77 @@
+"""GRPO runs for tests/test_grpo_runs.py: variants of one recipe trained one after another in one launch (1 rank x
+GA4, or 2 ranks x GA2 under a strategy), each saved to OUT_ROOT/VARIANT, with completions that do not depend on the
+layout.
+
+    [accelerate launch --config_file accelerate_configs/S.yaml] tests/grpo_worker.py RECIPE OUT_ROOT VARIANT ...
+
+Why a test double for the sampling: TRL seeds every rank differently and samples a batch at once, so 1 and 2 ranks
+draw different completions. Here each completion is generated alone (TRL's own generation, under the strategy's
+engine), seeded by the step and its place in the global generation batch, which are the same in every layout. The
+rest is the real run: rewards gathered over ranks, group advantages, the loss and its normalisation, the update.
+"""
+
+import sys
+import zlib
+
+import torch
+
+from hftrain import distributed
+from hftrain.artifacts import save_final
+from hftrain.config import load_recipe
+from hftrain.constants import ZERO_STAGE
+from hftrain.data.templates import stop_at_end_of_turn
+from hftrain.errors import exit_on_user_error
+from hftrain.grpo import GroupTrainer
+from hftrain.launch import Run, setup_run
+from hftrain.launch.setup import run_arguments
+from hftrain.recipes.grpo import GRPO
+
+VARIANTS = {
+    # per-sequence mean, KL to a frozen copy, two updates per generation batch (the clipping bites on the second)
+    "grpo": ["grpo.loss_type=grpo", "grpo.beta=0.2", "grpo.num_iterations=2", "grpo.epsilon=0.05"],
+    # the reference is the policy with its LoRA adapter disabled
+    "dr_grpo": ["grpo.loss_type=dr_grpo", "grpo.beta=0.2", "model.lora.r=4", "model.lora.alpha=8",
+                "model.lora.dropout=0.0"],
+    "dapo": ["grpo.loss_type=dapo"],
+    # TRL's bnpo: each micro-batch's own token mean (a mean of means), not offered by hftrain; set on the arguments
+    "bnpo": ["grpo.loss_type=dapo"],
+}
+
+
+class SeededTrainer(GroupTrainer):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        first = self.accelerator.process_index * len(prompt_ids)  # this rank's slice of the generation batch
+        completions = []
+        for i, ids in enumerate(prompt_ids):
+            torch.manual_seed(zlib.crc32(f"{self.state.global_step}/{first + i}".encode()))
+            completions += super()._generate_single_turn([ids], images, multimodal_fields, num_generations)[0]
+        return completions, None
+
+
+class SeededGRPO(GRPO):
+    trainer_class = SeededTrainer
+
+
+def main(recipe_path: str, out_root: str, names: list[str]) -> None:
+    method = SeededGRPO()
+    run = setup_run([recipe_path, f"training.output_dir={out_root}/{names[0]}", *VARIANTS[names[0]]], method)
+    extra = {"deepspeed": run.args.deepspeed} if run.strategy.name in ZERO_STAGE else {}
+    for name in names:
+        recipe = load_recipe(recipe_path, [f"training.output_dir={out_root}/{name}", *VARIANTS[name]])
+        args = method.arguments(recipe, run_arguments(recipe, run.strategy, None, **extra))
+        if name == "bnpo":
+            args.loss_type = "bnpo"
+        this = Run(recipe, run.strategy, args)
+        tokenizer, data = method.data(this)
+        model = method.model(this)
+        stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)
+        trainer = method.trainer(this, model, tokenizer, data, [])
+        trainer.train()
+        save_final(trainer, recipe, run.strategy, tokenizer, {})
+        del trainer, model
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        main(sys.argv[1], sys.argv[2], sys.argv[3:])
