@@ -3,6 +3,7 @@
     StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
     StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
+    SequenceParallelMixin  sequence_parallel.py  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
 
@@ -17,15 +18,16 @@ from .checkpointing import StagedCheckpointMixin
 from .chunked_loss import ChunkedLossMixin
 from .comm_hook import CommHookMixin
 from .exact_loss import ExactLossMixin
+from .sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).
 RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin)
 
 
-class SFTTrainer(*RUN_MIXINS, ExactLossMixin, ChunkedLossMixin, Trainer):
+class SFTTrainer(*RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
     """Supervised fine-tuning: transformers' Trainer with every hftrain concern."""
 
 
-__all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "ExactLossMixin",
-           "ChunkedLossMixin"]
+__all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin",
+           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin"]
