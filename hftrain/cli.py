@@ -118,11 +118,13 @@ def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
     m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype)
+    sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
-                bool(recipe.training_value("bf16") or recipe.training_value("fp16")))
+                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters, {facts.trainable / 1e6:.1f}M trained; "
-          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens")
-    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None))
+          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
+          + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp))
     return 0
 
 
