@@ -5,8 +5,8 @@ the run's arguments: at `accelerator.prepare` it registers an attention wrapper 
 (all-to-all) around the model's attention kernel, and wraps the train loader so that the N ranks of a group each get
 1/N of every batch's tokens, its labels already shifted (`shift_labels`). What hftrain adds, and why by hand:
 
-- `parallelism_config`: the arguments' ParallelismConfig (accelerate's launcher refuses `--use_parallelism_config`
-  without FSDP, so it is given to the arguments, as the DeepSpeed config is);
+- `parallelism_config`: the arguments' ParallelismConfig, built from the recipe as the DeepSpeed config is (the
+  launcher's config only launches; launch.setup refuses one whose parallelism_config disagrees);
 - `ShardableRows`: the train batches Ulysses can split: width a multiple of N, exactly `per_device_train_batch_size`
   rows (its attention checks the shape it registered), right padding, and position_ids in every batch (Ulysses
   masks causally by them: the attention mask is dropped);
