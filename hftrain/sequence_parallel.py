@@ -98,13 +98,13 @@ def widened(batch: dict, width: int, rows: int, pad: int) -> dict[str, torch.Ten
     extra_cols, extra_rows = width - w, rows - n
     if extra_rows < 0 or extra_cols < 0:
         raise ValueError(f"a batch of {n} x {w} cannot be widened to {rows} x {width}")
-    out = {}
+    out, on = {}, batch["input_ids"].device
     for key, fill in (("input_ids", pad), ("labels", IGNORE_INDEX)):
         t = torch.nn.functional.pad(batch[key], (0, extra_cols), value=fill)
-        out[key] = torch.cat([t, torch.full((extra_rows, width), fill, dtype=t.dtype)])
+        out[key] = torch.cat([t, torch.full((extra_rows, width), fill, dtype=t.dtype, device=on)])
     pos = batch["position_ids"]
-    pos = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(extra_cols).expand(n, extra_cols)], dim=1)
-    out["position_ids"] = torch.cat([pos, torch.arange(width).expand(extra_rows, width)])
+    pos = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(extra_cols, device=on).expand(n, extra_cols)], dim=1)
+    out["position_ids"] = torch.cat([pos, torch.arange(width, device=on).expand(extra_rows, width)])
     return out
 
 
@@ -228,7 +228,7 @@ def _sharded_batches_class():
             except StopIteration:
                 self.iter = iter(self.dl)  # the next epoch iterates the whole loader
                 raise
-            mine = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.long)
+            mine = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.long, device=self.device)
             widths = [torch.zeros_like(mine) for _ in range(self.sp_world_size)]
             dist.all_gather(widths, mine, group=self.sp_group)
             batch = widened(batch, int(max(widths)), batch["input_ids"].shape[0], self.pad)

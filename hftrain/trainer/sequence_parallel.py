@@ -48,11 +48,23 @@ class SequenceParallelMixin:
         finally:
             self.data_collator = inner
 
+    def train(self, *args, **kwargs):
+        """Training with Ulysses around the attention kernel; after it the kernel alone again (what evaluate() and
+        generation after training use, and any other model of this process)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._attention is not None:
+                self._attention.uninstall()
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """super() prepares the engine, where accelerate registers Ulysses around the attention kernel it finds (the
         per-example one installed first), and wraps the train loader in DeepSpeed's adapter (made ShardedBatches)."""
         if self.sp_size == 1:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self._attention.ulysses is not None:
+            raise RuntimeError("train() runs once per trainer under sequence parallelism (Ulysses is registered when "
+                               "the engine is first prepared); build a new trainer")
         self._attention.install()
         try:
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
