@@ -31,7 +31,8 @@ from .tiny import build_tiny_model, texts_of_data
 def _check(ns) -> int:
     recipe, strategy = check_recipe(ns.recipe, ns.overrides)
     if not ns.no_data:
-        check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
+        world = strategy.num_processes or STRATEGY_DEFAULTS["num_processes"]
+        check_data(recipe, world // strategy.resolved_sequence_parallel())  # data-parallel ranks
     print(recipe.to_yaml(), end="")
     return 0
 

@@ -1,7 +1,8 @@
 """strategy.sequence_parallel: 2 on 2 CPU ranks (gloo) equals one process without it on the same batches: losses,
 weights after the first step and at the end (rel 1e-5, fp32), eval loss and exact match; under ZeRO-3 (padded rows,
-token averaging, logits) and ZeRO-2 (packed rows, sequence averaging, the chunked loss, LoRA, activation
-checkpointing); a resume mid-epoch; and, without hftrain's patch, ZeRO-2's gradients exactly twice the reference.
+token averaging, the chunked loss of an untied head) and ZeRO-2 (packed rows, sequence averaging, the chunked loss,
+LoRA, activation checkpointing); a resume mid-epoch; and, without hftrain's patch, ZeRO-2's gradients (the loss from
+logits) exactly twice the reference. The references are one process with the loss from logits.
 
 Each step takes 2 x 3 examples (per_device_train_batch_size 2, gradient_accumulation_steps 3, one group of 2 ranks:
 data-parallel size 1), in order (sequential sampling), with plain SGD and no clipping, so that the weights after a
@@ -15,20 +16,20 @@ from safetensors.torch import load_file
 
 from hftrain.distributed import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run, uneven_data
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, SMALL, assert_close_rel, run, uneven_data
 
 LR = 0.5
 STEPS = 3
-# name: (strategy, sequence_parallel, script, training overrides, data overrides, model overrides)
-PADDED = ({}, {}, {})
-PACKED_LORA = ({"loss_averaging": "sequence", "loss_impl": "chunked"}, {"packing": True},
+# name: (model, strategy, sequence_parallel, script, training overrides, data overrides, model overrides)
+PACKED_LORA = ({"loss_averaging": "sequence"}, {"packing": True},
                {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "gradient_checkpointing": True})
 RUNS = {
-    "ref": (None, 1, "recipes/sft.py", *PADDED),
-    "z3": ("zero3", 2, "recipes/sft.py", *PADDED),
-    "ref_lora": (None, 1, "recipes/sft.py", *PACKED_LORA),
-    "z2_lora": ("zero2", 2, "recipes/sft.py", *PACKED_LORA),
-    "z2_unpatched": ("zero2", 2, "tests/sp_unpatched.py", {"max_steps": 1, "eval_strategy": "no"}, {}, {}),
+    "ref": ("untied", None, 1, "recipes/sft.py", {"loss_impl": "logits"}, {}, {}),
+    "z3": ("untied", "zero3", 2, "recipes/sft.py", {"loss_impl": "chunked"}, {}, {}),
+    "ref_lora": ("tied", None, 1, "recipes/sft.py", {**PACKED_LORA[0], "loss_impl": "logits"}, *PACKED_LORA[1:]),
+    "z2_lora": ("tied", "zero2", 2, "recipes/sft.py", {**PACKED_LORA[0], "loss_impl": "chunked"}, *PACKED_LORA[1:]),
+    "z2_unpatched": ("untied", "zero2", 2, "tests/sp_unpatched.py",
+                     {"loss_impl": "logits", "max_steps": 1, "eval_strategy": "no"}, {}, {}),
 }
 
 
@@ -73,17 +74,29 @@ def result(out):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
+def untied_model_dir(tmp_path_factory):
+    """spiky_model_dir's model with its own output head (ZeRO-3 partitions it apart from the embedding)."""
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    out = str(tmp_path_factory.mktemp("untied") / "base")
+    return build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config={**SMALL, "initializer_range": 0.3,
+                                                                      "tie_word_embeddings": False},
+                            vocab_size=300, seed=0)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, spiky_model_dir, untied_model_dir, deepspeed_ops):
     tmp = tmp_path_factory.mktemp("sp")
     data, held_out = uneven_data(tmp / "train.jsonl"), uneven_data(tmp / "eval.jsonl", n=6, seed=1)
+    models = {"tied": spiky_model_dir, "untied": untied_model_dir}
     out = {}
-    for name, (strategy, n, script, training, data_over, model_over) in RUNS.items():
-        path = recipe(tmp, name, spiky_model_dir, data, held_out, strategy, n, training, data_over, model_over)
+    for name, (model, strategy, n, script, training, data_over, model_over) in RUNS.items():
+        path = recipe(tmp, name, models[model], data, held_out, strategy, n, training, data_over, model_over)
         launch(path, strategy, script)
         out[name] = result(tmp / name)
     # Resume the ZeRO-3 run after its first step: 3 micro-batches trained, 1 loader batch (2 slices) and 1 slice of
     # the next skipped. The same batches follow, so the end is the uninterrupted run's.
-    path = recipe(tmp, "z3_resumed", spiky_model_dir, data, held_out, "zero3", 2, {}, {}, {},
+    path = recipe(tmp, "z3_resumed", untied_model_dir, data, held_out, "zero3", 2, RUNS["z3"][4], {}, {},
                   resume_from_checkpoint=str(tmp / "z3" / "checkpoint-1"))
     launch(path, "zero3", "recipes/sft.py")
     out["z3_resumed"] = result(tmp / "z3_resumed")
@@ -115,9 +128,9 @@ def test_resume_mid_epoch_continues_the_same_run(runs):
 
 
 @pytest.mark.slow
-def test_without_the_patch_zero2_doubles_the_gradient(runs, spiky_model_dir):
+def test_without_the_patch_zero2_doubles_the_gradient(runs, untied_model_dir):
     """Negative control: DeepSpeed's ZeRO-2 divides the gradient by the data-parallel size (1), not the world (2)."""
-    base = load_file(f"{spiky_model_dir}/model.safetensors")
+    base = load_file(f"{untied_model_dir}/model.safetensors")
     good, bad = runs["ref"]["step1"], runs["z2_unpatched"]["step1"]
     assert bad and runs["z2_unpatched"]["losses"][0] == pytest.approx(runs["ref"]["losses"][0], rel=1e-5)
     doubled = {k: base[k] + 2 * (good[k] - base[k]) for k in good if k in base}
