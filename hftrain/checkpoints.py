@@ -185,10 +185,16 @@ def checkpoint_format(strategy: str | None) -> str:
     return {"zero3_offload": "zero3", "zero_infinity": "zero3", None: "ddp"}.get(strategy, strategy)
 
 
-def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None) -> dict:
-    return {"world_size": world_size, "per_device_train_batch_size": per_device,
-            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy),
-            "nvme_optimizer": strategy == "zero_infinity"}
+def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None,
+           sequence_parallel: int = 1) -> dict:
+    """How a run is laid out, as a checkpoint records it; `sequence_parallel` only when > 1 (ranks per sequence:
+    the data-parallel size is world_size / it)."""
+    out = {"world_size": world_size, "per_device_train_batch_size": per_device,
+           "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy),
+           "nvme_optimizer": strategy == "zero_infinity"}
+    if sequence_parallel > 1:
+        out["sequence_parallel"] = sequence_parallel
+    return out
 
 
 def read_layout(path: str) -> dict | None:
@@ -247,6 +253,13 @@ def layout_problems(path: str, now: dict) -> list[str]:
             "optimizer on NVMe (zero_infinity) DeepSpeed restores each rank's own swap files, which cannot be "
             f"resharded. Resume with {was['world_size']} processes, or with strategy.name: zero3_offload (or "
             "zero3), which reshards through a universal checkpoint")
+    sp_was, sp_now = was.get("sequence_parallel", 1), now.get("sequence_parallel", 1)
+    if sp_was != sp_now or (sp_was > 1 and was["world_size"] != now["world_size"]):
+        problems.append(f"{path} was written with {was['world_size']} ranks and strategy.sequence_parallel {sp_was}, "
+                        f"this run has {now['world_size']} and {sp_now}: a sequence-parallel checkpoint resumes on "
+                        f"the same layout only; resume with {was['world_size']} processes and "
+                        f"strategy.sequence_parallel: {sp_was}")
+        return problems
     g_was = was["world_size"] * was["per_device_train_batch_size"] * was["gradient_accumulation_steps"]
     g_now = now["world_size"] * now["per_device_train_batch_size"] * now["gradient_accumulation_steps"]
     if g_was != g_now:

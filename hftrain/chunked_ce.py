@@ -235,22 +235,7 @@ class Captured:
     hidden: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    autocast_args: tuple = ("cpu", torch.bfloat16, False)  # the autocast lm_head was called under
-
-    def autocast(self):
-        """The autocast the head ran under (accelerate's mixed precision wraps the model's forward, not the loss)."""
-        return torch.autocast(*self.autocast_args)
-
-    def gathered(self, deepspeed_enabled: bool):
-        """ZeRO-3 releases lm_head's partitioned weight after lm_head's forward: gather it (and the bias) again for
-        the loss, as DeepSpeed documents for a parameter used outside its module's forward (GatheredParameters, no
-        modifier rank: read only; a no-op for parameters ZeRO-3 does not partition). The gradient the loss computes
-        for it reaches the parameter, whose gradient hook reduce-scatters it like lm_head's own."""
-        if not deepspeed_enabled:
-            return contextlib.nullcontext()
-        import deepspeed  # optional dependency: only ZeRO strategies need it
-
-        return deepspeed.zero.GatheredParameters([p for p in (self.weight, self.bias) if p is not None])
+    loss: torch.Tensor | None = None  # what capture_hidden's `loss_fn` returned
 
 
 class _Placeholder(torch.autograd.Function):
@@ -268,16 +253,24 @@ class _Placeholder(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def capture_hidden(head: torch.nn.Linear):
+def capture_hidden(head: torch.nn.Linear, loss_fn=None):
     """While open, `head(h)` keeps (h, weight, bias) in the yielded `Captured` and returns zeros of shape
     (*h.shape[:-1], 1) instead of logits (width 1, not 0: reshapes with -1 must still work on it). The model's own
     post-processing then runs on the placeholder, harmlessly. The weight is the parameter itself, so its gradient
-    reaches it through the chunked loss (tied embeddings: the embedding's)."""
+    reaches it through the chunked loss (tied embeddings: the embedding's).
+
+    `loss_fn(hidden, captured)` is computed inside the head's call (into `captured.loss`), where the head's weight is
+    as its own forward sees it: gathered by ZeRO-3 and FSDP2, under the forward's autocast. In backward its gradient
+    then reaches the weight after ZeRO-3 has gathered it again: ZeRO-3's hook on the head's output (which gathers) was
+    created after the loss's autograd node and runs before it (the engine runs the newest ready node first), as for the
+    head's own matmul. Computed after the head's call instead, the weight's gradient arrived while it was released
+    (an untied head's gradient was then allocated at the released size and the backward failed)."""
     captured = Captured()
 
     def forward(h):
         captured.hidden, captured.weight, captured.bias = h, head.weight, head.bias
-        captured.autocast_args = autocast_state(h.device.type)
+        if loss_fn is not None:
+            captured.loss = loss_fn(h, captured)
         return _Placeholder.apply(h)
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) now run it

@@ -33,7 +33,8 @@ from .tiny import build_tiny_model, texts_of_data
 def _check(ns) -> int:
     recipe, strategy = check_recipe(ns.recipe, ns.overrides)
     if not ns.no_data:
-        check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
+        world = strategy.num_processes or STRATEGY_DEFAULTS["num_processes"]
+        check_data(recipe, world // strategy.resolved_sequence_parallel())  # data-parallel ranks
     print(recipe.to_yaml(), end="")
     return 0
 
@@ -134,11 +135,13 @@ def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
     m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype)
+    sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
-                bool(recipe.training_value("bf16") or recipe.training_value("fp16")))
+                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters, {facts.trainable / 1e6:.1f}M trained; "
-          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens")
-    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None))
+          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
+          + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp))
     return 0
 
 

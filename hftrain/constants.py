@@ -9,6 +9,10 @@ STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 ZERO_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "zero_infinity": 3}
 ZERO3 = frozenset(name for name, stage in ZERO_STAGE.items() if stage == 3)
 SHARDED = ZERO3 | {"fsdp"}  # no rank holds all parameters
+# Where strategy.sequence_parallel runs (DeepSpeed Ulysses) and is tested exact; the attention kernels it can wrap
+# (accelerate's DeepSpeedSequenceParallelConfig: eager and flex_attention are refused upstream).
+SEQUENCE_PARALLEL_STRATEGIES = ("zero2", "zero3")
+SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 OFFLOADED = frozenset({"zero3_offload", "zero_infinity"})  # optimizer states off the GPU, updated by DeepSpeed's Adam
 
 CompressionMethod = Literal["none", "fp16", "bf16", "powersgd", "int8", "topk"]

@@ -14,7 +14,7 @@ import math
 
 from transformers import TrainingArguments
 
-from . import distributed
+from . import distributed, sequence_parallel
 from .artifacts import first_eval, save_final, write_recipe
 from .callbacks import CurvesCallback
 from .config import HFTrainingArguments, Recipe
@@ -37,7 +37,8 @@ class Method:
     def data(self, run: Run):
         """(tokenizer, datasets): every row read and checked, errors naming the file and row (launch.check_data:
         SFT examples, or preference pairs for a recipe with a preference: section)."""
-        return check_data(run.recipe, run.args.world_size, seed=run.args.seed)
+        # One step takes a micro-batch per data-parallel rank (a group of sequence-parallel ranks shares one).
+        return check_data(run.recipe, run.args.world_size // sequence_parallel.size(run.args), seed=run.args.seed)
 
     def model(self, run: Run):
         raise NotImplementedError

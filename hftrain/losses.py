@@ -14,6 +14,11 @@ The eval loss is the mean CE over every target token of the eval set (`eval_loss
 
 A target is a label != -100 after the causal shift (labels[..., 1:]). Sequences are rows, or, in packed rows,
 the runs of position_ids that restart at 0.
+
+Under sequence parallelism (hftrain/sequence_parallel.py) a rank holds a slice of every row with its labels already
+shifted (`shift_labels[:, i] = labels[:, i + 1]`): `loader_shifted` gives the same (targets, sequences) for those,
+`aligned_ce` / `aligned_hidden_loss_sum` the CE of every position against its aligned target, and a slice's
+`weights_of` come from its whole rows, so that the slices' sums add up to the rows' `loss_sum`.
 """
 
 from __future__ import annotations
@@ -46,16 +51,32 @@ def shifted(labels: torch.Tensor, position_ids: torch.Tensor | None = None):
     return labels[:, 1:], segment_ids(labels, position_ids)[:, 1:]
 
 
+def loader_shifted(shift_labels: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """`shifted` for labels a loader already shifted (shift_labels[:, i] = labels[:, i + 1], IGNORE_INDEX last):
+    the targets as they are and, for each, the sequence of the token it predicts."""
+    seg = segment_ids(shift_labels, position_ids)
+    return shift_labels, torch.cat([seg[:, 1:], seg[:, -1:]], dim=1)
+
+
 def count_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[int, int]:
     """(target tokens, sequences with at least one target) in one micro-batch."""
-    targets, seg = shifted(labels, position_ids)
+    return counts_of(*shifted(labels, position_ids))
+
+
+def counts_of(targets: torch.Tensor, seg: torch.Tensor) -> tuple[int, int]:
+    """`count_targets` of (targets, sequences) from `shifted` or `loader_shifted`."""
     mask = targets != IGNORE_INDEX
     return int(mask.sum()), int(torch.unique(seg[mask]).numel())
 
 
 def target_ce(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """CE of each position 0..T-2 against its shifted target, flattened; 0 where the target is ignored."""
-    logits = logits[:, :-1].float()
+    return aligned_ce(logits[:, :-1], targets, label_smoothing)
+
+
+def aligned_ce(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """CE of every position against the target at the same index, flattened; 0 where the target is ignored."""
+    logits = logits.float()
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         targets.reshape(-1),
@@ -79,15 +100,28 @@ def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
     """`loss_sum` from the final hidden states and the output head, without the full logits: sum(w * CE) with
     w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk."""
-    h = hidden[:, :-1]
-    return linear_ce(h.reshape(-1, h.shape[-1]), weight, bias, labels[:, 1:].reshape(-1), math, label_smoothing,
-                     chunk_size, row_weights=target_weights(labels, mode, position_ids))
+    weights = target_weights(labels, mode, position_ids)
+    return aligned_hidden_loss_sum(hidden[:, :-1], weight, bias, labels[:, 1:], weights, math, label_smoothing,
+                                   chunk_size)
+
+
+def aligned_hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            targets: torch.Tensor, weights: torch.Tensor, math: HeadMath = HeadMath(),
+                            label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+    """sum(weights * CE) of every position of `hidden` (B, T, H) against the target at the same index, through the
+    output head in chunks (chunked_ce.linear_ce); `weights`: `weights_of`, flattened."""
+    return linear_ce(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), math, label_smoothing,
+                     chunk_size, row_weights=weights)
 
 
 def target_weights(labels: torch.Tensor, mode: str = "token", position_ids: torch.Tensor | None = None):
     """(B * (T-1),) fp32 weight of each position's CE in `loss_sum`: 0 where ignored; 1 (token) or 1 / the number
     of targets of its sequence (sequence)."""
-    targets, seg = shifted(labels, position_ids)
+    return weights_of(*shifted(labels, position_ids), mode)
+
+
+def weights_of(targets: torch.Tensor, seg: torch.Tensor, mode: str = "token") -> torch.Tensor:
+    """`target_weights` of (targets, sequences) from `shifted` or `loader_shifted`, flattened."""
     mask = (targets != IGNORE_INDEX).reshape(-1).float()
     if mode == "token":
         return mask

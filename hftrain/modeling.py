@@ -184,7 +184,9 @@ def join_packed_rows(model) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def load_model(cfg: ModelSection, packing: bool = False, moe=None):
+def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):
+    """The model of `cfg` (safetensors only), upcycled to MoE, with LoRA. `sequence_parallel` > 1: packed rows are
+    split by sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered)."""
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
     _raise_if(_folder_problem(cfg.name_or_path, "model.name_or_path"))
@@ -214,7 +216,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None):
         model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
-    if packing and reads_packing_from_one_row(model.config._attn_implementation):
+    if packing and sequence_parallel == 1 and reads_packing_from_one_row(model.config._attn_implementation):
         join_packed_rows(model)  # on the outermost model: peft calls the base model's forward() without hooks
     return model
 

@@ -84,6 +84,19 @@ CONTRACT = [
      "share_fp32_master_with_fp32_weights"),
     ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3",
      "load_hp_checkpoint_state_from_checkpoint_dir_stage3", ["checkpoint_dir"], "untie_zero3_universal_steps"),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "sequence_parallel_size", None,
+     "average_gradients_over_sequence_ranks (set to 1 after __init__)"),
+    ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "sequence_parallel_size", None,
+     "average_gradients_over_sequence_ranks (set to 1 after __init__)"),
+    # DeepSpeed's Ulysses loader adapter, subclassed by sequence_parallel.ShardedBatches
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "refill", [],
+     "ShardedBatches: the group's batches widened before its gather, micro-batches skipped on resume"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "iter", None,
+     "ShardedBatches: the inner loader's iterator, replaced to skip and to hand refill one batch"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "micro_batches", None,
+     "ShardedBatches: the slices not yet handed out"),
+    ("transformers.trainer", "skip_first_batches", ["dataloader", "num_batches"],
+     "patches.transformers.skip_batches_of_sequence_shards (the Trainer's name for accelerate's function)"),
     # torch
     ("torch.distributed.distributed_c10d", "_get_default_store", [], "lifetime: the heartbeat's store"),
     ("torch.distributed.fsdp:FSDPModule", "_get_fsdp_state", [], "artifacts.describe: FSDP2's reduce dtype"),
@@ -111,6 +124,14 @@ INSTANCE_ATTRIBUTES = {
     ("trl:GRPOTrainer", "_tokenizer"): ("trl.trainer.grpo_trainer", "self._tokenizer = processing_class"),
     ("transformers.distributed.fsdp:is_fsdp_managed_module", "_is_fsdp_managed_module"): (
         "transformers.distributed.fsdp", 'getattr(module, "_is_fsdp_managed_module", False)'),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "sequence_parallel_size"): (
+        "deepspeed.runtime.zero.stage_1_and_2", "self.sequence_parallel_size = "),
+    ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "sequence_parallel_size"): (
+        "deepspeed.runtime.zero.stage3", "self.sequence_parallel_size = "),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "iter"): (
+        "deepspeed.runtime.sequence_parallel.ulysses_sp", "self.iter = iter(dl)"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "micro_batches"): (
+        "deepspeed.runtime.sequence_parallel.ulysses_sp", "self.micro_batches: deque"),
 }
 # The order of calls hftrain relies on: (owner, method, the fragments that must appear in this order in its source).
 ORDER = [
@@ -149,6 +170,17 @@ ORDER = [
     ("trl:GRPOTrainer", "_compute_loss", ['normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / '
                                           "self.accelerator.num_processes"],
      "grpo: dapo divides by the generation batch's token count, all-reduced over the ranks"),
+    ("transformers:Trainer", "_prepare_for_training", ["self.accelerator.prepare(", "deepspeed_ulysses_dl_adapter("],
+     "sequence parallelism: Ulysses is registered (prepare) around the kernel installed before, then the loader "
+     "wrapped, which hftrain rewraps"),
+    ("transformers:Trainer", "_run_epoch", ["skip_first_batches(train_dataloader", "train_dataloader.set_epoch(",
+                                            "iter(train_dataloader)"],
+     "ShardedBatches: a resume's skip comes before set_epoch, the inner iteration (lazy) after both"),
+    ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "refill",
+     ["next(self.iter)", "dist.all_gather(tensor_list", "batch.pop(\"labels\")", "self.micro_batches.append("],
+     "ShardedBatches hands refill one widened batch; the slices carry shift_labels, not labels"),
+    ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "average_tensor",
+     ["/ float(self.sequence_parallel_size)"], "average_gradients_over_sequence_ranks: the division it undoes"),
 ]
 
 

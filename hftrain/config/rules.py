@@ -10,12 +10,12 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
+from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, REDUCE_DTYPES, ROLE_TARGETS, SEQUENCE_PARALLEL_ATTENTION,
+                         SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
 from .grpo_rules import GRPO_STRATEGIES, grpo_problems
 from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
                        DataSource, GrpoSection, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe,
-                       StrategySection,
-                       UpcycleSection)
+                       StrategySection, UpcycleSection)
 
 Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
@@ -62,6 +62,9 @@ def recipe_problems(recipe: Recipe) -> Problems:
             out.append(("strategy.rank_timeout", f"must be 0 (off) or at least {MIN_RANK_TIMEOUT} seconds, got {t}"))
     if isinstance(recipe.strategy, StrategySection):
         _machine_problems(recipe.strategy, out)
+        sp = recipe.strategy.sequence_parallel
+        if _num(sp) and sp < 1:
+            out.append(("strategy.sequence_parallel", f"must be at least 1 (1: off), got {sp}"))
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
         out += strategy_problems(recipe, recipe.strategy.name)
     return out
@@ -89,6 +92,15 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     s = recipe.strategy
     if isinstance(s, StrategySection):
         for f in fields(s):
+            if f.name == "sequence_parallel" and s.sequence_parallel in (None, 1):
+                continue  # 1 is "off" under every strategy
+            if f.name == "sequence_parallel" and name not in SEQUENCE_PARALLEL_STRATEGIES:
+                out.append(("strategy.sequence_parallel", f"runs on DeepSpeed's Ulysses under "
+                            f"{' or '.join(SEQUENCE_PARALLEL_STRATEGIES)}, not '{name}'" + (
+                                " (FSDP2 has no sequence parallelism here; zero3 shards parameters, gradients and "
+                                "optimizer states as FSDP2 does)" if name == "fsdp" else "") +
+                            ": set strategy.name: zero3 (or zero2), or remove strategy.sequence_parallel"))
+                continue
             if f.name not in STRATEGY_OPTIONS[name] and getattr(s, f.name) is not None:
                 users = [n for n in STRATEGIES if f.name in STRATEGY_OPTIONS[n]]
                 out.append((f"strategy.{f.name}",
@@ -120,12 +132,43 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if recipe.grpo is not None and name not in GRPO_STRATEGIES:
         out.append(("strategy.name", f"GRPO runs under {', '.join(GRPO_STRATEGIES)} (where its exactness is "
                     f"tested), not '{name}': launch with one of those accelerate_configs"))
+    if isinstance(s, StrategySection) and _num(s.sequence_parallel) and s.sequence_parallel > 1:
+        out += sequence_parallel_problems(recipe, s.sequence_parallel)
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
             out.append(("moe.expert_parallel_size", f"runs under strategy ddp only, not {name!r}: ZeRO and FSDP "
                         "would shard or average the per-rank experts. Use strategy.name: ddp, or keep every expert "
                         "on every rank (expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
+    return out
+
+
+def sequence_parallel_problems(recipe: Recipe, n: int) -> Problems:
+    """What cannot run with every sequence split across `n` ranks (strategy.sequence_parallel), whatever the ZeRO
+    stage; the model's heads and the world size are checked where they are known (launch.preflight)."""
+    out: Problems = []
+    s = recipe.strategy
+    if _num(s.num_processes) and s.num_processes % n:
+        out.append(("strategy.num_processes", f"must be a multiple of strategy.sequence_parallel ({n}): the "
+                    f"processes form data-parallel groups of {n} ranks that share each sequence; got "
+                    f"{s.num_processes}"))
+    attn = recipe.model.attn_implementation if recipe.model is not None else None
+    if isinstance(attn, str) and attn not in SEQUENCE_PARALLEL_ATTENTION and not (
+            "/" in attn and "flash-attn" in attn):
+        out.append(("model.attn_implementation", f"'{attn}' cannot run under strategy.sequence_parallel (Ulysses "
+                    "drops the attention mask and needs a kernel that masks causally by itself): use "
+                    f"{', '.join(SEQUENCE_PARALLEL_ATTENTION)} (default sdpa), or a hub flash-attn kernel"))
+    c = recipe.compression
+    if isinstance(c, CompressionSection) and c.method in REDUCE_DTYPES:
+        out.append(("compression.method", f"'{c.method}' cannot be used with strategy.sequence_parallel: DeepSpeed "
+                    "reduces gradients in fp32 under sequence parallelism (its seq_parallel_communication_data_type), "
+                    "so the reduce dtype would be ignored; remove compression"))
+    if recipe.preference is not None:
+        out.append(("strategy.sequence_parallel", "preference tuning does not run under sequence parallelism (TRL "
+                    "scores whole sequences on each rank): remove strategy.sequence_parallel"))
+    if recipe.moe is not None:
+        out.append(("moe", "cannot be combined with strategy.sequence_parallel: the router losses are means over "
+                    "a rank's tokens and would not be exact over a split sequence; remove one of them"))
     return out
 
 

@@ -121,6 +121,13 @@ class StrategySection:
         None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
         "one); default: 4x the largest parameter."
     )
+    sequence_parallel: int | None = _f(
+        None, "zero2/zero3: split every sequence across this many ranks (DeepSpeed Ulysses: each rank holds 1/N of "
+        "the tokens, attention heads are exchanged); the processes are data-parallel groups of N; default 1 (off)."
+    )
+
+    def resolved_sequence_parallel(self) -> int:
+        return self.sequence_parallel or 1
 
 
 # Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
@@ -130,8 +137,8 @@ STRATEGY_OPTIONS = {
     "ddp": COMMON_OPTIONS,
     "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
     "zero1": COMMON_OPTIONS,
-    "zero2": COMMON_OPTIONS,
-    "zero3": COMMON_OPTIONS,
+    "zero2": COMMON_OPTIONS | {"sequence_parallel"},
+    "zero3": COMMON_OPTIONS | {"sequence_parallel"},
     "zero3_offload": COMMON_OPTIONS | {"pin_memory"},
     "zero_infinity": COMMON_OPTIONS | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth",
                                        "buffer_count", "buffer_size", "sub_group_size"},
@@ -153,6 +160,7 @@ STRATEGY_DEFAULTS = {
     "buffer_count": 5,
     "buffer_size": 100_000_000,
     "sub_group_size": 1_000_000_000,
+    "sequence_parallel": 1,
 }
 
 

@@ -20,6 +20,9 @@ repairs its device check.
 
 Activations are an estimate (Korthikanti et al. 2022: ~34·s·b·h bytes per layer in 16-bit without
 recomputation, 2·s·b·h with full checkpointing plus one layer's worth), plus the fp32 logits and their gradient.
+With strategy.sequence_parallel N (zero2, zero3) a rank holds s/N tokens of each sequence: its activations are
+those of s/N (Ulysses' all-to-all turns s/N tokens x all heads into s tokens x heads/N, the same bytes); the
+model states are partitioned over all ranks as without it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.sections import STRATEGY_DEFAULTS
-from ..constants import OFFLOADED, STRATEGIES
+from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from .strategies import optimizer_swap_buffers
 
 GiB = 2**30
@@ -102,12 +105,15 @@ def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: b
 
 
 def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: int, checkpointing: bool,
-         mixed: bool) -> list[Row]:
+         mixed: bool, sequence_parallel: int = 1) -> list[Row]:
+    """One row per strategy; with `sequence_parallel` N the strategies that run it hold s/N tokens' activations."""
     n = gpus_per_node * nodes
-    act = activation_bytes(f, micro_batch, seq, checkpointing)
+    full = activation_bytes(f, micro_batch, seq, checkpointing)
+    split = activation_bytes(f, micro_batch, -(-seq // sequence_parallel), checkpointing)
     layer = 4 * f.largest_layer
     rows = []
     for s in STRATEGIES:
+        act = split if s in SEQUENCE_PARALLEL_STRATEGIES else full
         P, G, O = state_bytes(s, f, mixed)
         cpu = nvme = 0.0
         if s == "ddp":
@@ -158,7 +164,7 @@ def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:
     return next((s for s in order if by[s].gpu_total <= gpu_memory), None)
 
 
-def format_plan(rows: list[Row], gpu_memory: float | None) -> str:
+def format_plan(rows: list[Row], gpu_memory: float | None, sequence_parallel: int = 1) -> str:
     head = f"{'strategy':<14}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'GPU total':>11}{'CPU/node':>10}{'NVMe/node':>11}  fits"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -167,6 +173,10 @@ def format_plan(rows: list[Row], gpu_memory: float | None) -> str:
                      r.gpu_optimizer, r.gpu_activations)) + f"{r.gpu_total / GiB:>11.2f}{r.cpu_per_node / GiB:>10.2f}"
                      f"{r.nvme_per_node / GiB:>11.2f}  {fits}")
     lines.append("GiB per GPU (params..GPU total) and per node (CPU, NVMe); activations are an estimate.")
+    if sequence_parallel > 1:
+        lines.append(f"strategy.sequence_parallel {sequence_parallel}: {' and '.join(SEQUENCE_PARALLEL_STRATEGIES)} "
+                     f"hold 1/{sequence_parallel} of each sequence's activations per GPU; the others cannot split "
+                     "sequences and hold them whole.")
     best = recommend(rows, gpu_memory)
     if gpu_memory is not None:
         lines.append(f"recommended: {best}" if best else "nothing fits: lower the micro-batch, turn on "

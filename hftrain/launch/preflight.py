@@ -29,6 +29,7 @@ from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
 from ..rewards import dry_run, load_rewards
+from ..sequence_parallel import heads_problem
 from .plan import model_facts, swap_buffer_elems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
@@ -236,6 +237,11 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     if name != s.name:  # recipe_problems ran the strategy's rules only for a strategy the recipe names
         problems += [_message(recipe, k, m) for k, m in rule_problems(recipe, name)]
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
+    sp = s.sequence_parallel if _typed(s.sequence_parallel, int) else 1
+    if sp > 1 and world % sp and not _typed(s.num_processes, int):  # a set num_processes is judged by the rules
+        problems.append(f"{recipe.where('strategy.sequence_parallel')}: strategy.sequence_parallel: {sp} must divide "
+                        f"the {world} processes (data-parallel groups of {sp} ranks share each sequence); launch a "
+                        f"multiple of {sp} processes")
     strategy = replace(s, name=name)
     grpo = grpo_batch_problem(recipe, world) if not any(k.startswith("training.") for k in recipe.invalid) else None
     if grpo:
@@ -265,6 +271,10 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         msg = arguments_problem(arguments_kwargs(recipe, accelerator_available()))
         if msg:
             out.append(("training", f"TrainingArguments refuses these values: {msg}"))
+    sp = strategy.sequence_parallel if _typed(strategy.sequence_parallel, int) else 1
+    heads = _heads_problem(m.name_or_path, m.trust_remote_code, sp) if model_ok and sp > 1 else None
+    if heads:
+        out.append(("strategy.sequence_parallel", heads))
     facts = None
     if strategy.name == "zero_infinity" and model_ok:
         facts = facts_or_none(m.name_or_path, m.trust_remote_code)
@@ -292,11 +302,22 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         out += [("training.output_dir", msg) for msg in where]
         if "training.resume_from_checkpoint" not in skip:
             now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
-                                     recipe.training_value("gradient_accumulation_steps"), strategy.name)
+                                     recipe.training_value("gradient_accumulation_steps"), strategy.name, sp)
             out += [("training.resume_from_checkpoint", msg)
                     for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
                                                recipe.training_value("resume_weights_only") is True)]
     return [_message(recipe, k, msg) for k, msg in out], strategy
+
+
+def _heads_problem(name_or_path: str, trust_remote_code: bool, n: int) -> str | None:
+    """sequence_parallel.heads_problem of the model's config, None when it cannot be read here (loading says so)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    return heads_problem(config, n)
 
 
 def _strategy_key(msg: str) -> str:

@@ -29,8 +29,10 @@ from ..distributed import (accelerator_available, all_gather_object, barrier, el
                            world_size)
 from ..errors import LaunchError, RecipeError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
+from .. import sequence_parallel
 from ..patches.accelerate import apply_fsdp_on_cpu
-from ..patches.deepspeed import share_fp32_master_with_fp32_weights
+from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
+from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
 from .preflight import check_recipe, extensions_dir
 from .strategies import deepspeed_config, render
@@ -111,6 +113,15 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
         os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # DeepSpeed JIT-builds its ops into this cache
         share_fp32_master_with_fp32_weights()
         extra["deepspeed"] = deepspeed_config(strategy, recipe.compression.reduce_dtype())
+    _check_launcher_sequence_parallel(strategy)
+    if strategy.resolved_sequence_parallel() > 1:
+        # Ulysses wraps the kernel the model was loaded with, and DeepSpeed checks they agree: name it (sdpa unset).
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(
+            recipe.model, attn_implementation=recipe.model.attn_implementation or "sdpa"))
+        extra["parallelism_config"] = sequence_parallel.parallelism_config(
+            strategy.sequence_parallel, recipe.model.attn_implementation)
+        average_gradients_over_sequence_ranks()
+        skip_batches_of_sequence_shards()
     if strategy.name == "fsdp":
         for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
                          ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
@@ -142,6 +153,21 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     start_heartbeat(timeout)
     set_seed(args.seed)
     return Run(recipe, strategy, args)
+
+
+def _check_launcher_sequence_parallel(strategy: StrategySection) -> None:
+    """A launcher config with a parallelism_config (accelerate exports PARALLELISM_CONFIG_*) makes accelerate build
+    sequence parallelism the trainer knows nothing of when the arguments carry none: hftrain takes it from the
+    recipe only, and refuses a launcher that disagrees."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return
+    launched = int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+    if launched != strategy.resolved_sequence_parallel():
+        raise LaunchError(f"the launcher's config asks for sequence parallelism of {launched} but the recipe's "
+                          f"strategy.sequence_parallel is {strategy.resolved_sequence_parallel()}: hftrain takes it "
+                          "from the recipe; remove parallelism_config from the accelerate config (or launch with "
+                          "`hftrain launch`) and set strategy.sequence_parallel")
 
 
 def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[str]:

@@ -1,4 +1,4 @@
-"""Changes to DeepSpeed (written against 0.19.8): two bugs of its ZeRO-3 optimizer that change numbers or memory.
+"""Changes to DeepSpeed (written against 0.19.8): bugs of its ZeRO optimizers that change numbers or memory.
 
 Each wraps one method around the faulty line and is idempotent; no release offers the fix. Each can go when a
 DeepSpeed release fixes it: the test named in its docstring then passes without it.
@@ -52,3 +52,34 @@ def untie_zero3_universal_steps() -> None:
         return load_untied
 
     _patch_once(Stage3, "load_hp_checkpoint_state_from_checkpoint_dir_stage3", make)
+
+
+def average_gradients_over_sequence_ranks() -> None:
+    """Under Ulysses sequence parallelism every ZeRO stage averages gradients over every rank, sequence ranks too.
+
+    What DeepSpeed does: the gradient of each rank (its slice of each sequence) is summed over all ranks and divided
+    by the data-parallel size (world / sp) in ZeRO-1/2 (stage_1_and_2.py: gradient_reduction_w_predivide,
+    average_tensor, allreduce_bucket) and in ZeRO-3 without reduce_scatter, but by the world size in ZeRO-3's
+    default reduce-scatter (stage3.py: __avg_scatter_grads). The loss accelerate and transformers document for
+    Ulysses (a differentiable all-gather of the slices' losses: every rank backpropagates the whole loss) is right
+    under the latter and makes ZeRO-1/2's gradients exactly sp times too large (2x at sp=2): unseen with Adam, but
+    clipping and any non-scale-invariant optimizer step differ. hftrain's loss (each slice's share, normalised for
+    an average over every rank: losses.normalise) needs the world too.
+
+    The fix: the optimizer's `sequence_parallel_size`, read only by those divisions (and by ZeRO-1/2's
+    allreduce_bucket to reduce in fp32, which the engine already asks for under sequence parallelism:
+    seq_parallel_communication_data_type), is set to 1 once the optimizer is built, so every path divides by the
+    world size as ZeRO-3's reduce-scatter does. It can go when a DeepSpeed release averages ZeRO-1/2 gradients over
+    the world under sequence parallelism: tests/test_sequence_parallel.py's negative control (tests/sp_unpatched.py,
+    ZeRO-2 without this patch, gradients 2x the reference) then fails."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # optional dependency
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Stage12
+
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.sequence_parallel_size = 1
+        return __init__
+
+    for cls in (Stage12, Stage3):
+        _patch_once(cls, "__init__", make)

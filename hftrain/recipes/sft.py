@@ -23,7 +23,8 @@ class SFT(Method):
     name = "sft"
 
     def model(self, run):
-        return load_model(run.recipe.model, packing=run.recipe.data.packing, moe=run.recipe.moe)
+        return load_model(run.recipe.model, packing=run.recipe.data.packing, moe=run.recipe.moe,
+                          sequence_parallel=run.strategy.resolved_sequence_parallel())
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         trainer = SFTTrainer(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,

@@ -4,6 +4,7 @@
     StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
     StopRequestMixin       stop_request.py    on SIGUSR1 (a time limit near) every rank saves the same step and stops
+    SequenceParallelMixin  sequence_parallel.py  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
 
@@ -18,6 +19,7 @@ from .checkpointing import StagedCheckpointMixin
 from .chunked_loss import ChunkedLossMixin
 from .comm_hook import CommHookMixin
 from .exact_loss import ExactLossMixin
+from .sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin
 from .stop_request import StopRequestMixin
 
@@ -25,9 +27,9 @@ from .stop_request import StopRequestMixin
 RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)
 
 
-class SFTTrainer(*RUN_MIXINS, ExactLossMixin, ChunkedLossMixin, Trainer):
+class SFTTrainer(*RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
     """Supervised fine-tuning: transformers' Trainer with every hftrain concern."""
 
 
 __all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
-           "ExactLossMixin", "ChunkedLossMixin"]
+           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin"]

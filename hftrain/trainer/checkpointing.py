@@ -17,7 +17,7 @@ import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .. import checkpoints, distributed, guards, manifest
+from .. import checkpoints, distributed, guards, manifest, sequence_parallel
 from ..config import strategy_of_deepspeed_config
 from ..errors import CheckpointError
 from ..patches.deepspeed import untie_zero3_universal_steps
@@ -78,7 +78,8 @@ class StagedCheckpointMixin:
         else:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args
-        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy)
+        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy,
+                                  sequence_parallel.size(self.args))
 
     def _save_checkpoint(self, model, trial) -> None:
         guards.check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards

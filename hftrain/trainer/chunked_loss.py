@@ -34,12 +34,13 @@ class ChunkedLossMixin:
         distributed.print0(f"hftrain: training.loss_impl auto: the loss is computed from logits ({why})")
         return None
 
-    def _forward(self, model, inputs: dict, capture: bool = False):
+    def _forward(self, model, inputs: dict, loss_fn=None):
         """The model's outputs without labels (no model-internal loss); refuses a model that returns no logits.
-        `capture`: lm_head computes no logits and its input is returned too (chunked_ce.capture_hidden)."""
+        `loss_fn`: lm_head computes no logits but loss_fn(its input, chunked_ce.Captured), returned too
+        (chunked_ce.capture_hidden)."""
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        if capture:
-            with chunked_ce.capture_hidden(self._head[0]) as captured:
+        if loss_fn is not None:
+            with chunked_ce.capture_hidden(self._head[0], loss_fn) as captured:
                 return model(**inputs), captured
         outputs = model(**inputs)
         if getattr(outputs, "logits", None) is None:
@@ -58,22 +59,37 @@ class ChunkedLossMixin:
             outputs = self._forward(model, inputs)
             ce = losses.target_ce(outputs.logits, labels[:, 1:], label_smoothing)
             return outputs, ce if mode is None else losses.sum_ce(ce, labels, mode, pos)
-        outputs, c = self._forward(model, inputs, capture=True)
-        # FSDP2: c.weight is the unsharded parameter lm_head ran with (a plain tensor). accelerate's FSDP2 puts lm_head
-        # in a unit with reshard_after_forward=False (the root's default too), so it is still gathered here, and the
-        # gradient the chunked loss accumulates into it is reduce-scattered by that unit's post-backward like
-        # lm_head's own. ZeRO-3 releases it after lm_head's forward: gathered again for the loss (Captured.gathered),
-        # its gradient reduce-scattered by DeepSpeed's hook on the parameter. Freed storage here: refuse to read it.
-        hidden = c.hidden.reshape(*labels.shape, c.hidden.shape[-1])  # packed rows joined for flash: back in rows
-        with c.gathered(self.is_deepspeed_enabled), c.autocast():  # the head's matmul in the model's forward dtype
+        math, chunk = self._head[1], self.loss_chunk_size
+        if mode is None:
+            return self._chunked(model, inputs, labels.shape, False, lambda h, c: losses.hidden_ce(
+                h, c.weight, c.bias, labels, math, label_smoothing, chunk))
+        return self._chunked(model, inputs, labels.shape, True, lambda h, c: losses.hidden_loss_sum(
+            h, c.weight, c.bias, labels, mode, pos, math, label_smoothing, chunk))
+
+    def _aligned_loss_sum(self, model, inputs: dict, targets: torch.Tensor, weights: torch.Tensor,
+                          label_smoothing: float = 0.0):
+        """(outputs, sum(weights * CE)) where position i of the model's output predicts targets[:, i] (labels the
+        loader already shifted: a sequence-parallel slice); `weights`: losses.weights_of, flattened."""
+        if self._head is None:
+            outputs = self._forward(model, inputs)
+            return outputs, (losses.aligned_ce(outputs.logits, targets, label_smoothing) * weights).sum()
+        math, chunk = self._head[1], self.loss_chunk_size
+        return self._chunked(model, inputs, targets.shape, True, lambda h, c: losses.aligned_hidden_loss_sum(
+            h, c.weight, c.bias, targets, weights, math, label_smoothing, chunk))
+
+    def _chunked(self, model, inputs: dict, shape: torch.Size, is_loss: bool, loss_fn):
+        """(outputs, loss_fn(hidden (B, T, H), captured head)): the model run without logits, `loss_fn` computed
+        inside lm_head's call (chunked_ce.capture_hidden says why); `is_loss`: a scalar loss backward runs through."""
+        def in_head(h, c):
+            # FSDP2 and ZeRO-3 hold the head's weight gathered during its call, as for its own matmul, and reduce the
+            # gradient the loss gives it like the matmul's. A weight whose storage is freed cannot be read: refuse.
             if c.weight.untyped_storage().size() == 0:
-                raise RuntimeError("lm_head's weight is not gathered after the model's forward (resharded); the "
-                                   "chunked loss needs it: set training.loss_impl: logits")
-            if mode is None:
-                return outputs, losses.hidden_ce(hidden, c.weight, c.bias, labels, self._head[1], label_smoothing,
-                                                 self.loss_chunk_size)
-            loss = losses.hidden_loss_sum(hidden, c.weight, c.bias, labels, mode, pos, self._head[1],
-                                          label_smoothing, self.loss_chunk_size)
-        if self.is_deepspeed_enabled and loss.requires_grad:  # ZeRO-3 pairs lm_head's backward hooks: see _Placeholder
-            loss = loss + outputs.logits.sum() * 0
-        return outputs, loss
+                raise RuntimeError("lm_head's weight is not gathered in lm_head's forward; the chunked loss needs "
+                                   "it: set training.loss_impl: logits")
+            return loss_fn(h.reshape(*shape, h.shape[-1]), c)  # packed rows joined for flash: back in rows
+
+        outputs, c = self._forward(model, inputs, in_head)
+        out = c.loss
+        if is_loss and self.is_deepspeed_enabled and out.requires_grad:  # ZeRO-3 pairs lm_head's backward hooks
+            out = out + outputs.logits.sum() * 0  # see chunked_ce._Placeholder
+        return outputs, out

@@ -36,12 +36,19 @@ class ExactLossMixin:
         super().__init__(*args, **kwargs)
 
     # -- counting --------------------------------------------------------------------------------------------
+    def _batch_counts(self, batch: dict, device: torch.device) -> tuple[int, int] | None:
+        """(target tokens, sequences) this rank contributes to the step's global counts; None: a batch without
+        labels (nothing to count)."""
+        if "labels" not in batch:
+            return None
+        return losses.count_targets(batch["labels"], batch.get("position_ids"))
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        if not batch_samples or "labels" not in batch_samples[0]:
+        counts = [self._batch_counts(b, device) for b in batch_samples]
+        if not counts or counts[0] is None:
             return None
         local = torch.zeros(2, dtype=torch.long, device=device)
-        for b in batch_samples:
-            tokens, seqs = losses.count_targets(b["labels"], b.get("position_ids"))
+        for tokens, seqs in counts:
             local += torch.tensor([tokens, seqs], device=device)
         total = self.accelerator.gather(local.unsqueeze(0)).sum(0) if self.args.world_size > 1 else local
         self._last_counts = (int(total[0]), int(total[1]))
@@ -59,12 +66,14 @@ class ExactLossMixin:
     # -- loss ------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
         mode = self.args.loss_averaging
-        outputs, loss_sum = self._ce(model, inputs, labels, mode, self.args.label_smoothing_factor)
         if num_items_in_batch is None:  # a path that did not count (e.g. a direct call): this batch alone
-            tokens, seqs = losses.count_targets(labels, inputs.get("position_ids"))
+            tokens, seqs = self._batch_counts(inputs, self.args.device)
             num_items_in_batch = max(tokens if mode == "token" else seqs, 1)
+        outputs, loss_sum = self._loss_sum(model, inputs, mode)
+        # The ranks the engine averages gradients over: every rank but tensor-parallel copies. With sequence
+        # parallelism too: each rank's loss_sum is its slice's share, ZeRO averages over all ranks
+        # (patches.deepspeed.average_gradients_over_sequence_ranks), and the slices' gradients add up.
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         total = losses.normalise(loss_sum, num_items_in_batch, dp_size)
         if model.training:
@@ -73,6 +82,11 @@ class ExactLossMixin:
                 total = total + losses.aux_loss_term(aux, coef, self.current_gradient_accumulation_steps)
                 self._aux_logged.setdefault(name, []).append(float(aux.detach()))
         return (total, outputs) if return_outputs else total
+
+    def _loss_sum(self, model, inputs: dict, mode: str):
+        """(outputs, losses.loss_sum of this micro-batch); `inputs` loses its labels (none reach the model)."""
+        labels = inputs.pop("labels")
+        return self._ce(model, inputs, labels, mode, self.args.label_smoothing_factor)
 
     def log(self, logs: dict, start_time=None) -> None:
         if "loss" in logs:  # a training log (every rank logs it): the step's global counts and aux terms
