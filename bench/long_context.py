@@ -28,7 +28,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hftrain.distributed import free_port  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 GiB = 2**30
 MODEL = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from hftrain.distributed import free_port
+from .support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run
 

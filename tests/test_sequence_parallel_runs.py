@@ -14,7 +14,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from hftrain.distributed import free_port
+from .support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, SMALL, assert_close_rel, run, uneven_data
 
