@@ -2,12 +2,39 @@
 its constants and errors: every other part receives the typed piece it needs."""
 
 from ..errors import RecipeError
-from .loading import build_recipe, load_recipe, parse_overrides, parse_recipe, split_argv
+from .loading import (
+                       build_recipe,
+                       load_recipe,
+                       parse_overrides,
+                       parse_recipe,
+                       split_argv,
+)
 from .rules import recipe_problems, strategy_problems
-from .sections import (CompressionSection, DataSection, DataSource, EvalSection, GrpoSection, HubSection, LoraSection,
-                       ModelSection, MoeSection, PreferenceSection, Recipe, RewardSpec, StrategySection, UpcycleSection,
-                       resolved_strategy, strategy_of_deepspeed_config)
-from .training import TRAINING_DEFAULTS, HFTrainingArguments, HFTrainOptions, arguments_kwargs, arguments_problem
+from .sections import (
+                       CompressionSection,
+                       DataSection,
+                       DataSource,
+                       EvalSection,
+                       GrpoSection,
+                       HubSection,
+                       LoraSection,
+                       ModelSection,
+                       MoeSection,
+                       PreferenceSection,
+                       Recipe,
+                       RewardSpec,
+                       StrategySection,
+                       UpcycleSection,
+                       resolved_strategy,
+                       strategy_of_deepspeed_config,
+)
+from .training import (
+                       TRAINING_DEFAULTS,
+                       HFTrainingArguments,
+                       HFTrainOptions,
+                       arguments_kwargs,
+                       arguments_problem,
+)
 
 __all__ = [
     "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",

@@ -6,18 +6,25 @@ from __future__ import annotations
 import math
 import re
 
-from .sections import BUILTIN_REWARDS, DataSource, GrpoSection, LoraSection, Recipe, RewardSpec
+from .fields import is_number
+from .sections import (
+    BUILTIN_REWARDS,
+    DataSource,
+    GrpoSection,
+    LoraSection,
+    Recipe,
+    RewardSpec,
+)
 
 Problems = list[tuple[str, str]]
 GRPO_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")  # where its exactness is tested (tests/test_grpo_runs.py)
 # data: options of supervised fine-tuning that mean nothing to GRPO, which trains on the completions it samples
 # (data.truncation: drop does: it drops too-long prompts).
 _SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False}
+                  "skip_untrainable": False, "train_turns": "all"}
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+_num = is_number
 
 
 def grpo_problems(recipe: Recipe) -> Problems:

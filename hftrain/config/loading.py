@@ -14,8 +14,18 @@ import yaml
 from ..errors import RecipeError
 from .rules import recipe_problems
 from .schema import Ctx, build, unknown
-from .sections import (CompressionSection, DataSection, EvalSection, GrpoSection, HubSection, ModelSection,
-                       MoeSection, PreferenceSection, Recipe, StrategySection)
+from .sections import (
+    CompressionSection,
+    DataSection,
+    EvalSection,
+    GrpoSection,
+    HubSection,
+    ModelSection,
+    MoeSection,
+    PreferenceSection,
+    Recipe,
+    StrategySection,
+)
 from .training import TRAINING_DEFAULTS, TRAINING_REFUSED, validate_training
 
 SECTIONS = {

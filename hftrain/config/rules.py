@@ -10,21 +10,40 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, REDUCE_DTYPES, ROLE_TARGETS, SEQUENCE_PARALLEL_ATTENTION,
-                         SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
+from ..constants import (
+    DDP_ONLY_COMPRESSION,
+    OFFLOADED,
+    REDUCE_DTYPES,
+    ROLE_TARGETS,
+    SEQUENCE_PARALLEL_ATTENTION,
+    SEQUENCE_PARALLEL_STRATEGIES,
+    STRATEGIES,
+    ZERO_STAGE,
+)
+from .fields import is_number
 from .grpo_rules import GRPO_STRATEGIES, grpo_problems
-from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
-                       DataSource, GrpoSection, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe,
-                       StrategySection, UpcycleSection)
+from .preference_rules import PREFERENCE_STRATEGIES, preference_problems
+from .sections import (
+    COMPRESSION_OPTIONS,
+    STRATEGY_OPTIONS,
+    CompressionSection,
+    DataSource,
+    GrpoSection,
+    HubSection,
+    LoraSection,
+    MoeSection,
+    PreferenceSection,
+    Recipe,
+    StrategySection,
+    UpcycleSection,
+)
 
 Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
-PREFERENCE_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+_num = is_number
 
 
 def recipe_problems(recipe: Recipe) -> Problems:
@@ -346,80 +365,3 @@ def repo_id_problem(repo_id: str) -> str | None:
     except HFValidationError as e:
         return f"{repo_id!r} is not a repository id ({str(e).splitlines()[0]}); write your-name/model-name"
     return None
-
-
-# data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
-_SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False, "truncation": "right", "train_turns": "all"}
-
-
-def preference_problems(recipe: Recipe) -> Problems:
-    """Rules of the `preference:` section, and what the rest of a preference recipe may not ask for."""
-    p, out = recipe.preference, []
-    if _num(p.beta) and not (math.isfinite(p.beta) and p.beta > 0):
-        out.append(("preference.beta", f"must be a finite number > 0, got {p.beta}"))
-    if _num(p.label_smoothing) and not 0.0 <= p.label_smoothing < 0.5:
-        out.append(("preference.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}"))
-    if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type == "ipo":
-        out.append(("preference.label_smoothing", "does not apply to loss_type ipo (a squared loss has no labels "
-                    "to flip): remove it, or use loss_type sigmoid"))
-    if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type in ("orpo", "kto"):
-        out.append(("preference.label_smoothing", f"does not apply to loss_type {p.loss_type} (TRL's {p.loss_type} "
-                    "loss has no label noise): remove it, or use loss_type sigmoid or simpo"))
-    if p.loss_type == "orpo" and recipe.training.get("include_num_input_tokens_seen") not in (None, False, "no"):
-        out.append(("training.include_num_input_tokens_seen", "cannot count ORPO's tokens (TRL's ORPO batches hold "
-                    "chosen_/rejected_input_ids, not the input_ids the Trainer counts): remove it"))
-    _unpaired_problems(recipe, out)
-    if p.simpo_gamma is not None and p.loss_type != "simpo":
-        out.append(("preference.simpo_gamma", f"applies to loss_type simpo, not '{p.loss_type}': remove it"))
-    if _num(p.simpo_gamma) and not (math.isfinite(p.simpo_gamma) and p.simpo_gamma >= 0):
-        out.append(("preference.simpo_gamma", f"must be a finite number >= 0, got {p.simpo_gamma}"))
-    if p.precompute_ref_log_probs is True and p.loss_type in REFERENCE_FREE:
-        out.append(("preference.precompute_ref_log_probs", f"loss_type {p.loss_type} is reference-free: there is "
-                    "nothing to precompute; remove it"))
-    d = recipe.data
-    for key, unset in (_SFT_ONLY_DATA.items() if d is not None else ()):
-        if getattr(d, key) != unset:
-            out.append((f"data.{key}", f"applies to supervised fine-tuning, not to preference pairs (each pair is "
-                        f"scored on its chosen and rejected answers whole): remove it"))
-    for group in ("sources", "eval_sources"):
-        for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
-            if isinstance(s, DataSource) and s.format != "auto":
-                out.append((f"data.{group}.{i}.format", "preference rows are read by their columns prompt/chosen/"
-                            "rejected (rename yours with columns:): remove format"))
-    if recipe.training.get("loss_averaging") not in ("token", None):
-        out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; a preference loss is "
-                    "the mean over the pairs of the global batch: remove it"))
-    if recipe.training.get("loss_impl") == "chunked":
-        out.append(("training.loss_impl", "applies to supervised fine-tuning (TRL computes the preference "
-                    "log-probs with its own fused head): remove it"))
-    if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
-        out.append(("eval.exact_match", "is not measured by preference tuning (held-out reward accuracy and margins "
-                    "are): set it to 0"))
-    if recipe.moe is not None:
-        out.append(("moe", "is not supported with preference tuning: train the MoE model with recipes/sft.py"))
-    return out
-
-
-def _unpaired_problems(recipe: Recipe, out: Problems) -> None:
-    """KTO's options, and what its KL reference point needs of the batches (TRL's KTOTrainer: it pairs each prompt
-    with the completion of the example before it in a fixed-order micro-batch)."""
-    p = recipe.preference
-    for key in ("desirable_weight", "undesirable_weight"):
-        value = getattr(p, key)
-        if _num(value) and value != 1.0 and p.loss_type not in UNPAIRED:
-            out.append((f"preference.{key}", f"applies to loss_type kto, not '{p.loss_type}': remove it"))
-        elif _num(value) and not (math.isfinite(value) and value > 0):
-            out.append((f"preference.{key}", f"must be a finite number > 0, got {value}"))
-    if p.loss_type not in UNPAIRED:
-        return
-    batch = recipe.training_value("per_device_train_batch_size")
-    if _num(batch) and batch < 2:
-        out.append(("training.per_device_train_batch_size", f"kto needs at least 2 examples per micro-batch, got "
-                    f"{batch}: its KL reference point scores each prompt with another example's completion of the "
-                    "same micro-batch"))
-    sampling = recipe.training.get("train_sampling_strategy")
-    if sampling not in (None, "sequential"):
-        out.append(("training.train_sampling_strategy", f"must be sequential for kto, got {sampling!r}: the KL "
-                    "completions are paired within fixed micro-batches (hftrain shuffles the examples once, with "
-                    "training.seed, before they are batched): remove it"))

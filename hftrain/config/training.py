@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from ..constants import LossAveraging, LossImpl
 from .schema import Ctx, check, type_name, unknown
 
+
 def _option(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 

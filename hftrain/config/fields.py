@@ -1,0 +1,17 @@
+"""What every section module shares: the field helper (default + help) and what counts as a number to judge."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+
+def is_number(x) -> bool:
+    """An int or float that is not a bool (YAML's true is an int to Python); the rules judge ranges only of these."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _f(default=dataclasses.MISSING, help: str = "", factory=None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
