@@ -27,17 +27,18 @@ _forward = SFTTrainer._forward
 _init = SFTTrainer.__init__
 
 
-def forward(self, model, inputs, capture=False):
+def forward(self, model, inputs, loss_fn=None):
     """SFTTrainer._forward whose logits (or, on the chunked loss path, lm_head's input) are NaN on the chosen steps
     and rank (as a bad batch or a diverged model gives): the loss computed from them, and its gradients, are NaN."""
-    result = _forward(self, model, inputs, capture=capture)
     steps = {int(s) for s in os.environ.get("HFTRAIN_TEST_NAN_STEPS", "").split(",") if s}
     rank = os.environ.get("HFTRAIN_TEST_NAN_RANK")
-    if model.training and self.state.global_step + 1 in steps and (rank is None or int(rank) == distributed.rank()):
-        if capture:
-            result[1].hidden = result[1].hidden * float("nan")
-        else:
-            result.logits = result.logits * float("nan")
+    nan = model.training and self.state.global_step + 1 in steps and (rank is None or int(rank) == distributed.rank())
+    if loss_fn is not None:  # the chunked loss is computed inside lm_head's call, from its input
+        inner = loss_fn
+        return _forward(self, model, inputs, (lambda h, c: inner(h * float("nan"), c)) if nan else inner)
+    result = _forward(self, model, inputs)
+    if nan:
+        result.logits = result.logits * float("nan")
     return result
 
 
