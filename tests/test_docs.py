@@ -1,0 +1,91 @@
+"""The docs point at what exists: README's links resolve, and every row of docs/features.md names recipe keys the
+schema has, commands the CLI has, modules that exist and tests that are defined."""
+
+import argparse
+import dataclasses
+import os
+import re
+
+import pytest
+from transformers import TrainingArguments
+
+from hftrain.cli import build_parser
+from hftrain.config import sections
+from hftrain.config.training import HFTrainOptions
+
+from .conftest import REPO
+
+FEATURES = os.path.join(REPO, "docs", "features.md")
+
+
+def _rows():
+    with open(FEATURES, encoding="utf-8") as fh:
+        lines = [ln for ln in fh if ln.startswith("| ") and not ln.startswith("| Feature") and "---" not in ln]
+    return [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _section_keys() -> dict[str, set[str]]:
+    """section -> the keys a recipe may set in it."""
+    keys = {"training": _field_names(TrainingArguments) | _field_names(HFTrainOptions)}
+    for f in dataclasses.fields(sections.Recipe):
+        kind = next((t for t in vars(sections).values() if isinstance(t, type) and dataclasses.is_dataclass(t)
+                     and t.__name__ in str(f.type)), None)
+        if kind is not None:
+            keys[f.name] = _field_names(kind)
+    keys["data"] |= _field_names(sections.DataSource)  # data.sources' entries: data.columns etc. name those
+    return keys
+
+
+def _commands(parser: argparse.ArgumentParser, prefix=()) -> set[tuple[str, ...]]:
+    out = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.add((*prefix, name))
+                out |= _commands(sub, (*prefix, name))
+    return out
+
+
+def test_readme_links_resolve():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as fh:
+        links = set(re.findall(r"\]\(([^)#\s]+)", fh.read()))
+    missing = [link for link in sorted(links) if "://" not in link and not os.path.exists(os.path.join(REPO, link))]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r[0][:40])
+def test_feature_row_names_what_exists(row):
+    feature, keys, modules, tests = row
+    problems = []
+    section_keys = _section_keys()
+    commands = _commands(build_parser())
+    for key in re.findall(r"`([a-z_]+\.[a-z_]+)", keys):
+        section, name = key.split(".")
+        if name not in section_keys.get(section, ()):
+            problems.append(f"recipe key {key}")
+    for cmd in re.findall(r"`hftrain ([a-z-]+(?: [a-z-]+)?)", keys):
+        words = tuple(cmd.split())
+        if words not in commands and words[:1] not in commands:
+            problems.append(f"command hftrain {cmd}")
+    for path in re.findall(r"`(hftrain/[\w/.]*)`", modules):
+        if not os.path.exists(os.path.join(REPO, path)):
+            problems.append(f"module {path}")
+    for path, name in re.findall(r"`(tests/\w+\.py)::(\w+)`", tests):
+        file = os.path.join(REPO, path)
+        if not os.path.exists(file) or not re.search(rf"^def {name}\(", open(file, encoding="utf-8").read(), re.M):
+            problems.append(f"test {path}::{name}")
+    assert re.search(r"`tests/\w+\.py::\w+`", tests), f"{feature}: no test named"
+    assert not problems, f"{feature}: {problems}"
+
+
+def test_the_check_sees_a_missing_name(monkeypatch):
+    """The row check is not vacuous: a renamed test, module or key in a row is reported."""
+    row = ["x", "`data.packng`", "`hftrain/nope.py`", "`tests/test_loss.py::test_renamed`"]
+    with pytest.raises(AssertionError) as e:
+        test_feature_row_names_what_exists(row)
+    assert "recipe key data.packng" in str(e.value) and "module hftrain/nope.py" in str(e.value)
+    assert "test tests/test_loss.py::test_renamed" in str(e.value)
