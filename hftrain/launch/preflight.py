@@ -150,31 +150,18 @@ def strategy_problems(strategy: StrategySection, num_parameters: int | None = No
     return problems
 
 
-def _within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def guarded_folder_problem(path: str, protected: dict[str, str]) -> str | None:
-    """output_dir must not be `/`, the home folder or the working folder (a run writes and rotates files there), nor
-    be, contain or lie inside a folder the run reads from (`protected`: description -> path), which its save would
-    overwrite."""
-    real = os.path.realpath(path)
-    for what, folder in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
-                         ("the folder you run from", os.getcwd())):
-        if real == os.path.realpath(folder):
-            return f"training.output_dir: {path} is {what}; give the run a folder of its own (e.g. runs/my-run)"
-    for what, folder in protected.items():
-        other = os.path.realpath(folder)
-        if _within(real, other) or _within(other, real):
-            return (f"training.output_dir: {path} {'is' if real == other else 'overlaps'} {what} ({folder}): the "
-                    "final save would overwrite it; choose another folder")
-    return None
+def protected_folders(recipe: Recipe) -> dict[str, str]:
+    """The folders a run reads from that its output_dir must not be, hold or lie in: description -> path."""
+    m = recipe.model
+    reads = {"model.name_or_path": getattr(m, "name_or_path", None),
+             "model.tokenizer_name_or_path": getattr(m, "tokenizer_name_or_path", None)}
+    return {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
 
 
 def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> list[str]:
     """output_dir is a folder of its own (guarded_folder_problem), and it, or the folder it will be created in, is
     writable. Nothing is created here: a refused run leaves nothing behind."""
-    guarded = guarded_folder_problem(path, protected or {})
+    guarded = outdir.guarded_folder_problem(path, protected)
     if guarded:
         return [guarded]
     parent = os.path.abspath(path)
@@ -278,10 +265,7 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         out += [(_strategy_key(msg), msg) for msg in strategy_problems(strategy, facts.params if facts else None)]
     output_dir = t.get("output_dir")
     if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
-        reads = {"model.name_or_path": m.name_or_path if model_ok else None,
-                 "model.tokenizer_name_or_path": m.tokenizer_name_or_path if model_ok else None}
-        protected = {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
-        where = output_dir_problems(output_dir, protected)
+        where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
         if not where and "training.overwrite_output_dir" not in skip:
             resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
             owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))

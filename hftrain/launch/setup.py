@@ -23,11 +23,11 @@ from ..constants import ZERO_STAGE
 from .. import outdir
 from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
                            launcher_world_size, print0, restart_count, world_size)
-from ..errors import LaunchError, RecipeError
+from ..errors import LaunchError, RecipeError, UserError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
-from .preflight import check_recipe, extensions_dir
+from .preflight import check_recipe, extensions_dir, protected_folders
 from .strategies import deepspeed_config, render
 
 
@@ -116,11 +116,23 @@ def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[st
 
 
 def claim_output_dir(recipe: Recipe) -> None:
-    """After every check has passed and before anything is written: the main process takes output_dir's lock for the
-    run's lifetime (and, with training.overwrite_output_dir, clears the previous run's checkpoints; outdir.claim)."""
+    """After every check has passed and immediately before anything is written to output_dir: the main process takes
+    output_dir's lock for the run's lifetime and, under it, checks the folder again (outdir.claim: another run may have
+    finished there since the preflight looked); with training.overwrite_output_dir it then clears the previous run's
+    checkpoints. Every rank calls this: a refusal reaches every rank as the same error (exit 2 on each), not only the
+    main process."""
+    problem = None
     if is_main_process():
         resumed = bool(recipe.resume_from_checkpoint) or restart_count() > 0
-        outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0)
+        try:
+            outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0,
+                         protected=protected_folders(recipe))
+        except UserError as e:
+            problem = str(e)
+    if world_size() > 1:
+        problem = all_gather_object(problem)[0]  # the main process's verdict, on every rank
+    if problem:
+        raise LaunchError(problem)
     _check_shared_output_dir(recipe.output_dir)
 
 
