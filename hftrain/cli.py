@@ -33,8 +33,13 @@ DEFAULT_SCRIPT = os.path.join(RECIPES, "sft.py")
 PREFERENCE_SCRIPT = os.path.join(RECIPES, "dpo.py")
 
 
+def script_for(recipe) -> str:
+    """The recipe script `hftrain launch` runs for a recipe: recipes/dpo.py for one with a preference: section."""
+    return PREFERENCE_SCRIPT if recipe.preference is not None else DEFAULT_SCRIPT
+
+
 def _check(ns) -> int:
-    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
+    recipe, strategy = check_recipe(ns.recipe, ns.overrides, script=script_for)
     if not ns.no_data:
         check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
     print(recipe.to_yaml(), end="")
@@ -93,7 +98,7 @@ def _config(ns) -> int:
 def _launch(ns) -> int:
     overrides = list(ns.overrides) + ([f"strategy.machine_rank={ns.machine_rank}"] if ns.machine_rank is not None
                                       else [])
-    recipe, strategy = check_recipe(ns.recipe, overrides)
+    recipe, strategy = check_recipe(ns.recipe, overrides, script=ns.script or script_for)
     s = resolved_strategy(strategy)
     if s.num_machines > 1 and not s.main_process_ip:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but strategy.main_process_ip is "
@@ -107,7 +112,7 @@ def _launch(ns) -> int:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
-        script = ns.script or (PREFERENCE_SCRIPT if recipe.preference is not None else DEFAULT_SCRIPT)
+        script = ns.script or script_for(recipe)
         cmd += [script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if ns.dry_run:

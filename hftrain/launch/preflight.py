@@ -9,9 +9,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import replace
+from typing import Callable
 
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
@@ -24,7 +26,9 @@ from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
+from . import libraries
 from .plan import model_facts, swap_buffer_elems
+from .resume import compatibility_problems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
 # (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (launch.plan).
@@ -175,16 +179,21 @@ def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> l
     return []
 
 
-def resume_problems(value, output_dir: str, layout: dict | None = None, weights_only: bool = False) -> list[str]:
+def resume_problems(value, output_dir: str, layout: dict | None = None, weights_only: bool = False,
+                    recipe: Recipe | None = None, warn=lambda _m: None) -> list[str]:
     """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
-    (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
+    (checkpoints.layout) can resume exactly and, with `recipe`, of the model, vocabulary and LoRA adapter the recipe
+    builds (launch.resume): checked before any model is loaded, not minutes later in train(). `warn` hears what is
+    accepted with a caveat (a checkpoint without a manifest, and who wrote it)."""
     try:
-        path = checkpoints.resolve_resume(value, output_dir, warn=lambda _m: None, weights_only=weights_only)
+        path = checkpoints.resolve_resume(value, output_dir, warn=warn, weights_only=weights_only)
         if layout is not None:
             checkpoints.check_layout(path, layout)
     except checkpoints.CheckpointError as e:
         return [str(e)]
-    return []
+    if path is None or recipe is None or recipe.model is None:
+        return []
+    return compatibility_problems(path, recipe, load_tokenizer=lambda m: load_tokenizer(m))
 
 
 def _message(recipe: Recipe, key: str, msg: str) -> str:
@@ -197,15 +206,16 @@ def _typed(value, tp) -> bool:
 
 
 def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: dict | None = None,
-                 launcher: str | None = None, world_size: int | None = None, environment: bool = True
-                 ) -> tuple[Recipe, StrategySection]:
+                 launcher: str | None = None, world_size: int | None = None, environment: bool = True,
+                 script: str | Callable[[Recipe], str] | None = None) -> tuple[Recipe, StrategySection]:
     """The recipe and the strategy that will run, or a RecipeError with every problem found.
 
     `launcher` is the strategy the launcher set up and `world_size` the processes it started (the run passes both;
     `hftrain check` / `launch` / `config` pass neither, and the strategy is then strategy.name, or ddp as `hftrain
     launch` runs it, on strategy.num_processes processes). ZeRO-Infinity's swap buffers are sized here to the
     largest parameter partition. `environment=False` (`hftrain config`, which may render for another machine)
-    leaves out what this machine says."""
+    leaves out what this machine says. `script` (`hftrain check`, `hftrain launch`: the recipe script the launch will
+    run) adds what `accelerate launch` itself would refuse of the launch (launch.libraries)."""
     recipe, problems = parse_recipe(path, overrides, raw)
     s = recipe.strategy
     if launcher is not None and s.name in STRATEGIES and s.name != launcher:
@@ -227,15 +237,20 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
     strategy = replace(s, name=name)
     if environment:
-        env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
+        # The run's own train() says what it accepts with a caveat (an unverified checkpoint); check and launch say it.
+        warn = (lambda m: print(m, file=sys.stderr, flush=True)) if launcher is None else (lambda _m: None)
+        env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid, warn=warn)
         problems += env
+    if environment and script and launcher is None and not problems:  # the launch itself, as accelerate will run it
+        script = script(recipe) if callable(script) else script
+        problems += [_message(recipe, k, m) for k, m in libraries.launch_problems(recipe, strategy, script)]
     if problems:
         raise RecipeError(problems)
     return recipe, strategy
 
 
-def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str] = frozenset()
-                         ) -> tuple[list[str], StrategySection]:
+def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str] = frozenset(),
+                         warn=lambda _m: None) -> tuple[list[str], StrategySection]:
     """What this machine says about the recipe: paths that cannot be loaded or written, a checkpoint that cannot be
     resumed, TrainingArguments' own rules, NVMe and DeepSpeed ops. Keys in `skip` already have a problem."""
     out: list[tuple[str, str]] = []
@@ -249,6 +264,16 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         msg = arguments_problem(arguments_kwargs(recipe, accelerator_available()))
         if msg:
             out.append(("training", f"TrainingArguments refuses these values: {msg}"))
+        else:  # what the Trainer, torch's DataLoader and the optimizer/scheduler factories would refuse in train()
+            out += libraries.trainer_problems(recipe, accelerator_available())
+    if recipe.eval is not None and "eval.max_new_tokens" not in skip:
+        msg = libraries.generation_problem(recipe.eval.max_new_tokens)
+        if msg:
+            out.append(("eval.max_new_tokens", msg))
+    if recipe.data is not None and "data.num_proc" not in skip:
+        msg = libraries.num_proc_problem(recipe.data.num_proc)
+        if msg:
+            out.append(("data.num_proc", msg))
     facts = None
     if strategy.name == "zero_infinity" and model_ok:
         facts = facts_or_none(m.name_or_path, m.trust_remote_code)
@@ -276,7 +301,8 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
                                      recipe.training_value("gradient_accumulation_steps"), strategy.name)
             out += [("training.resume_from_checkpoint", msg)
                     for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
-                                               recipe.training_value("resume_weights_only") is True)]
+                                               recipe.training_value("resume_weights_only") is True,
+                                               recipe if model_ok else None, warn)]
     return [_message(recipe, k, msg) for k, msg in out], strategy
 
 
@@ -302,7 +328,8 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     seed = recipe.training_value("seed") if seed is None else seed
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
+        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed,
+                                     tokenizer=tokenizer)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
