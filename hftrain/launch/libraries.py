@@ -227,3 +227,48 @@ def launch_problems(recipe: Recipe, strategy: StrategySection, script: str) -> l
     return [(keys[0] if keys else "strategy.name",
              f"{named or 'strategy'}: accelerate launch refuses {'it' if len(keys) == 1 else 'this launch'} ({why}); "
              f"change {'it' if len(keys) == 1 else 'them'} to a value it accepts")]
+
+
+# -- peft -----------------------------------------------------------------------------------------------------------
+def _try_lora(model_section, config) -> str | None:
+    from peft import get_peft_model  # optional dependency: LoRA runs only
+
+    from ..modeling import lora_config
+    from .resume import _meta_model
+
+    try:
+        with warnings.catch_warnings(), _quiet():
+            warnings.simplefilter("ignore")
+            get_peft_model(_meta_model(config, model_section.trust_remote_code), lora_config(model_section))
+    except Exception as e:  # whatever peft (or torch, building the adapter's layers) raises for these values
+        return _one_line(e)
+    return None
+
+
+def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key, problem) for what peft refuses of model.lora on this model (a target module it does not have, a dropout
+    torch refuses, ...): peft's get_peft_model on the model built from its config on the meta device (no weights)."""
+    from transformers import AutoConfig
+
+    from ..config import LoraSection
+
+    m = recipe.model
+    if not isinstance(m.lora, LoraSection):
+        return []
+    try:
+        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
+                                            local_files_only=True)
+    except Exception:  # noqa: BLE001 - a model that cannot be read here: path_problems or the loader reports it
+        return []
+    why = _try_lora(m, config)
+    if why is None:
+        return []
+    defaults = LoraSection()
+    retries = {f"model.lora.{f.name}": (lambda f=f: _try_lora(dataclasses.replace(
+        m, lora=dataclasses.replace(m.lora, **{f.name: getattr(defaults, f.name)})), config))
+        for f in dataclasses.fields(LoraSection) if getattr(m.lora, f.name) != getattr(defaults, f.name)}
+    keys = blame(retries)
+    named = ", ".join(f"{k} ({getattr(m.lora, k.rsplit('.', 1)[1])!r})" for k in keys)
+    return [(keys[0] if keys else "model.lora",
+             f"{named or 'model.lora'}: peft refuses {'it' if len(keys) == 1 else 'these values'} on "
+             f"{m.name_or_path} ({why}); change {'it' if len(keys) == 1 else 'them'} to a value it accepts")]

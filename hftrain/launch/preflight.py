@@ -266,6 +266,8 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
             out.append(("training", f"TrainingArguments refuses these values: {msg}"))
         else:  # what the Trainer, torch's DataLoader and the optimizer/scheduler factories would refuse in train()
             out += libraries.trainer_problems(recipe, accelerator_available())
+    if model_ok and not any(k.startswith("model.lora") for k in skip):
+        out += libraries.lora_problems(recipe)
     if recipe.eval is not None and "eval.max_new_tokens" not in skip:
         msg = libraries.generation_problem(recipe.eval.max_new_tokens)
         if msg:
