@@ -19,7 +19,8 @@ from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
 from .data.preview import preview
-from .launch import check_data, check_recipe
+from .launch import check_data, check_recipe, machines
+from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.strategies import render, slurm_script
 from .modeling import load_tokenizer
@@ -104,12 +105,20 @@ def _launch(ns) -> int:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but strategy.main_process_ip is "
                           "unset: set it to machine 0's address (the same on every machine), e.g. "
                           "strategy.main_process_ip=10.0.0.1")
+    if s.num_machines > 1 and strategy.machine_rank is None:
+        raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but this machine's rank is unset: "
+                          "left out, every machine would take rank 0. Run `hftrain launch ... --machine-rank K` on "
+                          f"machine K (0 on the machine at {s.main_process_ip}, then 1 .. {s.num_machines - 1})")
+    if s.num_machines > 1 and not ns.dry_run:  # every machine checks in with machine 0: a wrong rank fails here
+        check_in(s.main_process_ip, s.main_process_port, s.machine_rank, s.num_machines,
+                 s.rank_timeout or machines.DEFAULT_TIMEOUT, say=lambda m: print(m, flush=True))
     # The launcher's config goes into a folder of this launch's own, not output_dir: nothing is written there before
     # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
     # sharing output_dir cannot overwrite each other's machine_rank.
     with tempfile.TemporaryDirectory(prefix=f"hftrain-launch-node{s.machine_rank}-") as tmp:
         config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())[0]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        # accelerate's launch command, ending on a signal or a failed worker with a status, not a traceback
+        cmd = [sys.executable, "-m", "hftrain.launch.launcher", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
         script = ns.script or script_for(recipe)

@@ -64,7 +64,8 @@ def launched_by_a_launcher() -> bool:
             argv = fh.read().split(b"\0")
     except OSError:
         return False
-    return any(a.endswith(b"accelerate") or a == b"accelerate.commands.launch" for a in argv)
+    return any(a.endswith(b"accelerate") or a in (b"accelerate.commands.launch", b"hftrain.launch.launcher")
+               for a in argv)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL, prctl=None) -> bool:
@@ -120,9 +121,10 @@ def run_owned(cmd: list[str]) -> int:
         if os.getppid() != me:  # the parent died before the signal was armed
             os._exit(1)
 
-    proc, pending = None, []
+    proc, pending, got = None, [], []
 
     def forward(sig, frame):  # a signal that comes before the child exists is delivered once it does
+        got.append(sig)
         if proc is None:
             pending.append(sig)
         else:
@@ -139,7 +141,24 @@ def run_owned(cmd: list[str]) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if got:  # this launch was stopped by a signal: its status says which, whatever the child made of it
+        return 128 + got[0]
     return code if code >= 0 else 128 - code
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a run that no launcher owns (`python recipes/sft.py`): raised in the main thread, so the run
+    unwinds like a Ctrl-C (KeyboardInterrupt) and ends with status 143 and one line (errors.exit_on_user_error)."""
+
+
+def _terminated(sig, frame):
+    raise Terminated()
+
+
+def end_on_terminate() -> None:
+    """A run started without a launcher: SIGTERM ends it as Ctrl-C does (one line, status 128 + 15, no traceback),
+    not silently by the signal. Under a launcher the launcher owns the ending (end_on_interrupt, die_with_parent)."""
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 def end_on_interrupt() -> None:

@@ -210,7 +210,7 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
             out.append((f"data.sources.{i}.weight", f"must be a finite number > 0, got {s.weight}"))
         elif isinstance(s, DataSource) and _num(s.weight):
             weights.append(s.weight)
-    if len(weights) > 1 and not math.isfinite(math.fsum(weights)):
+    if len(weights) > 1 and not math.isfinite(sum(weights)):
         out.append(("data.sources", f"the weights add up to more than a float holds ({', '.join(map(str, weights))}): "
                     "they are relative, scale them down (e.g. to 1 and 2)"))
     for group in ("sources", "eval_sources"):

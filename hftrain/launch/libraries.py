@@ -35,10 +35,12 @@ from unittest import mock
 
 import torch
 
-from ..config import Recipe, StrategySection, arguments_kwargs
+from ..config import LoraSection, Recipe, StrategySection, arguments_kwargs
 from ..config.sections import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
+from ..modeling import lora_config
+from .resume import meta_model
 from .strategies import render
 
 # What a launcher exports to its workers; the probes run as one process of their own, whatever launched this one.
@@ -233,13 +235,10 @@ def launch_problems(recipe: Recipe, strategy: StrategySection, script: str) -> l
 def _try_lora(model_section, config) -> str | None:
     from peft import get_peft_model  # optional dependency: LoRA runs only
 
-    from ..modeling import lora_config
-    from .resume import _meta_model
-
     try:
         with warnings.catch_warnings(), _quiet():
             warnings.simplefilter("ignore")
-            get_peft_model(_meta_model(config, model_section.trust_remote_code), lora_config(model_section))
+            get_peft_model(meta_model(config, model_section.trust_remote_code), lora_config(model_section))
     except Exception as e:  # whatever peft (or torch, building the adapter's layers) raises for these values
         return _one_line(e)
     return None
@@ -249,8 +248,6 @@ def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, problem) for what peft refuses of model.lora on this model (a target module it does not have, a dropout
     torch refuses, ...): peft's get_peft_model on the model built from its config on the meta device (no weights)."""
     from transformers import AutoConfig
-
-    from ..config import LoraSection
 
     m = recipe.model
     if not isinstance(m.lora, LoraSection):

@@ -48,7 +48,7 @@ def _headers(folder: str, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] 
     return shapes
 
 
-def _meta_model(config, trust_remote_code: bool):
+def meta_model(config, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), warnings.catch_warnings():
@@ -59,7 +59,7 @@ def _meta_model(config, trust_remote_code: bool):
 def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(name -> shape) of what a checkpoint of this recipe holds, and the names it may leave out (tied weights)."""
     m = recipe.model
-    model = _meta_model(config, m.trust_remote_code)
+    model = meta_model(config, m.trust_remote_code)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if m.lora is None:
         return {k: tuple(v.shape) for k, v in model.state_dict().items()}, tied

@@ -24,7 +24,8 @@ from .. import outdir
 from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
                            launcher_world_size, print0, restart_count, world_size)
 from ..errors import LaunchError, RecipeError, UserError
-from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
+from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
+                        start_heartbeat)
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
 from .preflight import check_recipe, extensions_dir, protected_folders
@@ -69,6 +70,8 @@ def setup_run(argv: list[str], raw: dict | None = None, method: str = "sft") -> 
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
+    else:  # a run of its own: SIGTERM ends it like Ctrl-C, status 143 and one line (errors.exit_on_user_error)
+        end_on_terminate()
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
