@@ -108,7 +108,7 @@ def _launch(ns) -> int:
     if s.num_machines > 1 and strategy.machine_rank is None:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but this machine's rank is unset: "
                           "left out, every machine would take rank 0. Run `hftrain launch ... --machine-rank K` on "
-                          f"machine K (0 on the machine at {s.main_process_ip}, then 1 .. {s.num_machines - 1})")
+                          f"machine K (0 on the machine at {s.main_process_ip}, 1 .. {s.num_machines - 1} on the others)")
     if s.num_machines > 1 and not ns.dry_run:  # every machine checks in with machine 0: a wrong rank fails here
         check_in(s.main_process_ip, s.main_process_port, s.machine_rank, s.num_machines,
                  s.rank_timeout or machines.DEFAULT_TIMEOUT, say=lambda m: print(m, flush=True))
