@@ -18,8 +18,8 @@ from ..distributed import main_process_first
 from ..errors import DataError
 from ..fileio import free_bytes, is_no_space
 from .collate import make_collator
-from .layouts import read_canonical
-from .render import tokenize_example, trainable_tokens
+from .layouts import content_text, read_canonical
+from .render import tokenize_examples, trainable_tokens
 from .split import held_out_split
 
 # The columns of a source's canonical dataset: the example as JSON text (Arrow would merge the keys of every row's
@@ -57,15 +57,22 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     on_prompt = train_on_prompt(fmt, cfg, tokenizer, key)
     max_length, drop = cfg.max_length, cfg.truncation == "drop"
 
-    def fn(example):
-        # A template's refusal names the key and the file's own row: 'data.sources.0 (train.jsonl:12)'.
-        out = tokenize_example(json.loads(example[CANON]), tokenizer, on_prompt, cfg.chat_template_kwargs,
-                               f"{key} ({example[WHERE]})")
-        n = len(out["input_ids"])
-        if not drop:
-            out = {k: v[:max_length] for k, v in out.items()}
-        out["too_long"] = n > max_length
-        out["n_trainable"] = trainable_tokens(out["labels"])
+    def fn(batch):
+        """A batch of canonical rows -> their examples: tokenize_examples gives one row's (one, or several when the
+        template rewrites earlier turns), each keeping its row's WHERE. A template's refusal names the key and the
+        file's own row: 'data.sources.0 (train.jsonl:12)'."""
+        out = {"input_ids": [], "labels": [], WHERE: [], "too_long": [], "n_trainable": []}
+        for canon, where in zip(batch[CANON], batch[WHERE]):
+            for ex in tokenize_examples(json.loads(canon), tokenizer, on_prompt, cfg.chat_template_kwargs,
+                                        f"{key} ({where})", cfg.train_turns):
+                n = len(ex["input_ids"])
+                if not drop:
+                    ex = {k: v[:max_length] for k, v in ex.items()}
+                out["input_ids"].append(ex["input_ids"])
+                out["labels"].append(ex["labels"])
+                out[WHERE].append(where)
+                out["too_long"].append(n > max_length)
+                out["n_trainable"].append(trainable_tokens(ex["labels"]))
         return out
 
     # The canonical dataset lives in memory, where datasets caches nothing: name the cache file by the data's content
@@ -75,8 +82,9 @@ def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: D
     folder = os.path.dirname(cache)
     with main_process_first():
         os.makedirs(folder, exist_ok=True)
-        tok = in_cache(folder, key, ds, lambda: ds.map(fn, remove_columns=[CANON], num_proc=cfg.num_proc,
-                                                        cache_file_name=cache, desc=f"Tokenising {src.path}"))
+        tok = in_cache(folder, key, ds, lambda: ds.map(fn, batched=True, remove_columns=[CANON, WHERE],
+                                                        num_proc=cfg.num_proc, cache_file_name=cache,
+                                                        desc=f"Tokenising {src.path}"))
     if drop:
         tok = in_cache(folder, key, ds, lambda: tok.filter(lambda r: not r, input_columns="too_long"))
         if len(tok) == 0:
@@ -134,7 +142,8 @@ def _canonical_eval(ds, n: int) -> list[dict]:
     for ex in ds.select(range(min(n, len(ds)))):
         canon = json.loads(ex[CANON])
         if "messages" in canon and canon["messages"] and canon["messages"][-1]["role"] == "assistant":
-            out.append({"messages": canon["messages"][:-1], "reference": canon["messages"][-1]["content"]})
+            out.append({"messages": canon["messages"][:-1],
+                        "reference": content_text(canon["messages"][-1]["content"])})
         elif "prompt" in canon:
             out.append({"prompt": canon["prompt"], "reference": canon["completion"]})
     return out

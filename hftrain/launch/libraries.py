@@ -194,14 +194,14 @@ class _Stop(Exception):
     """Raised where torch elastic's agent would start: every check of the launch has run by then."""
 
 
-def _try_launch(recipe: Recipe, strategy: StrategySection, script: str) -> str | None:
+def _try_launch(recipe: Recipe, strategy: StrategySection, script: list[str]) -> str | None:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     try:
         with single_process(), tempfile.TemporaryDirectory(prefix="hftrain-launch-check-") as tmp, \
                 mock.patch("torch.distributed.launcher.api.LocalElasticAgent", side_effect=_Stop):
             config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())
-            args = launch_command_parser().parse_args(["--config_file", config[0], script, recipe.source])
+            args = launch_command_parser().parse_args(["--config_file", config[0], *script, recipe.source])
             launch_command(args)
     except _Stop:
         return None
@@ -215,7 +215,7 @@ def _try_launch(recipe: Recipe, strategy: StrategySection, script: str) -> str |
 STRATEGY_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
 
-def launch_problems(recipe: Recipe, strategy: StrategySection, script: str) -> list[tuple[str, str]]:
+def launch_problems(recipe: Recipe, strategy: StrategySection, script: list[str]) -> list[tuple[str, str]]:
     """(key, problem) for what `accelerate launch` would refuse of this recipe's launch (as `hftrain launch` runs it),
     found by running accelerate's launch command up to the point where torch elastic's agent would start."""
     why = _try_launch(recipe, strategy, script)

@@ -18,10 +18,11 @@ from typing import Callable
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.rules import strategy_problems as rule_problems
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
+from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
@@ -114,24 +115,6 @@ def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, fl
     return found
 
 
-# The CPU ops hftrain's DeepSpeed strategies JIT-build on first use (scripts/build_deepspeed_ops.py builds them once).
-DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-
-
-def deepspeed_op_builders() -> list:
-    """DeepSpeed's builders of DEEPSPEED_CPU_OPS that can build here (async_io needs libaio)."""
-    from deepspeed.accelerator import get_accelerator  # optional dependency: only ZeRO strategies need it
-
-    builders = [get_accelerator().create_op_builder(name) for name in DEEPSPEED_CPU_OPS]
-    return [b for b in builders if b.name != "async_io" or b.is_compatible(verbose=False)]
-
-
-def op_is_built(builder, root: str | None = None) -> bool:
-    """torch's JIT cache holds `<root>/<name>/<name>.so` once the op has been built."""
-    root = root or extensions_dir()
-    return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
-
-
 def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
     problems = []
     engine = environment_engine_problem(strategy.name, accelerator_available())
@@ -207,15 +190,17 @@ def _typed(value, tp) -> bool:
 
 def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: dict | None = None,
                  launcher: str | None = None, world_size: int | None = None, environment: bool = True,
-                 script: str | Callable[[Recipe], str] | None = None) -> tuple[Recipe, StrategySection]:
+                 script: list[str] | Callable[[Recipe], list[str]] | None = None
+                 ) -> tuple[Recipe, StrategySection]:
     """The recipe and the strategy that will run, or a RecipeError with every problem found.
 
     `launcher` is the strategy the launcher set up and `world_size` the processes it started (the run passes both;
     `hftrain check` / `launch` / `config` pass neither, and the strategy is then strategy.name, or ddp as `hftrain
     launch` runs it, on strategy.num_processes processes). ZeRO-Infinity's swap buffers are sized here to the
     largest parameter partition. `environment=False` (`hftrain config`, which may render for another machine)
-    leaves out what this machine says. `script` (`hftrain check`, `hftrain launch`: the recipe script the launch will
-    run) adds what `accelerate launch` itself would refuse of the launch (launch.libraries)."""
+    leaves out what this machine says. `script` (`hftrain check`, `hftrain launch`: what the launch hands accelerate
+    launch to run, `-m hftrain.recipes.sft` or a script's path) adds what `accelerate launch` itself would refuse of
+    the launch (launch.libraries)."""
     recipe, problems = parse_recipe(path, overrides, raw)
     s = recipe.strategy
     if launcher is not None and s.name in STRATEGIES and s.name != launcher:
@@ -330,8 +315,11 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     seed = recipe.training_value("seed") if seed is None else seed
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed,
-                                     tokenizer=tokenizer)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if recipe.preference.loss_type in UNPAIRED:  # kto: examples labelled desirable or not
+            data = build_unpaired_data(recipe.data, has_template, seed=seed)
+        else:  # pairs, measured as TRL truncates them (data.preference.check_lengths)
+            data = build_preference_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
@@ -339,6 +327,7 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
                             recipe.training_value("dataloader_drop_last"), len(data.train))
     if problem:
         raise LaunchError(problem)
-    print0(f"hftrain: {len(data.train)} training {'pairs' if recipe.preference is not None else 'examples'}"
+    pairs = recipe.preference is not None and recipe.preference.loss_type not in UNPAIRED
+    print0(f"hftrain: {len(data.train)} training {'pairs' if pairs else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data
