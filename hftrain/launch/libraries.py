@@ -35,7 +35,7 @@ from unittest import mock
 
 import torch
 
-from ..config import LoraSection, Recipe, StrategySection, arguments_kwargs
+from ..config import HFTrainingArguments, LoraSection, Recipe, StrategySection, arguments_kwargs
 from ..config.sections import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
@@ -116,14 +116,15 @@ class _StandIn(torch.nn.Module):
 
 def _probe_trainer(kwargs: dict, has_eval: bool) -> str | None:
     import datasets
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 8, "labels": [[1, 2]] * 8})
     probed = {k: v for k, v in kwargs.items() if k not in _NOT_PROBED}
     try:
         with single_process(), tempfile.TemporaryDirectory(prefix="hftrain-probe-") as tmp:
-            # A real TrainingArguments: in this single process its device resolves without a process group.
-            args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", **probed)
+            # The run's own arguments (TrainingArguments with hftrain's typed options): in this single process its
+            # device resolves without a process group.
+            args = HFTrainingArguments(output_dir=tmp, use_cpu=True, report_to="none", **probed)
             trainer = Trainer(model=_StandIn(), args=args, train_dataset=rows, eval_dataset=rows if has_eval else None)
             trainer.get_train_dataloader()
             if has_eval:
