@@ -8,12 +8,13 @@ import os
 import pytest
 import yaml
 
-from hftrain import outdir
+from hftrain import lifecycle, outdir
 from hftrain.config import load_recipe
 from hftrain.launch import setup_run
+from hftrain.recipes import sft
 
 from .conftest import DEMO_TRAIN
-from .test_bad_input import W, run_main, set_, snapshot, sft
+from .test_bad_input import W, run_main, set_, snapshot
 
 
 def _finish_a_run_in(out: str) -> None:
@@ -29,14 +30,14 @@ def test_a_run_whose_folder_another_run_finished_during_its_data_phase_is_refuse
     """Run B passes its preflight on a new folder; during B's data phase run A finishes in that folder; B must be
     refused at its claim (exit 2, one message) and A's files stay byte for byte as A left them."""
     w = W(str(tmp_path), tiny_model_dir)
-    real_check_data = sft.check_data
+    real_check_data = lifecycle.check_data  # the data phase (lifecycle.Method.data)
 
     def slow_data_phase(*args, **kwargs):
         result = real_check_data(*args, **kwargs)
         _finish_a_run_in(w.out)  # the other run finishes while this one tokenises
         return result
 
-    monkeypatch.setattr(sft, "check_data", slow_data_phase)
+    monkeypatch.setattr(lifecycle, "check_data", slow_data_phase)
     state = {}
     monkeypatch.setattr(sft, "load_model", lambda *a, **k: state.setdefault("loaded", True) and None)
     code = run_main([w.recipe(set_("training.save_strategy", "no"))], {}, monkeypatch)

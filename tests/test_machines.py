@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.errors import LaunchError
 from hftrain.launch.machines import check_in, is_local_address
 
