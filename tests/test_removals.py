@@ -84,13 +84,16 @@ REMOVALS = {
            "one",
         ["tests/test_checkpoints.py::test_final_save_on_a_full_disk_leaves_no_half_file",
          "tests/test_removals.py::test_a_leftover_staged_save_is_replaced_and_nothing_else"]),
-    ("hftrain/trainer.py", "HFTrainer._save_checkpoint", "shutil.rmtree"): (
-        3, "output_dir/_incomplete/checkpoint-N: a leftover of an interrupted save of the same step, and the partial "
-           "save of a failed one (two places)",
+    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._save_checkpoint", "shutil.rmtree"): (
+        2, "output_dir/_incomplete/checkpoint-N: a leftover of an interrupted save of the same step, and the partial "
+           "save of a failed one",
         ["tests/test_checkpoints.py::test_interrupted_save_leaves_nothing_resume_would_pick",
          "tests/test_checkpoints.py::test_disk_full_during_save_fails_cleanly",
          "tests/test_removals.py::test_a_leftover_staged_save_is_replaced_and_nothing_else"]),
-    ("hftrain/trainer.py", "HFTrainer._save_checkpoint", "rotate_checkpoints"): (
+    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._publish", "shutil.rmtree"): (
+        1, "output_dir/_incomplete/checkpoint-N: the partial save of one whose layout, manifest or rename failed",
+        ["tests/test_checkpoints.py::test_disk_full_during_save_fails_cleanly"]),
+    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._publish", "rotate_checkpoints"): (
         1, "transformers' save_total_limit: the oldest checkpoint-N of this run's output_dir, after the new one is "
            "published (a previous run's checkpoints are refused by the claim, or removed with overwrite_output_dir)",
         ["tests/test_checkpoints.py::test_checkpoints_are_published_complete"]),
