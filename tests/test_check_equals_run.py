@@ -1,10 +1,9 @@
 """check == run (issue 33, points 3-5): every case the issue found, where `hftrain check` passed and the run then died
-with a traceback after the model loaded, is now refused by check, and by the run (recipes/sft.py or dpo.py in this
-process, or `hftrain launch`) with the very same message, exit 2, no traceback, nothing written. The values are
+with a traceback after the model loaded, is now refused by check, and by the run (hftrain.recipes.sft or .dpo in
+this process, or `hftrain launch`) with the very same message, exit 2, no traceback, nothing written. The values are
 refused by the libraries' own validation (hftrain/launch/libraries.py); resume compares the checkpoint with the
 model the recipe builds (hftrain/launch/resume.py); preference pairs are measured as TRL will truncate them."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,13 +12,11 @@ import pytest
 
 from hftrain.cli import main as cli_main
 from hftrain.errors import exit_on_user_error
+from hftrain.recipes import dpo
 
-from .conftest import REPO, SMALL
+from .conftest import SMALL
+from .support import free_port
 from .test_bad_input import W, both, run_check, run_main, set_, snapshot
-
-_spec = importlib.util.spec_from_file_location("hftrain_dpo_script", os.path.join(REPO, "recipes", "dpo.py"))
-dpo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dpo)
 
 PAIR = {"prompt": [{"role": "user", "content": "reverse: a b c"}], "chosen": [{"role": "assistant", "content": "c b a"}],
         "rejected": [{"role": "assistant", "content": "a b c"}]}
@@ -129,8 +126,6 @@ def test_check_and_launch_refuse_what_the_launcher_would_die_of(override, expect
 
 def test_a_launch_the_launcher_accepts_passes(tmp_path, tiny_model_dir, capsys):
     """The negative control: the same path accepts a 2-process launch on a free port (and touches nothing)."""
-    from hftrain.distributed import free_port
-
     w = W(str(tmp_path), tiny_model_dir)
     assert cli_main(["check", w.recipe(), f"strategy.main_process_port={free_port()}", "--no-data"]) == 0
     assert not os.path.exists(w.out)
@@ -289,8 +284,8 @@ def test_pairs_whose_prompts_fill_max_length_are_counted_before_the_model_loads(
 
 
 def test_the_pairs_kept_are_those_trls_trainer_keeps(tmp_path, tiny_model_dir):
-    """The count is TRL's own: DPOTrainer's prepared dataset (built here the way recipes/dpo.py builds the trainer's)
-    holds exactly the pairs hftrain keeps."""
+    """The count is TRL's own: DPOTrainer's prepared dataset (built here the way hftrain.recipes.dpo builds the
+    trainer's) holds exactly the pairs hftrain keeps."""
     import datasets
     from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ from hftrain.launch import setup_run
 from hftrain.recipes import sft
 
 from .conftest import DEMO_TRAIN
-from .test_bad_input import W, run_main, set_, snapshot
+from .test_bad_input import W, run_main, set_
 
 
 def _finish_a_run_in(out: str) -> None:
