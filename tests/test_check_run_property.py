@@ -1,11 +1,11 @@
 """check == run, as a property (issue 33, point 3): hypothesis draws recipe values (training, data, eval, LoRA,
-source weights) and data rows; for each draw `hftrain check` and the run (recipes/sft.py's main() in this process,
-the code path `python recipes/sft.py` runs) must agree: both refuse with exit 2 and the same one message, or check
+source weights) and data rows; for each draw `hftrain check` and the run (hftrain.recipes.sft's main() in this
+process, the code path `hftrain sft` runs) must agree: both refuse with exit 2 and the same one message, or check
 passes and the run reaches its first optimizer step (every library has validated its values by then: TrainingArguments,
 the Trainer's dataloaders, optimizer and scheduler, the model, LoRA, the data phase, generation before training).
 Neither may ever end in a traceback (any exception other than hftrain's user errors fails the test).
 
-The run stops at its first training step (HFTrainer.training_step raises): fast, one process, no process group. The
+The run stops at its first training step (SFTTrainer.training_step raises): fast, one process, no process group. The
 draws are derandomized (the same in every CI run) and the number of examples bounded so that the test stays well
 under 3 minutes on a loaded 2-core machine; run it with HFTRAIN_PROPERTY_EXAMPLES=200 to search wider."""
 
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hftrain import outdir  # noqa: E402
-from hftrain.trainer import HFTrainer  # noqa: E402
+from hftrain.trainer import SFTTrainer  # noqa: E402
 
 from .test_bad_input import run_check, run_main  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_check_and_the_run_agree_and_never_show_a_traceback(values, pairs, tiny_
     def reached(self, *args, **kwargs):
         raise ReachedTraining
 
-    monkeypatch.setattr(HFTrainer, "training_step", reached)
+    monkeypatch.setattr(SFTTrainer, "training_step", reached)
     out = os.path.join(tmp, "out")
     try:
         run_code = run_main([recipe], {}, monkeypatch)
