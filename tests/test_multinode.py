@@ -218,7 +218,8 @@ def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, t
         for pid in netns.pids(nodes[1]):
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 argv = fh.read().split(b"\0")
-            if b"hftrain.recipes.sft" in argv and not any(b"accelerate" in a for a in argv):
+            launcher = any(b"accelerate" in a or a == b"hftrain.launch.launcher" for a in argv)
+            if b"hftrain.recipes.sft" in argv and not launcher:
                 victims.append(pid)  # the worker: torch elastic starts it as `python -u -m hftrain.recipes.sft ...`
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
