@@ -153,8 +153,8 @@ def _verify(path: str, weights_only: bool, warn) -> None:
         raise refuse(problems, " (or, to load the weights with a fresh optimizer and schedule, set "
                                "training.resume_weights_only: true)" if only_opt else "")
     if problems is None:
-        warn(f"hftrain: {path} has no {manifest.MANIFEST} (written by another tool or an older hftrain): its files "
-             "cannot be verified")
+        warn(f"hftrain: {path} has no {manifest.MANIFEST}: {writer(path)}; its files cannot be verified (only "
+             "checked complete and readable)")
     layout_problem = _layout_problem(path)
     problems = [p for p in (checkpoint_problem(path), manifest.state_problem(path, STATE),
                             *manifest.rng_problems(path), layout_problem) if p]
@@ -163,6 +163,23 @@ def _verify(path: str, weights_only: bool, warn) -> None:
         problems += manifest.missing_optimizer_state(path, fmt in UNIVERSAL if fmt else None)
     if problems:
         raise refuse(problems)
+
+
+# The first hftrain that wrote manifests (13da773); hftrain_checkpoint.json (LAYOUT) is older (1eb7516).
+MANIFEST_SINCE = "2026-11-23"
+
+
+def writer(path: str) -> str:
+    """Who wrote a checkpoint that has no manifest, as far as its files tell: hftrain writes hftrain_checkpoint.json
+    into every checkpoint (and, since MANIFEST_SINCE, the manifest last); transformers' Trainer writes
+    trainer_state.json and training_args.bin but neither of hftrain's files."""
+    if os.path.lexists(os.path.join(path, LAYOUT)):
+        return (f"it was written by hftrain (it holds {LAYOUT}), either by a version older than the manifest (before "
+                f"{MANIFEST_SINCE}) or the manifest was deleted after the save")
+    if os.path.lexists(os.path.join(path, STATE)):
+        return (f"it was not written by hftrain (no {LAYOUT}): by transformers' Trainer (it holds {STATE}) or "
+                "another tool")
+    return f"it was not written by hftrain (no {LAYOUT})"
 
 
 def _others(path: str) -> str:

@@ -20,7 +20,8 @@ from .fileio import atomic_write
 from .hub.push import push, settings_for_run
 from .data.preview import preview
 from .data.prompts import preview_prompts
-from .launch import check_data, check_recipe
+from .launch import check_data, check_recipe, machines
+from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render
@@ -29,9 +30,18 @@ from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
 
+def script_for(recipe, kind: str | None = None, script: str | None = None) -> list[str]:
+    """What `hftrain launch` (sft, dpo) hands accelerate launch to run: a script of the user's own, else the recipe's
+    method as a module of the package (hftrain/recipes/: dpo for a recipe with a preference: section, grpo for one
+    with a grpo: section, else sft)."""
+    if script:
+        return [script]
+    kind = kind or ("dpo" if recipe.preference is not None else "grpo" if recipe.grpo is not None else "sft")
+    return ["-m", RECIPE_MODULES[kind]]
+
 
 def _check(ns) -> int:
-    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
+    recipe, strategy = check_recipe(ns.recipe, ns.overrides, script=script_for)
     if not ns.no_data:
         world = strategy.num_processes or STRATEGY_DEFAULTS["num_processes"]
         check_data(recipe, world // strategy.resolved_sequence_parallel())  # data-parallel ranks
@@ -104,25 +114,31 @@ def _config(ns) -> int:
 def _launch(ns) -> int:
     overrides = list(ns.overrides) + ([f"strategy.machine_rank={ns.machine_rank}"] if ns.machine_rank is not None
                                       else [])
-    recipe, strategy = check_recipe(ns.recipe, overrides)
+    kind = getattr(ns, "kind", None)
+    recipe, strategy = check_recipe(ns.recipe, overrides, script=lambda r: script_for(r, kind, ns.script))
     s = resolved_strategy(strategy)
     if s.num_machines > 1 and not s.main_process_ip:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but strategy.main_process_ip is "
                           "unset: set it to machine 0's address (the same on every machine), e.g. "
                           "strategy.main_process_ip=10.0.0.1")
+    if s.num_machines > 1 and strategy.machine_rank is None:
+        raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but this machine's rank is unset: "
+                          "left out, every machine would take rank 0. Run `hftrain launch ... --machine-rank K` on "
+                          f"machine K (0 on the machine at {s.main_process_ip}, 1 .. {s.num_machines - 1} on the others)")
+    if s.num_machines > 1 and not ns.dry_run:  # every machine checks in with machine 0: a wrong rank fails here
+        check_in(s.main_process_ip, s.main_process_port, s.machine_rank, s.num_machines,
+                 s.rank_timeout or machines.DEFAULT_TIMEOUT, say=lambda m: print(m, flush=True))
     # The launcher's config goes into a folder of this launch's own, not output_dir: nothing is written there before
     # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
     # sharing output_dir cannot overwrite each other's machine_rank.
     with tempfile.TemporaryDirectory(prefix=f"hftrain-launch-node{s.machine_rank}-") as tmp:
         config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())[0]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+        # accelerate's launch command, ending on a signal or a failed worker with a status, not a traceback
+        cmd = [sys.executable, "-m", "hftrain.launch.launcher", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
         # The recipe scripts ship in the package (hftrain/recipes/): run as modules, they work from any folder.
-        kind = getattr(ns, "kind", None) or ("dpo" if recipe.preference is not None else
-                                             "grpo" if recipe.grpo is not None else "sft")
-        cmd += [ns.script] if ns.script else ["-m", RECIPE_MODULES[kind]]
-        cmd += [ns.recipe, *overrides, f"strategy.name={strategy.name}"]
+        cmd += [*script_for(recipe, kind, ns.script), ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if ns.dry_run:
             with open(config, encoding="utf-8") as fh:

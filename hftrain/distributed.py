@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
 import sys
 
 import torch

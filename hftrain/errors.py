@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 
 from . import distributed
+from .lifetime import Terminated
 
 
 class UserError(Exception):
@@ -62,8 +64,14 @@ class HubError(UserError, ValueError):
             super().__init__((header or "refusing to push") + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
+# How a stopped run ends: 128 + the signal's number, as a shell reports a process that signal ended.
+INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
+    """User errors end the process with status 2 and one message; Ctrl-C (SIGINT) with 130 and SIGTERM (for a run no
+    launcher owns, lifetime.end_on_terminate) with 143, one line each: never a traceback."""
     try:
         yield
     except UserError as e:
@@ -72,3 +80,8 @@ def exit_on_user_error():
             print(f"hftrain: error: {e}", file=sys.stderr, flush=True)
         distributed.shutdown(wait=False)
         raise SystemExit(2) from None
+    except (KeyboardInterrupt, Terminated) as e:
+        name, status = ("SIGINT (Ctrl-C)", INTERRUPTED) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", TERMINATED)
+        print(f"hftrain: stopped by {name}; checkpoints already published are complete (a save cut short stays in "
+              "_incomplete/, never resumed from)", file=sys.stderr, flush=True)
+        raise SystemExit(status) from None

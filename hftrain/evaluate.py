@@ -38,6 +38,13 @@ def _generation_eos_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys([i for i in [tokenizer.eos_token_id, *ids] if i is not None]))
 
 
+def greedy_settings(max_new_tokens: int, eos_token_id=None, pad_token_id=None) -> dict:
+    """What greedy answers ask of generate(): the keywords it merges into the model's GenerationConfig and
+    validates. `hftrain check` validates eval.max_new_tokens through these same settings (launch.libraries)."""
+    return {"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id}
+
+
 @torch.no_grad()
 def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
                   chat_template_kwargs: dict | None = None) -> str:
@@ -46,11 +53,8 @@ def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: 
     out = model.generate(
         input_ids=inp,
         attention_mask=torch.ones_like(inp),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=_generation_eos_ids(model, tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
         synced_gpus=synced,
+        **greedy_settings(max_new_tokens, _generation_eos_ids(model, tokenizer), tokenizer.pad_token_id),
     )
     return tokenizer.decode(out[0, inp.shape[1] :], skip_special_tokens=True)
 

@@ -8,23 +8,35 @@ import errno
 import json
 import os
 import shutil
+import secrets
 import struct
 
 NEARLY_FULL = 1 << 20  # bytes
 
 
 def atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+    tmp = _own_temporary(path)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        try:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)  # created by the open above
+            raise
+
+
+def _own_temporary(path: str) -> str:
+    """A new, empty file beside `path` (`<name>.tmp-<random>`), created here: the only file a failed write removes."""
+    while True:  # O_EXCL: never an existing file; mode 0o666 less the umask, as open() would give the file itself
+        tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def free_bytes(path: str) -> int | None:
@@ -68,14 +80,17 @@ def pyplot():
 
 def save_figure(fig, path: str) -> str:
     """Write a matplotlib figure as PNG atomically and close it."""
-    tmp = path + ".tmp.png"
+    tmp = _own_temporary(path)
     try:
-        fig.savefig(tmp, dpi=90)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+        with open(tmp, "wb") as fh:
+            try:
+                fig.savefig(fh, dpi=90, format="png")
+                fh.flush()
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)  # created by the open above
+                raise
     finally:
         pyplot().close(fig)
     return path

@@ -56,7 +56,8 @@ def prctl_function():
 def launched_by_a_launcher() -> bool:
     """This process was started by a launcher that should own it: torch elastic (`torchrun`, `accelerate launch`
     with several processes) exports TORCHELASTIC_RUN_ID; accelerate's one-process launcher and DeepSpeed's node
-    launcher export nothing of their own, so the parent's command line is looked at. A plain `python recipes/sft.py` (e.g. under nohup) is not tied to the
+    launcher export nothing of their own, so the parent's command line is looked at (`hftrain launch` runs accelerate's
+    through hftrain.launch.launcher). A plain `python -m hftrain.recipes.sft` (e.g. under nohup) is not tied to the
     shell that started it."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return True
@@ -65,7 +66,8 @@ def launched_by_a_launcher() -> bool:
             argv = fh.read().split(b"\0")
     except OSError:
         return False
-    return any(a.endswith(b"accelerate") or a in (b"accelerate.commands.launch", DEEPSPEED_NODE_LAUNCHER)
+    return any(a.endswith(b"accelerate") or a in (b"accelerate.commands.launch", b"hftrain.launch.launcher",
+                                                   DEEPSPEED_NODE_LAUNCHER)
                for a in argv)
 
 
@@ -158,9 +160,10 @@ def run_owned(cmd: list[str]) -> int:
         if os.getppid() != me:  # the parent died before the signal was armed
             os._exit(1)
 
-    proc, pending = None, []
+    proc, pending, got = None, [], []
 
     def forward(sig, frame):  # a signal that comes before the child exists is delivered once it does
+        got.append(sig)
         if proc is None:
             pending.append(sig)
         else:
@@ -177,7 +180,24 @@ def run_owned(cmd: list[str]) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    if got:  # this launch was stopped by a signal: its status says which, whatever the child made of it
+        return 128 + got[0]
     return code if code >= 0 else 128 - code
+
+
+class Terminated(BaseException):
+    """SIGTERM reached a run that no launcher owns (`python recipes/sft.py`): raised in the main thread, so the run
+    unwinds like a Ctrl-C (KeyboardInterrupt) and ends with status 143 and one line (errors.exit_on_user_error)."""
+
+
+def _terminated(sig, frame):
+    raise Terminated()
+
+
+def end_on_terminate() -> None:
+    """A run started without a launcher: SIGTERM ends it as Ctrl-C does (one line, status 128 + 15, no traceback),
+    not silently by the signal. Under a launcher the launcher owns the ending (end_on_interrupt, die_with_parent)."""
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 def end_on_interrupt() -> None:

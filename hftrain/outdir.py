@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 import sys
@@ -70,9 +71,10 @@ def run_state(path: str) -> tuple[str, list[str]]:
     return ("foreign", other) if other else ("new", [])
 
 
-def ownership_problem(path: str, resume: bool, overwrite: bool) -> str | None:
-    """Why this run may not use output_dir (checked before anything is written), or None."""
-    who = holder(path)
+def ownership_problem(path: str, resume: bool, overwrite: bool, locked: bool = False) -> str | None:
+    """Why this run may not use output_dir, or None. Checked before anything is written (preflight), and again by
+    `claim` under the lock (`locked`: this process holds it, so no other run can)."""
+    who = None if locked else holder(path)
     if who:
         return (f"training.output_dir: {path} is in use by another run ({who}); wait for it to end, or give this run "
                 "another folder")
@@ -93,21 +95,60 @@ def ownership_problem(path: str, resume: bool, overwrite: bool) -> str | None:
     return None
 
 
-def claim(path: str, overwrite: bool, resumed: bool, say=print) -> None:
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def guarded_folder_problem(path: str, protected: dict[str, str] | None = None) -> str | None:
+    """output_dir must not be `/`, the home folder or the working folder (a run writes and rotates files there), nor
+    be, contain or lie inside a folder the run reads from (`protected`: description -> path), which its save would
+    overwrite."""
+    real = os.path.realpath(path)
+    for what, folder in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
+                         ("the folder you run from", os.getcwd())):
+        if real == os.path.realpath(folder):
+            return f"training.output_dir: {path} is {what}; give the run a folder of its own (e.g. runs/my-run)"
+    for what, folder in (protected or {}).items():
+        other = os.path.realpath(folder)
+        if _within(real, other) or _within(other, real):
+            return (f"training.output_dir: {path} {'is' if real == other else 'overlaps'} {what} ({folder}): the "
+                    "final save would overwrite it; choose another folder")
+    return None
+
+
+def claim(path: str, overwrite: bool, resumed: bool, say=print, protected: dict[str, str] | None = None) -> None:
     """Take output_dir's exclusive lock for this process's lifetime (main process only; the kernel releases it when
-    the process ends, however it ends), then, when starting over (`overwrite` and not resuming), remove the previous
-    run's checkpoints and run_info.json so that neither rotation nor a later resume can mix the two runs."""
+    the process ends, however it ends), then, under the lock and before anything else is written, check the folder
+    again: what it is (guarded_folder_problem) and what it holds now (ownership_problem). A run whose checks passed
+    minutes ago (a slow data phase) may find that another run has since finished there: it is refused like a run
+    started after it. Only then, when starting over (`overwrite` and not resuming), remove the previous run's
+    checkpoints and run_info.json so that neither rotation nor a later resume can mix the two runs.
+
+    A refusal leaves the folder as it was: the lock file (and the folder) are removed again when this call made
+    them."""
     real = os.path.realpath(path)
     if real in _held:
         return
+    guarded = guarded_folder_problem(path, protected)
+    if guarded:
+        raise LaunchError(guarded)
+    made_dir = not os.path.lexists(path)
     os.makedirs(path, exist_ok=True)
-    fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    lock = os.path.join(path, LOCK_FILE)
+    try:
+        fd, made_lock = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        fd, made_lock = os.open(lock, os.O_RDWR), False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        os.close(fd)  # the holder made the lock file (and the folder): nothing of ours to remove
         raise LaunchError(f"training.output_dir: {path} is in use by another run ({holder(path) or 'unknown'}); "
                           "wait for it to end, or give this run another folder") from None
+    problem = ownership_problem(path, resumed, overwrite, locked=True)
+    if problem:
+        _give_up(fd, lock if made_lock else None, path if made_dir else None)
+        raise LaunchError(problem)
     os.ftruncate(fd, 0)
     os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()} since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)[:300]}\n").encode())
@@ -116,13 +157,31 @@ def claim(path: str, overwrite: bool, resumed: bool, say=print) -> None:
     if overwrite and not resumed:
         state, _ = run_state(path)
         if state in ("finished", "unfinished"):
-            old = [n for n in sorted(os.listdir(path))
-                   if n.startswith(f"{PREFIX}-") or n in (STAGING, RUN_INFO_FILE, LAYOUT)]
+            old = previous_run_files(path)
             for name in old:
                 target = os.path.join(path, name)
                 shutil.rmtree(target) if os.path.isdir(target) and not os.path.islink(target) else os.remove(target)
             if old:
                 say(f"hftrain: training.{OVERWRITE}: removed the previous run's {', '.join(old)} from {path}")
+
+
+def _give_up(fd: int, lock: str | None, folder: str | None) -> None:
+    """Undo what a refused claim made: the lock file it created, then the folder it created (only when empty)."""
+    if lock is not None:
+        os.remove(lock)  # created by this call (O_EXCL), before any other run could open it: we hold the lock
+    os.close(fd)
+    if folder is not None:
+        try:
+            os.rmdir(folder)  # created by this call; rmdir removes only an empty folder
+        except OSError:
+            pass
+
+
+def previous_run_files(path: str) -> list[str]:
+    """What training.overwrite_output_dir removes: the previous run's numbered checkpoints, its staging folder,
+    run_info.json and checkpoint layout file. Names only hftrain writes (checkpoint-<digits>, not checkpoint-notes)."""
+    return [n for n in sorted(os.listdir(path))
+            if re.fullmatch(rf"{PREFIX}-\d+", n) or n in (STAGING, RUN_INFO_FILE, LAYOUT)]
 
 
 def lock_line(path: str) -> str | None:

@@ -369,8 +369,9 @@ def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(
     os.remove(ck / MANIFEST)
     lines = []
     assert resolve_resume(True, str(two_checkpoints), warn=lines.append) == str(ck)
-    assert lines == [f"hftrain: {ck} has no {MANIFEST} (written by another tool or an older hftrain): its files "
-                     "cannot be verified"]
+    assert lines == [f"hftrain: {ck} has no {MANIFEST}: it was written by hftrain (it holds hftrain_checkpoint.json), "
+                     "either by a version older than the manifest (before 2026-11-23) or the manifest was deleted after "
+                     "the save; its files cannot be verified (only checked complete and readable)"]
     # An RNG file torch refuses to load safely: named, and torch's advice (weights_only=False) is not passed on.
     torch.save({"python": object}, ck / "rng_state.pth")
     with pytest.raises(CheckpointError) as e:

@@ -22,7 +22,7 @@ import yaml
 
 from hftrain.errors import HubError
 from hftrain.hub.checks import validate_folder
-from hftrain.hub.push import STAGE_DIR, push
+from hftrain.hub.push import STAGE_DIR, STAGE_MARKER, push
 from hftrain.config import HubSection, RecipeError, load_recipe
 from tests.support import free_port
 
@@ -159,8 +159,14 @@ def tree_digest(folder) -> dict:
     return out
 
 
+def staged_files(folder) -> list[str]:
+    """The files of a stage that are uploaded: all but hftrain's marker (STAGE_MARKER, which says the folder is
+    hftrain's own to replace)."""
+    return sorted(f for f in os.listdir(folder) if f != STAGE_MARKER)
+
+
 def assert_received_equals_staged(received: dict, staged_dir):
-    staged = {f: open(os.path.join(staged_dir, f), "rb").read() for f in os.listdir(staged_dir)}
+    staged = {f: open(os.path.join(staged_dir, f), "rb").read() for f in staged_files(staged_dir)}
     assert sorted(received) == sorted(staged)
     for f in staged:
         assert received[f] == staged[f], f
@@ -193,7 +199,7 @@ def test_run_pushes_exactly_the_validated_folder(pushed_run, hub, tmp_path):
     from huggingface_hub import ModelCard
 
     out, r = pushed_run
-    assert f"hftrain: pushed {len(os.listdir(out / STAGE_DIR))} files to me/tiny-sft" in r.stdout, r.stdout[-2000:]
+    assert f"hftrain: pushed {len(staged_files(out / STAGE_DIR))} files to me/tiny-sft" in r.stdout, r.stdout[-2000:]
     received = hub.files("me/tiny-sft")
     assert_received_equals_staged(received, out / STAGE_DIR)
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja",
@@ -260,7 +266,7 @@ def test_cli_dry_run_needs_no_token_and_a_push_without_one_stages_nothing(pushed
             env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     listed = r.stdout.split("files): ")[1].splitlines()[0].split(", ")
-    assert listed == sorted(os.listdir(stage)) and "model.safetensors" in listed
+    assert listed == staged_files(stage) and "model.safetensors" in listed
     stage2 = tmp_path / "nope"
     r = run([PY, "-m", "hftrain.cli", "push", str(out), "--repo-id", "me/nope", "--stage-dir", str(stage2)], env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -395,7 +401,7 @@ def test_only_what_a_model_repository_needs_is_staged(pushed_run, tmp_path, monk
     for name in ("credentials.json", "id_rsa", ".secrets.yaml", "notes.txt", "modeling_evil.py"):
         (out / name).write_text("secret\n")
     stage = push(str(out), HubSection(repo_id="me/clean"), dry_run=True)
-    staged = set(os.listdir(stage))
+    staged = set(staged_files(stage))
     assert {"model.safetensors", "config.json", "tokenizer.json", "recipe.yaml", "README.md"} <= staged
     assert not staged & {"credentials.json", "id_rsa", ".secrets.yaml", "notes.txt", "modeling_evil.py",
                          "training_args.bin"}
@@ -536,3 +542,60 @@ def test_zero3_two_ranks_pushes_full_weights_that_reload_with_equal_logits(tiny_
     card = received["README.md"].decode()
     assert "strategy: `zero3` (wrapper DeepSpeedEngine, zero_stage 3" in card and "world size: 2 process(es)" in card
     assert received["zero3.json"].decode().strip() in card
+
+
+# -- the stage folder: hftrain removes only what it made (issue 33, point 1) ------------------------------------------
+def _cli_dry_run(out, stage, capsys) -> tuple[int, str]:
+    """`hftrain push OUT --dry-run --stage-dir STAGE` in this process: (exit status, stderr)."""
+    from hftrain.cli import main
+
+    try:
+        code = main(["push", str(out), "--repo-id", "me/stage", "--dry-run", "--stage-dir", str(stage)])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_a_dry_run_never_deletes_a_folder_it_did_not_stage(pushed_run, tmp_path, capsys):
+    """--stage-dir pointed at the run itself, at its parent, at a checkpoint-like folder or at a folder of the user's:
+    refused with exit 2 before anything is written; every file there is as it was."""
+    out, _ = pushed_run
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for stage in (out, out.parent, mine):
+        before = tree_digest(out.parent)
+        code, err = _cli_dry_run(out, stage, capsys)
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert f"--stage-dir {stage} holds files hftrain did not stage" in err, err[-2000:]
+        assert tree_digest(out.parent) == before and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not(pushed_run, tmp_path, capsys):
+    out, _ = pushed_run
+    stage = tmp_path / "stage"
+    beside = tmp_path / "stage.partial"  # a folder of the user's that an older stage path (DIR.partial) would remove
+    beside.mkdir()
+    (beside / "data.txt").write_text("mine")
+    for _ in range(2):  # a new folder, then the stage it wrote itself: replaced
+        code, err = _cli_dry_run(out, stage, capsys)
+        assert code == 0, err[-2000:]
+        assert "model.safetensors" in staged_files(stage) and STAGE_MARKER in os.listdir(stage)
+    assert (beside / "data.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["stage", "stage.partial"]
+    (stage / "my-notes.md").write_text("added by hand")
+    code, err = _cli_dry_run(out, stage, capsys)
+    assert code == 2 and "holds files added after hftrain staged it (my-notes.md)" in err, err
+    assert (stage / "my-notes.md").read_text() == "added by hand"
+
+
+def test_a_stage_that_fails_validation_leaves_the_previous_stage(pushed_run, tmp_path, monkeypatch):
+    out, _ = pushed_run
+    stage = tmp_path / "stage"
+    push(str(out), HubSection(repo_id="me/ok"), dry_run=True, stage_dir=str(stage))
+    before = {f: (stage / f).read_bytes() for f in os.listdir(stage)}
+    monkeypatch.setattr("hftrain.hub.push.validate_folder", lambda *a, **k: ["model.safetensors: broken"])
+    with pytest.raises(HubError, match="model.safetensors: broken"):
+        push(str(out), HubSection(repo_id="me/ok"), dry_run=True, stage_dir=str(stage))
+    assert {f: (stage / f).read_bytes() for f in os.listdir(stage)} == before
+    assert sorted(os.listdir(tmp_path)) == ["stage"]  # the failed attempt's own folder is gone

@@ -218,7 +218,8 @@ def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, t
         for pid in netns.pids(nodes[1]):
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 argv = fh.read().split(b"\0")
-            if b"hftrain.recipes.sft" in argv and not any(b"accelerate" in a for a in argv):
+            launcher = any(b"accelerate" in a or a == b"hftrain.launch.launcher" for a in argv)
+            if b"hftrain.recipes.sft" in argv and not launcher:
                 victims.append(pid)  # the worker: torch elastic starts it as `python -u -m hftrain.recipes.sft ...`
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
@@ -234,3 +235,37 @@ def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, t
     assert (out / "run_info.json").exists() and "checkpoint-30" in _published(out)
     for ckpt in _published(out):
         verify(str(out / ckpt))
+
+
+def test_two_machines_both_taking_rank_0_stop_with_an_error_not_a_hang(nodes, tiny_model_dir, tmp_path):
+    """Both machines launched with machine rank 0 (issue 33: one crashed, the other hung without a word): node 1
+    refuses at once (machine 0's address is not its own), node 0 names the rank that never checked in when
+    strategy.rank_timeout ends; neither trains, nothing is written to output_dir."""
+    rank_timeout = 15
+    rec = _recipe(tmp_path, tiny_model_dir, "ddp")
+    multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}", f"strategy.rank_timeout={rank_timeout}"]
+    t0 = time.monotonic()
+    procs = [_start(nodes[r], [rec, "--machine-rank", "0", *multi], str(tmp_path / f"node{r}.log"), f"v{r}")
+             for r in range(2)]
+    rcs = [p.wait(timeout=rank_timeout + 120) for p in procs]
+    took = time.monotonic() - t0
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert rcs == [2, 2], "\n".join(log[-3000:] for log in logs)
+    assert f"strategy.main_process_ip {IP[0]} is not an address of this machine" in logs[1], logs[1][-3000:]
+    assert f"machine rank(s) 1 did not check in at {IP[0]}:29500 within {rank_timeout} s" in logs[0], logs[0][-3000:]
+    assert all("Traceback" not in log for log in logs)
+    assert took < rank_timeout + 90, took  # start-up of two launchers on a loaded machine, then the timeout
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_machine_that_cannot_reach_machine_0_stops_within_the_timeout_naming_the_address(nodes, tiny_model_dir,
+                                                                                            tmp_path):
+    """Machine 1 started alone (machine 0 never comes): it ends within strategy.rank_timeout naming the address."""
+    rank_timeout = 15
+    rec = _recipe(tmp_path, tiny_model_dir, "ddp")
+    multi = ["strategy.num_machines=2", f"strategy.main_process_ip={IP[0]}", f"strategy.rank_timeout={rank_timeout}"]
+    p = _start(nodes[1], [rec, "--machine-rank", "1", *multi], str(tmp_path / "node1.log"), "v1")
+    rc = p.wait(timeout=rank_timeout + 120)
+    log = (tmp_path / "node1.log").read_text()
+    assert rc == 2 and "Traceback" not in log, log[-3000:]
+    assert f"machine 1 cannot reach machine 0 at {IP[0]}:29500 within {rank_timeout} s" in log, log[-3000:]

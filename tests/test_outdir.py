@@ -114,3 +114,43 @@ def test_resume_with_overwrite_keeps_the_checkpoints(tmp_path):
         assert os.path.isdir(tmp_path / "checkpoint-5")
     finally:
         outdir.release(str(tmp_path))
+
+
+# -- claim, then check, under the lock (issue 33, point 2) ------------------------------------------------------------
+FINISHED = ["recipe.yaml", "model.safetensors", "run_info.json", "checkpoint-2/trainer_state.json", ".hftrain.lock"]
+
+
+def test_claim_checks_the_folder_again_under_the_lock(tmp_path):
+    """The preflight saw a new folder; another run finished there before this one claimed it: refused at the claim,
+    and the claim leaves the other run's folder exactly as it was (its lock file included)."""
+    out = tmp_path / "run"
+    assert outdir.ownership_problem(str(out), resume=False, overwrite=False) is None  # the preflight's view
+    for f in FINISHED:
+        _touch(str(out / f), f)
+    before = {f: open(out / f).read() for f in FINISHED}
+    with pytest.raises(LaunchError, match="holds a finished run"):
+        outdir.claim(str(out), overwrite=False, resumed=False)
+    assert sorted(os.listdir(out)) == sorted({f.split("/")[0] for f in FINISHED})
+    assert {f: open(out / f).read() for f in FINISHED} == before
+    assert outdir.holder(str(out)) is None and str(out) not in outdir._held
+
+
+def test_a_refused_claim_removes_the_lock_file_and_folder_it_made(tmp_path):
+    out = tmp_path / "run"
+    _touch(str(out / "notes.txt"))
+    with pytest.raises(LaunchError, match="files hftrain did not write"):
+        outdir.claim(str(out), overwrite=False, resumed=False)
+    assert os.listdir(out) == ["notes.txt"]  # no .hftrain.lock left in a folder that is not ours
+    with pytest.raises(LaunchError, match="your home folder"):
+        outdir.claim(os.path.expanduser("~"), overwrite=True, resumed=False)
+    assert not os.path.exists(os.path.join(os.path.expanduser("~"), outdir.LOCK_FILE))
+
+
+def test_overwrite_removes_numbered_checkpoints_only(tmp_path):
+    for f in ["checkpoint-5/trainer_state.json", "checkpoint-notes/mine.txt", "run_info.json"]:
+        _touch(str(tmp_path / f))
+    outdir.claim(str(tmp_path), overwrite=True, resumed=False, say=lambda _m: None)
+    try:
+        assert sorted(os.listdir(tmp_path)) == [".hftrain.lock", "checkpoint-notes"]
+    finally:
+        outdir.release(str(tmp_path))

@@ -91,7 +91,7 @@ def test_semantic_rules(tmp_path):
     with pytest.raises(RecipeError) as e:
         load_recipe(write(tmp_path, tree))
     msg = str(e.value)
-    assert "data.sources.0.weight: must be > 0" in msg
+    assert "data.sources.0.weight: must be a finite number > 0" in msg
     assert "data.eval_fraction: must be in [0, 1)" in msg
 
 

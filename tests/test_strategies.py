@@ -225,7 +225,7 @@ def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
              f"model.name_or_path={tiny_model_dir}", f"training.output_dir={out}", "training.max_steps=2",
              "eval.exact_match=0", "training.report_to=none", f"strategy.main_process_port={free_port()}"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "accelerate.commands.launch --config_file" in r.stdout
+    assert "hftrain.launch.launcher --config_file" in r.stdout  # accelerate's launch command, signals told (issue 33)
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == 2 and info["wrapper"] == "DistributedDataParallel"
     acc = yaml.safe_load(open(out / "ddp.yaml"))
@@ -362,5 +362,5 @@ def test_launch_on_several_machines_needs_the_main_address(tmp_path, capsys):
         main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "strategy.main_process_ip is unset" in err, err
-    assert main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}",
+    assert main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}", "--machine-rank", "0",
                  "strategy.main_process_ip=10.0.0.1"]) == 0  # negative control

@@ -43,6 +43,8 @@ CONTRACT = [
     # TRL
     ("trl:DPOTrainer", "_precompute_ref_logps", ["dataset", "name", "batch_size"], "preference: SimPO's constant"),
     ("trl:DPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "preference: the pair count"),
+    ("trl:DPOTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
+     "data.preference.trl_prepared: pairs measured as TRL truncates them (self: only its _tokenizer)"),
     ("trl:DPOTrainer", "_save_checkpoint", ["model", "trial"], "checkpointing under DPOTrainer's model card"),
     ("trl:DPOTrainer", "_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"],
      "step_guard under DPOTrainer"),

@@ -198,6 +198,9 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
               f"launcher status {proc.returncode}")
         if sig != signal.SIGKILL:  # torch elastic stopped its workers; the status is the launcher's
             assert proc.returncode not in (0, None), "".join(lines)[-2000:] + rest[-3000:]
+        if launcher == "hftrain" and sig != signal.SIGKILL:  # 130 / 143 and one line, never a traceback (issue 33)
+            assert proc.returncode == 128 + sig and "Traceback" not in rest, rest[-3000:]
+            assert f"hftrain: the launcher got {signal.Signals(sig).name}: its workers were stopped" in rest
     finally:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -26,7 +26,7 @@ from .sections import (
     Recipe,
     StrategySection,
 )
-from .training import TRAINING_DEFAULTS, TRAINING_REFUSED, validate_training
+from .training import TRAINING_REFUSED, validate_training
 
 SECTIONS = {
     "model": ModelSection,
@@ -207,7 +207,7 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
     recipe = Recipe(
         model=built.get("model"),
         data=built.get("data"),
-        training=built.get("training") or dict(TRAINING_DEFAULTS),
+        training=built["training"] if "training" in built else validate_training({}, ctx),
         strategy=built.get("strategy") or StrategySection(),
         eval=built.get("eval") or EvalSection(),
         compression=built.get("compression") or CompressionSection(),

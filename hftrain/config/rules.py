@@ -55,6 +55,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
     has_eval = _data_problems(recipe, out)
     if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
+    if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match < 0:
+        out.append(("eval.exact_match", f"must be >= 0 (0: off), got {recipe.eval.exact_match}"))
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0 and not has_eval:
         out.append(("eval.exact_match", "needs held-out data: set data.eval_sources or data.eval_fraction"))
     if isinstance(recipe.compression, CompressionSection):
@@ -92,6 +94,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
 def _machine_problems(s: StrategySection, out: Problems) -> None:
     """Several machines: each runs num_processes / num_machines processes, and knows its own rank among them."""
     machines = s.num_machines if _num(s.num_machines) else 1
+    if _num(s.num_processes) and s.num_processes < 1:
+        out.append(("strategy.num_processes", f"must be at least 1, got {s.num_processes}"))
     if _num(s.num_machines) and s.num_machines < 1:
         out.append(("strategy.num_machines", f"must be at least 1, got {s.num_machines}"))
         return
@@ -273,9 +277,15 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
                     "false trains every token of the conversation: remove one of them"))
     if _num(d.max_length) and d.max_length < 2:
         out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
+    weights = []
     for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
-        if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
-            out.append((f"data.sources.{i}.weight", f"must be > 0, got {s.weight}"))
+        if isinstance(s, DataSource) and _num(s.weight) and not (math.isfinite(s.weight) and s.weight > 0):
+            out.append((f"data.sources.{i}.weight", f"must be a finite number > 0, got {s.weight}"))
+        elif isinstance(s, DataSource) and _num(s.weight):
+            weights.append(s.weight)
+    if len(weights) > 1 and not math.isfinite(sum(weights)):
+        out.append(("data.sources", f"the weights add up to more than a float holds ({', '.join(map(str, weights))}): "
+                    "they are relative, scale them down (e.g. to 1 and 2)"))
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
             for theirs, ours in (s.roles.items() if isinstance(s, DataSource) and isinstance(s.roles, dict) else ()):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import typing
 from typing import Any
 
@@ -136,10 +137,33 @@ def validate_training(raw: dict, ctx: Ctx) -> dict:
         ok, conv = check(value, tp, key, ctx)
         if not ok:
             ctx.add(key, f"expected {type_name(tp)}, got {value!r}")
+        elif name in PATH_KEYS and isinstance(conv, str) and conv:
+            conv = normalise_path(conv, key, ctx)
         merged[name] = conv
     if not isinstance(merged.get("output_dir"), str) or not merged["output_dir"]:
-        ctx.add("training.output_dir", "must be a folder path")
+        ctx.add("training.output_dir", "must be a folder path" + (
+            " (YAML reads a bare ~ as null: write the folder out, e.g. ~/runs/my-run)"
+            if "output_dir" in raw and raw["output_dir"] is None else ""))
+    elif "output_dir" not in raw:
+        merged["output_dir"] = normalise_path(merged["output_dir"], "training.output_dir", ctx)
     return merged
+
+
+# Paths of `training:` that name folders of this machine: normalised once, when the recipe is read, so that the
+# lock, the checks, the saves and TrainingArguments (which expands `~` itself) all use one and the same folder.
+PATH_KEYS = ("output_dir", "logging_dir", "resume_from_checkpoint")
+_UNSET_VARIABLE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
+def normalise_path(value: str, key: str, ctx: Ctx) -> str:
+    """`~`, `~user` and environment variables expanded, then made absolute against the working folder. A variable
+    that is not set is a problem (os.path.expandvars would leave `$NAME` in the path, a folder named `$NAME`)."""
+    expanded = os.path.expandvars(os.path.expanduser(value))
+    unset = _UNSET_VARIABLE.search(expanded)
+    if unset:
+        ctx.add(key, f"{value}: the environment variable {unset.group(0)} is not set; set it, or write the path out")
+        return value
+    return os.path.abspath(expanded)
 
 
 def arguments_kwargs(recipe, accelerator: bool) -> dict:

@@ -20,6 +20,7 @@ from ..fileio import free_bytes, is_no_space
 from .collate import make_collator
 from .layouts import content_text, read_canonical
 from .render import tokenize_examples, trainable_tokens
+from .split import held_out_split
 
 # The columns of a source's canonical dataset: the example as JSON text (Arrow would merge the keys of every row's
 # tool arguments into one struct), and where it came from in the user's numbering (removed before training).
@@ -155,8 +156,7 @@ def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int
         key = f"data.sources.{i}"
         ds, fmt = canonical_source(src, key, has_template)
         if cfg.eval_fraction > 0:
-            split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            ds, held = split["train"], split["test"]
+            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
             eval_parts.append(_tokenize_source(held, fmt, tokenizer, cfg, key, src))
             eval_examples += _canonical_eval(held, exact_match)
         train_parts.append(_tokenize_source(ds, fmt, tokenizer, cfg, key, src))

@@ -24,6 +24,7 @@ from ..distributed import print0
 from ..errors import DataError
 from .build import mix
 from .sources import column_map, read_rows
+from .split import held_out_split
 
 PAIR = ("chosen", "rejected")
 
@@ -96,13 +97,14 @@ def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
     return pair
 
 
-def read_pairs(src: DataSource, key: str) -> tuple[list[dict], bool]:
-    """The pair of every row of a source, and whether they are conversations; the first bad row stops."""
+def read_pairs(src: DataSource, key: str, with_rows: bool = False):
+    """The pair of every row of a source, and whether they are conversations (and, `with_rows`, each pair's row in
+    the file's own numbering); the first bad row stops."""
     rows = read_rows(src, key)
     rename = column_map(rows, src, key)
     if rows.count == 0:
         raise DataError(f"{key}.path: {src.path} has no examples")
-    pairs, kinds = [], {}
+    pairs, kinds, places = [], {}, []
     for where, row in rows.iterate():
         try:
             pair = pair_of_row({rename.get(k, k): v for k, v in row.items()}, src.roles)
@@ -114,20 +116,71 @@ def read_pairs(src: DataSource, key: str) -> tuple[list[dict], bool]:
             raise DataError(f"{key}: {where}: is {'a conversation' if kind else 'text'} but {kinds[not kind]} is "
                             f"{'text' if kind else 'a conversation'}; put each kind in a source of its own")
         pairs.append(pair)
+        places.append(where)
     print0(f"hftrain: {key} ({src.path}): layout preference ({'conversations' if kinds.get(True) else 'text'}), "
            f"{len(pairs)} pairs", file=sys.stderr)
-    return pairs, bool(kinds.get(True))
+    return (pairs, bool(kinds.get(True)), places) if with_rows else (pairs, bool(kinds.get(True)))
 
 
-def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42) -> PreferenceData:
+ROW = "__hftrain_row"  # a pair's position in its source while TRL's tokenisation runs (removed after)
+
+
+def trl_prepared(ds, tokenizer, max_length: int | None, name: str = "preference"):
+    """The pairs as TRL 1.16's DPOTrainer will prepare them at data.max_length: its own DPOTrainer._prepare_dataset
+    (prompt extraction, EOS for text pairs, tokenising prompt, prompt + chosen and prompt + rejected with the chat
+    template, and dropping every pair whose prompt alone fills max_length, which keep_start truncation would leave
+    with no answer token). Called rather than re-written, so that the count here is TRL's; the method reads only the
+    tokenizer's EOS of its trainer, given here. The prepared rows keep ROW, their index in `ds`."""
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer  # heavy import: preference runs only
+
+    args = SimpleNamespace(dataset_num_proc=None, max_length=max_length, truncation_mode="keep_start")
+    indexed = ds.add_column(ROW, list(range(len(ds))))
+    return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), indexed, tokenizer, args, name)
+
+
+def _shown(rows: list[str]) -> str:
+    return ", ".join(rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+
+
+def check_lengths(ds, places: list[str], tokenizer, max_length: int, key: str, path: str):
+    """The pairs of one source that truncation to data.max_length leaves something to train on: a pair whose prompt
+    fills max_length (TRL drops it) is counted and left out here, before the model loads; none left is a DataError
+    naming data.max_length; pairs whose two answers are the same within max_length (they differ only after the cut,
+    so the pair states no preference) are counted. Both counts are printed with the first rows."""
+    prepared = trl_prepared(ds, tokenizer, max_length, key)
+    kept = prepared[ROW]
+    dropped = sorted(set(range(len(ds))) - set(kept))
+    if not kept:
+        shortest = min(len(ids) for ids in trl_prepared(ds, tokenizer, None, key)["prompt_ids"])
+        raise DataError(f"{key}: every one of the {len(ds)} pairs of {path} has a prompt of data.max_length="
+                        f"{max_length} tokens or more, so truncation would leave none of their answers to train on "
+                        f"(the shortest prompt has {shortest} tokens); raise data.max_length above {shortest}")
+    if dropped:
+        print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} pairs of {path} are left out: their prompt alone fills "
+               f"data.max_length={max_length} tokens, so nothing of their answers would be trained "
+               f"({_shown([places[i] for i in dropped])}); raise data.max_length to keep them", file=sys.stderr)
+    same = [places[r] for r, p, c, j in zip(kept, prepared["prompt_ids"], prepared["chosen_ids"],
+                                            prepared["rejected_ids"])
+            if c[:max_length - len(p)] == j[:max_length - len(p)]]
+    if same:
+        print0(f"hftrain: {key}: {len(same)} of {len(ds)} pairs of {path} have the same chosen and rejected tokens "
+               f"within data.max_length={max_length} (they differ only after the cut): they state no preference "
+               f"({_shown(same)}); raise data.max_length", file=sys.stderr)
+    return ds.select(kept) if dropped else ds
+
+
+def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, tokenizer=None) -> PreferenceData:
     """Every source read and checked, held-out pairs split off (data.eval_fraction) or read (data.eval_sources),
-    the training sources mixed by weight."""
+    the training sources mixed by weight. With the run's `tokenizer`, each source's pairs are also measured as TRL
+    will truncate them (check_lengths), before any model is loaded."""
     train_parts, eval_parts, weights, kinds = [], [], [], {}
     groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
         ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
     for group, src, i in groups:
         key = f"data.{group}.{i}"
-        pairs, conversational = read_pairs(src, key)
+        pairs, conversational, places = read_pairs(src, key, with_rows=True)
         kinds.setdefault(conversational, key)
         if len(kinds) > 1:
             raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} pairs but "
@@ -138,13 +191,14 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42) 
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             pairs = [{**p, "chat_template_kwargs": cfg.chat_template_kwargs} for p in pairs]
         ds = datasets.Dataset.from_list(pairs)
+        if tokenizer is not None:
+            ds = check_lengths(ds, places, tokenizer, cfg.max_length, key, src.path)
         if group == "eval_sources":
             eval_parts.append(ds)
             continue
         if cfg.eval_fraction > 0:
-            split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            ds = split["train"]
-            eval_parts.append(split["test"])
+            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
+            eval_parts.append(held)
         train_parts.append(ds)
         weights.append(src.weight)
     evald = datasets.concatenate_datasets(eval_parts) if eval_parts else None

@@ -26,6 +26,7 @@ from ..errors import DataError
 from .build import mix
 from .preference import PreferenceData, is_empty, messages_of, pair_of_row
 from .sources import column_map, read_rows
+from .split import held_out_split
 
 EXAMPLE = ("prompt", "completion", "label")
 LABELS = {True: "desirable", False: "undesirable"}
@@ -131,9 +132,8 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) ->
             eval_parts.append(split_in_two(ds, paired))
             continue
         if cfg.eval_fraction > 0:  # pairs are held out whole: no prompt's answers on both sides
-            split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            ds = split["train"]
-            eval_parts.append(split_in_two(split["test"], paired))
+            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
+            eval_parts.append(split_in_two(held, paired))
         train_parts.append(split_in_two(ds, paired))
         weights.append(src.weight)
     train = mix(train_parts, weights, seed).shuffle(seed=seed)

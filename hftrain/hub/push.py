@@ -12,10 +12,12 @@ Nothing here speaks HTTP itself.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shlex
 import shutil
+import tempfile
 import time
 
 from huggingface_hub import HfApi, get_token
@@ -78,14 +80,56 @@ def _place(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: str | None = None,
-                 license: str | None = None, trust_remote_code: bool = False) -> list[str]:
-    """Write the exact folder to upload into `dest` (replaced whole): model files, run records, README.md card.
+STAGE_MARKER = ".hftrain_stage.json"  # in a folder `hftrain push` staged: the files it put there (never uploaded)
 
-    With merge_lora the model files come from output_dir/merged instead of the adapter. Returns the file names.
+
+def stage_problem(dest: str) -> str | None:
+    """Why `dest` may not receive a new stage: hftrain replaces only a folder it made itself. Allowed: no such path,
+    an empty folder, or a stage this command wrote earlier and nobody has added to since (its marker lists exactly
+    the files in it). Anything else (the run's own folder, a checkpoint, a folder of yours) is refused, whatever
+    it holds, before anything is written."""
+    if not os.path.lexists(dest):
+        return None
+    if os.path.islink(dest) or not os.path.isdir(dest):
+        return f"--stage-dir {dest} is not a folder; give a new or empty folder"
+    names = sorted(os.listdir(dest))
+    if not names:
+        return None
+    listed = _marker_files(dest)
+    extra = [n for n in names if n != STAGE_MARKER and (listed is None or n not in listed
+                                                          or not os.path.isfile(os.path.join(dest, n)))]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        what = "files hftrain did not stage" if listed is None else "files added after hftrain staged it"
+        return (f"--stage-dir {dest} holds {what} ({shown}): hftrain replaces only a folder it staged itself. "
+                "Give --stage-dir a new or empty folder (e.g. a name of its own inside that one)")
+    return None
+
+
+def _marker_files(folder: str) -> set[str] | None:
+    try:
+        with open(os.path.join(folder, STAGE_MARKER), encoding="utf-8") as fh:
+            files = json.load(fh)["files"]
+        return set(files) if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: str | None = None,
+                 license: str | None = None, trust_remote_code: bool = False, validate=None) -> list[str]:
+    """Write the exact folder to upload and publish it as `dest`: model files, run records, README.md card.
+
+    The files are staged in a new temporary folder beside `dest` (made here), validated there (`validate(folder)`
+    -> problems; a HubError with them, and the temporary folder removed, when any), then moved to `dest`, which
+    must be new, empty, or an earlier stage of hftrain's (stage_problem): nothing else is ever removed. With
+    merge_lora the model files come from output_dir/merged instead of the adapter. Returns the file names.
     """
     if not os.path.isfile(os.path.join(output_dir, RECIPE_FILE)):
         raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (recipes/sft.py writes it)")
+    dest = os.path.abspath(dest)
+    problem = stage_problem(dest)
+    if problem:
+        raise HubError(problem)
     sources: dict[str, str] = {}
     if merge_lora:
         merged = os.path.join(output_dir, "merged")
@@ -103,17 +147,43 @@ def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: 
         if merge_lora and f.startswith("adapter_"):
             continue
         sources.setdefault(f, os.path.join(output_dir, f))
-    partial = dest.rstrip("/") + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    for f, src in sorted(sources.items()):
-        _place(src, os.path.join(partial, f))
-    files = sorted([*sources, CARD_FILE])
-    build_card(output_dir, files, repo_id=repo_id, license=license, merged=merge_lora).save(
-        os.path.join(partial, CARD_FILE))
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(partial, dest)
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=".hftrain-stage-", dir=parent)  # this call's own folder
+    try:
+        for f, src in sorted(sources.items()):
+            _place(src, os.path.join(partial, f))
+        files = sorted([*sources, CARD_FILE])
+        build_card(output_dir, files, repo_id=repo_id, license=license, merged=merge_lora).save(
+            os.path.join(partial, CARD_FILE))
+        problems = validate(partial) if validate is not None else []
+        if problems:
+            raise HubError(problems, header=f"refusing to push {output_dir}: {len(problems)} problem(s), nothing "
+                                            "uploaded")
+        with open(os.path.join(partial, STAGE_MARKER), "w", encoding="utf-8") as fh:
+            json.dump({"files": files, "from": os.path.abspath(output_dir)}, fh)
+        _publish_stage(partial, dest)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # made above, in this call
+        raise
     return files
+
+
+def _publish_stage(partial: str, dest: str) -> None:
+    """Move the staged folder to `dest`. An earlier stage there (checked by stage_problem) is first moved into a
+    folder made here for the purpose, then removed with it; an empty `dest` is removed with rmdir (empty only)."""
+    if os.path.isdir(dest) and not os.listdir(dest):
+        os.rmdir(dest)
+    if not os.path.lexists(dest):
+        os.rename(partial, dest)
+        return
+    problem = stage_problem(dest)  # again, just before replacing it
+    if problem:
+        raise HubError(problem)
+    trash = tempfile.mkdtemp(prefix=".hftrain-old-stage-", dir=os.path.dirname(dest))
+    os.rename(dest, os.path.join(trash, "stage"))
+    os.rename(partial, dest)
+    shutil.rmtree(trash)  # made above; holds only the earlier stage, which stage_problem showed to be hftrain's
 
 
 def token_problems(folder: str, token: str | None) -> list[str]:
@@ -170,18 +240,18 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
         token = get_token()  # HF_TOKEN, else the stored login
         if not token:
             raise HubError(NO_TOKEN)
-    stage = stage_dir or os.path.join(output_dir, STAGE_DIR)
-    files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license, trust_remote_code)
+    stage = os.path.abspath(stage_dir or os.path.join(output_dir, STAGE_DIR))
     merged_ref = os.path.join(output_dir, "merged")
-    if hub.merge_lora:
-        # The merged model pushed must equal base + the run's adapter.
-        problems = validate_folder(stage, trust_remote_code=trust_remote_code) + adapter_problems(output_dir, stage)
-    else:
-        problems = validate_folder(stage, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code)
-    problems += token_problems(stage, token)
-    if problems:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise HubError(problems, header=f"refusing to push {output_dir}: {len(problems)} problem(s), nothing uploaded")
+
+    def validate(folder: str) -> list[str]:
+        if hub.merge_lora:  # the merged model pushed must equal base + the run's adapter
+            problems = validate_folder(folder, trust_remote_code=trust_remote_code) + adapter_problems(output_dir,
+                                                                                                        folder)
+        else:
+            problems = validate_folder(folder, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code)
+        return problems + token_problems(folder, token)
+
+    files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license, trust_remote_code, validate)
     print(f"hftrain: validated {stage} ({len(files)} files): " + ", ".join(files), flush=True)
     if dry_run:
         print(f"hftrain: dry run: this folder is what `hftrain push` would upload to {hub.repo_id}", flush=True)
@@ -197,7 +267,7 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
             if hub.revision:
                 api.create_branch(hub.repo_id, branch=hub.revision, exist_ok=True)
             info = api.upload_folder(repo_id=hub.repo_id, folder_path=stage, revision=hub.revision,
-                                     commit_message=message)
+                                     commit_message=message, ignore_patterns=[STAGE_MARKER])
             print(f"hftrain: pushed {len(files)} files to {hub.repo_id}"
                   + (f" (branch {hub.revision})" if hub.revision else "") + f": {info.commit_url}", flush=True)
             return info.commit_url

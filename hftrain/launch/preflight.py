@@ -10,9 +10,11 @@ import glob
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import replace
+from typing import Callable
 
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
@@ -30,7 +32,9 @@ from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
 from ..rewards import dry_run, load_rewards
 from ..sequence_parallel import heads_problem
+from . import libraries
 from .plan import model_facts, swap_buffer_elems
+from .resume import compatibility_problems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
 # (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (launch.plan).
@@ -149,31 +153,18 @@ def strategy_problems(strategy: StrategySection, num_parameters: int | None = No
     return problems
 
 
-def _within(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def guarded_folder_problem(path: str, protected: dict[str, str]) -> str | None:
-    """output_dir must not be `/`, the home folder or the working folder (a run writes and rotates files there), nor
-    be, contain or lie inside a folder the run reads from (`protected`: description -> path), which its save would
-    overwrite."""
-    real = os.path.realpath(path)
-    for what, folder in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
-                         ("the folder you run from", os.getcwd())):
-        if real == os.path.realpath(folder):
-            return f"training.output_dir: {path} is {what}; give the run a folder of its own (e.g. runs/my-run)"
-    for what, folder in protected.items():
-        other = os.path.realpath(folder)
-        if _within(real, other) or _within(other, real):
-            return (f"training.output_dir: {path} {'is' if real == other else 'overlaps'} {what} ({folder}): the "
-                    "final save would overwrite it; choose another folder")
-    return None
+def protected_folders(recipe: Recipe) -> dict[str, str]:
+    """The folders a run reads from that its output_dir must not be, hold or lie in: description -> path."""
+    m = recipe.model
+    reads = {"model.name_or_path": getattr(m, "name_or_path", None),
+             "model.tokenizer_name_or_path": getattr(m, "tokenizer_name_or_path", None)}
+    return {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
 
 
 def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> list[str]:
     """output_dir is a folder of its own (guarded_folder_problem), and it, or the folder it will be created in, is
     writable. Nothing is created here: a refused run leaves nothing behind."""
-    guarded = guarded_folder_problem(path, protected or {})
+    guarded = outdir.guarded_folder_problem(path, protected)
     if guarded:
         return [guarded]
     parent = os.path.abspath(path)
@@ -187,16 +178,21 @@ def output_dir_problems(path: str, protected: dict[str, str] | None = None) -> l
     return []
 
 
-def resume_problems(value, output_dir: str, layout: dict | None = None, weights_only: bool = False) -> list[str]:
+def resume_problems(value, output_dir: str, layout: dict | None = None, weights_only: bool = False,
+                    recipe: Recipe | None = None, warn=lambda _m: None) -> list[str]:
     """training.resume_from_checkpoint names (or, when true, finds) a complete checkpoint that this run's layout
-    (checkpoints.layout) can resume exactly: checked before any model is loaded, not minutes later in train()."""
+    (checkpoints.layout) can resume exactly and, with `recipe`, of the model, vocabulary and LoRA adapter the recipe
+    builds (launch.resume): checked before any model is loaded, not minutes later in train(). `warn` hears what is
+    accepted with a caveat (a checkpoint without a manifest, and who wrote it)."""
     try:
-        path = checkpoints.resolve_resume(value, output_dir, warn=lambda _m: None, weights_only=weights_only)
+        path = checkpoints.resolve_resume(value, output_dir, warn=warn, weights_only=weights_only)
         if layout is not None:
             checkpoints.check_layout(path, layout)
     except checkpoints.CheckpointError as e:
         return [str(e)]
-    return []
+    if path is None or recipe is None or recipe.model is None:
+        return []
+    return compatibility_problems(path, recipe, load_tokenizer=lambda m: load_tokenizer(m))
 
 
 def _message(recipe: Recipe, key: str, msg: str) -> str:
@@ -209,7 +205,8 @@ def _typed(value, tp) -> bool:
 
 
 def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: dict | None = None,
-                 launcher: str | None = None, world_size: int | None = None, environment: bool = True
+                 launcher: str | None = None, world_size: int | None = None, environment: bool = True,
+                 script: list[str] | Callable[[Recipe], list[str]] | None = None
                  ) -> tuple[Recipe, StrategySection]:
     """The recipe and the strategy that will run, or a RecipeError with every problem found.
 
@@ -217,7 +214,9 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     `hftrain check` / `launch` / `config` pass neither, and the strategy is then strategy.name, or ddp as `hftrain
     launch` runs it, on strategy.num_processes processes). ZeRO-Infinity's swap buffers are sized here to the
     largest parameter partition. `environment=False` (`hftrain config`, which may render for another machine)
-    leaves out what this machine says."""
+    leaves out what this machine says. `script` (`hftrain check`, `hftrain launch`: what the launch hands accelerate
+    launch to run, `-m hftrain.recipes.sft` or a script's path) adds what `accelerate launch` itself would refuse of
+    the launch (launch.libraries)."""
     recipe, problems = parse_recipe(path, overrides, raw)
     s = recipe.strategy
     if launcher is not None and s.name in STRATEGIES and s.name != launcher:
@@ -249,15 +248,20 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     if environment and recipe.grpo is not None and recipe.grpo.generation == "vllm":
         problems += [_message(recipe, "grpo.generation", msg) for msg in vllm_problems()]
     if environment:
-        env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid)
+        # The run's own train() says what it accepts with a caveat (an unverified checkpoint); check and launch say it.
+        warn = (lambda m: print(m, file=sys.stderr, flush=True)) if launcher is None else (lambda _m: None)
+        env, strategy = environment_problems(recipe, strategy, world, skip=recipe.invalid, warn=warn)
         problems += env
+    if environment and script and launcher is None and not problems:  # the launch itself, as accelerate will run it
+        script = script(recipe) if callable(script) else script
+        problems += [_message(recipe, k, m) for k, m in libraries.launch_problems(recipe, strategy, script)]
     if problems:
         raise RecipeError(problems)
     return recipe, strategy
 
 
-def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str] = frozenset()
-                         ) -> tuple[list[str], StrategySection]:
+def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str] = frozenset(),
+                         warn=lambda _m: None) -> tuple[list[str], StrategySection]:
     """What this machine says about the recipe: paths that cannot be loaded or written, a checkpoint that cannot be
     resumed, TrainingArguments' own rules, NVMe and DeepSpeed ops. Keys in `skip` already have a problem."""
     out: list[tuple[str, str]] = []
@@ -271,6 +275,18 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         msg = arguments_problem(arguments_kwargs(recipe, accelerator_available()))
         if msg:
             out.append(("training", f"TrainingArguments refuses these values: {msg}"))
+        else:  # what the Trainer, torch's DataLoader and the optimizer/scheduler factories would refuse in train()
+            out += libraries.trainer_problems(recipe, accelerator_available())
+    if model_ok and not any(k.startswith("model.lora") for k in skip):
+        out += libraries.lora_problems(recipe)
+    if recipe.eval is not None and "eval.max_new_tokens" not in skip:
+        msg = libraries.generation_problem(recipe.eval.max_new_tokens)
+        if msg:
+            out.append(("eval.max_new_tokens", msg))
+    if recipe.data is not None and "data.num_proc" not in skip:
+        msg = libraries.num_proc_problem(recipe.data.num_proc)
+        if msg:
+            out.append(("data.num_proc", msg))
     sp = strategy.sequence_parallel if _typed(strategy.sequence_parallel, int) else 1
     heads = _heads_problem(m.name_or_path, m.trust_remote_code, sp) if model_ok and sp > 1 else None
     if heads:
@@ -291,10 +307,7 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         out += [(_strategy_key(msg), msg) for msg in strategy_problems(strategy, facts.params if facts else None)]
     output_dir = t.get("output_dir")
     if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
-        reads = {"model.name_or_path": m.name_or_path if model_ok else None,
-                 "model.tokenizer_name_or_path": m.tokenizer_name_or_path if model_ok else None}
-        protected = {f"{key}'s folder": p for key, p in reads.items() if isinstance(p, str) and os.path.isdir(p)}
-        where = output_dir_problems(output_dir, protected)
+        where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
         if not where and "training.overwrite_output_dir" not in skip:
             resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
             owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))
@@ -305,7 +318,8 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
                                      recipe.training_value("gradient_accumulation_steps"), strategy.name, sp)
             out += [("training.resume_from_checkpoint", msg)
                     for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
-                                               recipe.training_value("resume_weights_only") is True)]
+                                               recipe.training_value("resume_weights_only") is True,
+                                               recipe if model_ok else None, warn)]
     return [_message(recipe, k, msg) for k, msg in out], strategy
 
 
@@ -344,9 +358,11 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
         return tokenizer, check_prompts(recipe, tokenizer, world_size, seed)
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        unpaired = recipe.preference.loss_type in UNPAIRED  # kto: examples labelled desirable or not
-        build = build_unpaired_data if unpaired else build_preference_data
-        data = build(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if recipe.preference.loss_type in UNPAIRED:  # kto: examples labelled desirable or not
+            data = build_unpaired_data(recipe.data, has_template, seed=seed)
+        else:  # pairs, measured as TRL truncates them (data.preference.check_lengths)
+            data = build_preference_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),

@@ -27,14 +27,15 @@ from .. import outdir, stop_request
 from ..distributed import (accelerator_available, all_gather_object, barrier, elastic_restart_count,
                            is_local_main_process, is_main_process, launcher_world_size, print0, restart_count,
                            world_size)
-from ..errors import LaunchError, RecipeError
-from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
+from ..errors import LaunchError, RecipeError, UserError
+from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
+                        start_heartbeat)
 from .. import sequence_parallel
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
-from .preflight import check_recipe, extensions_dir
+from .preflight import check_recipe, extensions_dir, protected_folders
 from .strategies import deepspeed_config, render
 
 
@@ -92,6 +93,8 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
+    else:  # a run of its own: SIGTERM ends it like Ctrl-C, status 143 and one line (errors.exit_on_user_error)
+        end_on_terminate()
     stop_request.arm()  # SIGUSR1 (SLURM's warning before a time limit): save a checkpoint and stop, not die
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
@@ -176,11 +179,23 @@ def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[st
 
 
 def claim_output_dir(recipe: Recipe) -> None:
-    """After every check has passed and before anything is written: the main process takes output_dir's lock for the
-    run's lifetime (and, with training.overwrite_output_dir, clears the previous run's checkpoints; outdir.claim)."""
+    """After every check has passed and immediately before anything is written to output_dir: the main process takes
+    output_dir's lock for the run's lifetime and, under it, checks the folder again (outdir.claim: another run may have
+    finished there since the preflight looked); with training.overwrite_output_dir it then clears the previous run's
+    checkpoints. Every rank calls this: a refusal reaches every rank as the same error (exit 2 on each), not only the
+    main process."""
+    problem = None
     if is_main_process():
         resumed = bool(recipe.resume_from_checkpoint) or restart_count() > 0
-        outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0)
+        try:
+            outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0,
+                         protected=protected_folders(recipe))
+        except UserError as e:
+            problem = str(e)
+    if world_size() > 1:
+        problem = all_gather_object(problem)[0]  # the main process's verdict, on every rank
+    if problem:
+        raise LaunchError(problem)
     _check_shared_output_dir(recipe.output_dir)
 
 
