@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from . import checkpoints, distributed, guards
+from . import checkpoints, distributed, fileio, guards
 from .config import Recipe, StrategySection
 from .constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE, SHARDED, ZERO_STAGE
 from .errors import LaunchError
@@ -167,11 +167,11 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
         error = checkpoints.save_failure(e, staged, out)
         if distributed.is_main_process():
             shutil.rmtree(staged, ignore_errors=True)
-            checkpoints.remove_staging_root(os.path.dirname(staged))
+            fileio.remove_staging_root(os.path.dirname(staged))
         raise error from e
     distributed.barrier()
     if distributed.is_main_process():
-        checkpoints.publish_into(staged, out)
+        fileio.publish_into(staged, out)
     distributed.barrier()
     trainer.save_state()
     info = run_info(trainer, strategy)

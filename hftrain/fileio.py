@@ -116,3 +116,53 @@ def safetensors_problem(path: str) -> str | None:
     if 8 + n + end != size:
         return f"{path}: truncated ({size} bytes, the header describes {8 + n + end})"
     return None
+
+
+# -- publishing a staged folder (hftrain.checkpoints' checkpoints, artifacts' final model) -----------------------------
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """Flush every file and folder under root to disk, so that the rename publishes data, not holes."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath, directory=True)
+
+
+def publish(staged: str, final: str) -> None:
+    """fsync the staged checkpoint and rename it into place (replacing an older save of the same step)."""
+    fsync_tree(staged)
+    if os.path.lexists(final):  # e.g. a run re-saving step N after resuming from before N
+        shutil.rmtree(final)
+    os.rename(staged, final)
+    _fsync(os.path.dirname(final), directory=True)
+    remove_staging_root(os.path.dirname(staged))
+
+
+def publish_into(staged: str, out: str) -> list[str]:
+    """Move every entry of the staged folder into `out` (os.replace: each file is the old one or the new one,
+    never half of one). For the final model, whose folder also holds checkpoints and so cannot be swapped whole."""
+    fsync_tree(staged)
+    names = sorted(os.listdir(staged))
+    for name in names:
+        dest = os.path.join(out, name)
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            shutil.rmtree(dest)
+        os.replace(os.path.join(staged, name), dest)
+    _fsync(out, directory=True)
+    os.rmdir(staged)
+    remove_staging_root(os.path.dirname(staged))
+    return names
+
+
+def remove_staging_root(root: str) -> None:
+    try:
+        os.rmdir(root)  # only when empty
+    except OSError:
+        pass

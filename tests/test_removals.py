@@ -61,22 +61,22 @@ REMOVALS = {
     ("hftrain/checkpoints.py", "to_universal", "os.rename"): (
         1, "its staging folder to <tag>_universal (after the leftover of its name was removed)",
         ["tests/test_removals.py::test_universal_conversion_removes_only_its_own_folders"]),
-    ("hftrain/checkpoints.py", "publish", "shutil.rmtree"): (
+    ("hftrain/fileio.py", "publish", "shutil.rmtree"): (
         1, "checkpoint-N of this run saved again (a resumed run re-saving a step): replaced by the new save",
         ["tests/test_removals.py::test_publish_replaces_only_the_checkpoint_of_the_same_step"]),
-    ("hftrain/checkpoints.py", "publish", "os.rename"): (
+    ("hftrain/fileio.py", "publish", "os.rename"): (
         1, "the staged checkpoint into place",
         ["tests/test_checkpoints.py::test_checkpoints_are_published_complete"]),
-    ("hftrain/checkpoints.py", "publish_into", "shutil.rmtree"): (
+    ("hftrain/fileio.py", "publish_into", "shutil.rmtree"): (
         1, "the final save: a folder of output_dir with the name of an entry the final save wrote (replaced by it)",
         ["tests/test_removals.py::test_publish_into_replaces_only_the_entries_it_moves"]),
-    ("hftrain/checkpoints.py", "publish_into", "os.replace"): (
+    ("hftrain/fileio.py", "publish_into", "os.replace"): (
         1, "the final save: each file it wrote replaces its previous version",
         ["tests/test_removals.py::test_publish_into_replaces_only_the_entries_it_moves"]),
-    ("hftrain/checkpoints.py", "publish_into", "os.rmdir"): (
+    ("hftrain/fileio.py", "publish_into", "os.rmdir"): (
         1, "the final save's staging folder, emptied by the moves",
         ["tests/test_removals.py::test_publish_into_replaces_only_the_entries_it_moves"]),
-    ("hftrain/checkpoints.py", "remove_staging_root", "os.rmdir"): (
+    ("hftrain/fileio.py", "remove_staging_root", "os.rmdir"): (
         1, "output_dir/_incomplete, only when empty",
         ["tests/test_removals.py::test_publish_into_replaces_only_the_entries_it_moves"]),
     ("hftrain/artifacts.py", "save_final", "shutil.rmtree"): (

@@ -17,7 +17,7 @@ import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .. import checkpoints, distributed, guards, manifest, sequence_parallel
+from .. import checkpoints, distributed, fileio, guards, manifest, sequence_parallel
 from ..config import strategy_of_deepspeed_config
 from ..errors import CheckpointError
 from ..patches.deepspeed import untie_zero3_universal_steps
@@ -97,7 +97,7 @@ class StagedCheckpointMixin:
             error = checkpoints.save_failure(e, staged, run_dir)
             if self.args.should_save:
                 shutil.rmtree(staged, ignore_errors=True)
-                checkpoints.remove_staging_root(root)
+                fileio.remove_staging_root(root)
             raise error from e
         distributed.barrier()  # every rank has written its part (sharded strategies: its shards)
         if self.args.should_save:
@@ -116,10 +116,10 @@ class StagedCheckpointMixin:
                 json.dump(self._layout(), fh)
             # Last, once every rank has written its part (the barrier before): sizes and sha256 of every file.
             manifest.write_manifest(staged)
-            checkpoints.publish(staged, final)
+            fileio.publish(staged, final)
         except OSError as e:
             error = checkpoints.save_failure(e, staged, run_dir)
             shutil.rmtree(staged, ignore_errors=True)
-            checkpoints.remove_staging_root(root)
+            fileio.remove_staging_root(root)
             raise error from e
         rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
