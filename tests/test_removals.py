@@ -245,7 +245,7 @@ def test_publish_replaces_only_the_checkpoint_of_the_same_step(tmp_path):
     staged = run / checkpoints.STAGING / "checkpoint-2"
     staged.mkdir(parents=True)
     (staged / "new.bin").write_text("new save of step 2")
-    checkpoints.publish(str(staged), str(run / "checkpoint-2"))
+    fileio.publish(str(staged), str(run / "checkpoint-2"))
     assert _tree(run) == {"checkpoint-2/new.bin": b"new save of step 2", "checkpoint-20/a": b"step 20",
                           "checkpoint-2-notes/mine.txt": b"mine"}
 
@@ -261,12 +261,12 @@ def test_publish_into_replaces_only_the_entries_it_moves(tmp_path):
     staged.mkdir()
     (staged / "model.safetensors").write_text("new final")
     (staged / "tokenizer.json").write_text("{}")
-    assert checkpoints.publish_into(str(staged), str(out)) == ["model.safetensors", "tokenizer.json"]
+    assert fileio.publish_into(str(staged), str(out)) == ["model.safetensors", "tokenizer.json"]
     assert _tree(out) == {"checkpoint-4/model.safetensors": b"checkpoint", "model.safetensors": b"new final",
                           "notes.txt": b"mine", "tokenizer.json": b"{}"}
     assert os.listdir(out / checkpoints.STAGING) == ["other"]  # the root is removed only once empty
     os.rmdir(out / checkpoints.STAGING / "other")
-    checkpoints.remove_staging_root(str(out / checkpoints.STAGING))
+    fileio.remove_staging_root(str(out / checkpoints.STAGING))
     assert not (out / checkpoints.STAGING).exists()
 
 
