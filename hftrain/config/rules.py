@@ -200,6 +200,9 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
         out.append(("data.chat_template", problem))
     if _num(d.max_length) and d.max_length < 2:
         out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
+    if _num(d.num_proc) and d.num_proc < 1:
+        out.append(("data.num_proc", f"must be at least 1 (or unset: the cores available), got {d.num_proc}"))
+    _streaming_problems(recipe, out)
     for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
         if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
             out.append((f"data.sources.{i}.weight", f"must be > 0, got {s.weight}"))
@@ -210,6 +213,32 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
                     out.append((f"data.{group}.{i}.roles.{theirs}", f"unknown role '{ours}': map {theirs} to one of "
                                 f"{', '.join(ROLE_TARGETS)}"))
     return (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
+
+
+def _streaming_problems(recipe: Recipe, out: Problems) -> None:
+    """data.streaming: a stream has no length (max_steps), holds nothing out, and keeps its position in the
+    training process (no dataloader workers)."""
+    d, t = recipe.data, recipe.training
+    if _num(d.shuffle_buffer) and d.shuffle_buffer < 1:
+        out.append(("data.shuffle_buffer", f"must be at least 1, got {d.shuffle_buffer}"))
+    if d.streaming is not True:
+        if d.shuffle_buffer is not None:
+            out.append(("data.shuffle_buffer", "applies to data.streaming: true only (prepared data is shuffled "
+                        "whole): remove it, or set data.streaming: true"))
+        return
+    steps = t.get("max_steps")
+    if not (_num(steps) and steps > 0):
+        out.append(("training.max_steps", "data.streaming needs training.max_steps > 0: a stream has no length to "
+                    "count epochs in"))
+    if _num(d.eval_fraction) and d.eval_fraction > 0:
+        out.append(("data.eval_fraction", "cannot hold rows out of a stream: give held-out data in "
+                    "data.eval_sources (prepared, not streamed), or set data.streaming: false"))
+    workers = t.get("dataloader_num_workers")
+    if _num(workers) and workers > 0:
+        out.append(("training.dataloader_num_workers", "must be 0 with data.streaming: the stream's position, which "
+                    "a checkpoint records, lives in the training process (rows are tokenised there as they come)"))
+    if recipe.preference is not None:
+        out.append(("data.streaming", "applies to supervised fine-tuning, not to preference pairs: remove it"))
 
 
 def _compression_problems(c: CompressionSection, out: Problems) -> None:

@@ -135,6 +135,11 @@ def arguments_kwargs(recipe, accelerator: bool) -> dict:
         # The "before" eval loss must come from inside train(): a trainer.evaluate() before train() marks the model
         # prepared and train() then skips the DDP wrap (transformers 5.23, accelerate 1.15).
         kwargs["eval_on_start"] = True
+    if recipe.data.streaming is True:
+        # Each process reads its own share of the stream (data/stream.py): accelerate's default for an iterable
+        # dataset would have the main process read every batch and send the others theirs.
+        config = kwargs.get("accelerator_config")
+        kwargs["accelerator_config"] = {**(config if isinstance(config, dict) else {}), "dispatch_batches": False}
     if "use_cpu" not in kwargs and not accelerator:
         # Without it a GPU-less multi-process launch silently trains world-size-1 copies.
         kwargs["use_cpu"] = True

@@ -12,6 +12,7 @@ file's own numbering (see sources.py), what is wrong and the fix.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from ..config import DataSource
 from ..constants import ROLE_TARGETS, ROLES
@@ -43,11 +44,27 @@ def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, 
 
 
 def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
-    """read_canonical for rows already read."""
+    """read_canonical for rows already read (into a list: for small sources, the tiny model's tokenizer, tests)."""
+    fmt, rename = source_layout(rows, src, key)
+    out = [(where, canonical_row(row, fmt, rename, has_template, src.roles, key, where)) for where, row in rows.iterate()]
+    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
+    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
+    return fmt, out
+
+
+def source_layout(rows: Rows, src: DataSource, key: str) -> tuple[str, dict[str, str]]:
+    """(the layout of a source's rows, the rename map of its `columns:`): detected from the columns of all its rows
+    (a folder or glob whose files hold different layouts is refused naming them), or the one `format:` names."""
     rename = column_map(rows, src, key)
     columns = [rename.get(c, c) for c in rows.columns]
     fmt = src.format
     if fmt == "auto":
+        per_file = {name: detect_format([rename.get(c, c) for c in cols]) for name, cols in rows.part_columns}
+        kinds = {f for f in per_file.values() if f is not None}
+        if len(kinds) > 1:
+            shown = ", ".join(f"{os.path.basename(name)} is {f}" for name, f in per_file.items() if f is not None)
+            raise DataError(f"{key}.path: {src.path} mixes layouts ({shown}); put each layout in a source of its "
+                            "own, or rewrite the files to one layout")
         fmt = detect_format(columns)
         if fmt is None:
             raise DataError(
@@ -64,17 +81,18 @@ def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> t
             )
     if rows.count == 0:
         raise DataError(f"{key}.path: {src.path} has no examples")
-    out = []
-    for where, row in rows.iterate():
-        row = {rename.get(k, k): v for k, v in row.items()}
-        try:
-            _check_layout(row, fmt)
-            out.append((where, to_messages_or_text(row, fmt, has_template, src.roles, key)))
-        except DataError as e:
-            raise DataError(f"{key}: {where}: {e}") from None
-    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
-    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
-    return fmt, out
+    return fmt, rename
+
+
+def canonical_row(row: dict, fmt: str, rename: dict[str, str], has_template: bool, roles: dict[str, str], key: str,
+                  where: str) -> dict:
+    """The canonical form of one row as read; a problem is a DataError naming the key and the row."""
+    row = {rename.get(k, k): v for k, v in row.items()} if rename else row
+    try:
+        _check_layout(row, fmt)
+        return to_messages_or_text(row, fmt, has_template, roles, key)
+    except DataError as e:
+        raise DataError(f"{key}: {where}: {e}") from None
 
 
 def _check_layout(row: dict, fmt: str) -> None:

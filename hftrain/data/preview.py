@@ -1,15 +1,16 @@
-"""What a recipe trains on, shown: rendered examples with the trained tokens marked, and per-source counts
-(`hftrain data RECIPE`). It runs the training pipeline's own functions on every row; nothing here trains."""
+"""What a recipe trains on, shown: per-source statistics from the prepared data (every example, read from the
+cache's columns, so a million rows answer in seconds once prepared) and the first examples rendered with the trained
+tokens marked (`hftrain data RECIPE`). A streaming recipe is never prepared whole: its statistics are those of the
+first rows of each source, and the report says so. Nothing here trains."""
 
 from __future__ import annotations
 
-import json
-import statistics
+import numpy as np
 
 from ..config import DataSection
 from ..constants import IGNORE_INDEX
-from .build import CANON, WHERE, canonical_source, train_on_prompt
-from .render import tokenize_example, trainable_tokens
+from .build import Prepared, prepare_all, prepare_sample
+from .stream import CHECK_ROWS
 
 OPEN, CLOSE = "[[", "]]"  # around each run of trained tokens
 
@@ -31,40 +32,34 @@ def marked(tokenizer, input_ids: list[int], labels: list[int]) -> str:
     return "".join(parts)
 
 
-def source_report(ds, fmt: str, tokenizer, cfg: DataSection, key: str, path: str, examples: int) -> list[str]:
-    """Lines about one source: its layout, token statistics, what truncation does to it, and `examples` rows."""
-    on_prompt = train_on_prompt(fmt, cfg, tokenizer, key)
-    lengths, trained, cut, untrainable, shown = [], [], 0, 0, []
-    for row in ds:
-        out = tokenize_example(json.loads(row[CANON]), tokenizer, on_prompt, cfg.chat_template_kwargs,
-                               f"{key} ({row[WHERE]})")
-        n = len(out["input_ids"])
-        kept = {k: v[: cfg.max_length] for k, v in out.items()}
-        lengths.append(n)
-        trained.append(trainable_tokens(kept["labels"]))
-        cut += n > cfg.max_length
-        untrainable += trained[-1] == 0
-        if len(shown) < examples:
-            shown.append((row[WHERE], n, trained[-1], marked(tokenizer, kept["input_ids"], kept["labels"])))
+def source_report(p: Prepared, tokenizer, cfg: DataSection, examples: int) -> list[str]:
+    """Lines about one prepared source: its layout, token statistics, what truncation does to it, and the first
+    `examples` examples as they train."""
+    lengths, trained = p.column("n_tokens"), p.column("n_trainable")
+    too_long = lengths > cfg.max_length
+    untrainable = (trained == 0) & ~too_long if cfg.truncation == "drop" else trained == 0
     over = "dropped" if cfg.truncation == "drop" else f"cut at {cfg.max_length}"
-    lines = [f"{key} ({path}): layout {fmt}, {len(lengths)} rows",
-             f"  tokens per row: min {min(lengths)}, median {statistics.median(lengths):g}, "
-             f"mean {statistics.fmean(lengths):.1f}, max {max(lengths)}; trained tokens per row: mean "
-             f"{statistics.fmean(trained):.1f}, total {sum(trained)}",
-             f"  longer than data.max_length={cfg.max_length}: {cut} ({over}); left with no trained token: "
-             f"{untrainable}" + (" (dropped: data.skip_untrainable)" if cfg.skip_untrainable else "")]
-    for where, n, t, text in shown:
-        lines += [f"  --- {where}: {n} tokens, {t} trained ({OPEN}trained{CLOSE})", text]
+    counted = (f"all {len(lengths)} examples (prepared: {p.cache_file})" if p.cache_file
+               else f"the {len(lengths)} examples of the first {p.rows.count} rows (streaming: never prepared whole)")
+    lines = [f"{p.key} ({p.src.path}): layout {p.layout.fmt}, {p.rows.count} rows",
+             f"  statistics of {counted}",
+             f"  tokens per row: min {lengths.min()}, median {np.median(lengths):g}, mean {lengths.mean():.1f}, max "
+             f"{lengths.max()}; trained tokens per row: mean {trained.mean():.1f}, total {int(trained.sum())}",
+             f"  longer than data.max_length={cfg.max_length}: {int(too_long.sum())} ({over}); left with no trained "
+             f"token: {int(untrainable.sum())}" + (" (dropped: data.skip_untrainable)" if cfg.skip_untrainable else "")]
+    for i in range(min(examples, len(p.tokenised))):
+        ex = p.tokenised[i]
+        ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
+        lines += [f"  --- {p.rows.where(ex['row'])}: {ex['n_tokens']} tokens, {ex['n_trainable']} trained "
+                  f"({OPEN}trained{CLOSE})", marked(tokenizer, ids, labels)]
     return lines
 
 
 def preview(cfg: DataSection, tokenizer, examples: int = 2) -> str:
     """The report of every training and eval source of a data section."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    lines = []
-    for prefix, sources in (("data.sources", cfg.sources), ("data.eval_sources", cfg.eval_sources)):
-        for i, src in enumerate(sources):
-            key = f"{prefix}.{i}"
-            ds, fmt = canonical_source(src, key, has_template)
-            lines += source_report(ds, fmt, tokenizer, cfg, key, src.path, examples)
-    return "\n".join(lines)
+    if cfg.streaming:
+        train = [prepare_sample(s, f"data.sources.{i}", tokenizer, cfg, CHECK_ROWS) for i, s in enumerate(cfg.sources)]
+        held = prepare_all(cfg, tokenizer)[1]
+    else:
+        train, held = prepare_all(cfg, tokenizer)
+    return "\n".join(line for p in train + held for line in source_report(p, tokenizer, cfg, examples))
