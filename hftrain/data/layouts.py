@@ -32,8 +32,9 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n
 
 
 def detect_format(columns) -> str | None:
+    columns = set(columns)
     for fmt, needed in LAYOUT_COLUMNS.items():
-        if all(c in columns for c in needed):
+        if columns.issuperset(needed):
             return fmt
     return None
 
