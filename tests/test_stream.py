@@ -179,3 +179,38 @@ def test_position_is_a_pure_function_of_the_examples_made(tokenizer, tmp_path):
         rest = iter(again)
         assert [next(rest)["input_ids"] for _ in range(150 - n)] == first[n:], n
     assert Position().pass_no == 0
+
+
+@pytest.mark.slow
+def test_two_processes_train_on_their_own_rows(tmp_path, tiny_model_dir):
+    """Under `accelerate launch` with 2 processes, the Trainer's dataloaders (accelerate's sharding of the stream,
+    dispatch_batches off) give each process rows the other never sees, and the run trains."""
+    import subprocess
+
+    from hftrain.distributed import free_port
+
+    from .conftest import ACCELERATE_LAUNCH, REPO
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(500)])
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+           "--main_process_port", str(free_port()), os.path.join(REPO, "tests", "stream_worker.py"), tiny_model_dir,
+           path, str(out)]
+    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (json.loads((out / f"rank{i}.json").read_text()) for i in range(2))
+    assert a["dispatch"] is False and len(a["texts"]) == len(b["texts"]) == 20
+    rows = {f"row {i}<|im_end|>" for i in range(500)}
+    assert set(a["texts"]) <= rows and set(b["texts"]) <= rows and not set(a["texts"]) & set(b["texts"])
+
+
+def test_data_preview_of_a_streaming_recipe_says_what_it_sampled(tmp_path, tokenizer):
+    from hftrain.data.preview import preview
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(CHECK_ROWS + 50)])
+    report = preview(DataSection(sources=[DataSource(path=path)], streaming=True, max_length=16), tokenizer, 1)
+    assert (f"statistics of the {CHECK_ROWS} examples of the first {CHECK_ROWS} rows (streaming: never prepared "
+            "whole)") in report
+    assert f"--- {path}:1: " in report
