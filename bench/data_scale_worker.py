@@ -25,9 +25,13 @@ class FirstStep(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1:
-            with open(f"{self.out}.rank{self.rank}", "w") as fh:
-                json.dump({"first_step_at": time.time(),
-                           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, fh)
+            me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            with open(f"{self.out}.rank{self.rank}.tmp", "w") as fh:
+                json.dump({"first_step_at": time.time(), "peak_rss": me.ru_maxrss * 1024,
+                           # CPU seconds of this rank and of the workers it waited for (datasets' num_proc pool):
+                           # the work done, whatever else the machine runs
+                           "cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime}, fh)
+            os.replace(f"{self.out}.rank{self.rank}.tmp", f"{self.out}.rank{self.rank}")
             control.should_training_stop = True
         return control
 
