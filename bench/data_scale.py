@@ -144,16 +144,23 @@ def latest(results: list[dict]) -> dict:
 def table(results: list[dict]) -> str:
     last = latest(results)
     sizes = sorted({k[2] for k in last})
-    lines = ["| rows | procs | first step, cold: hftrain / TRL | first step, warm: hftrain / TRL | "
+    lines = ["| rows | procs | first step, cold: hftrain / TRL | first step, warm: hftrain / TRL | CPU s to it, warm | "
              "peak RSS per rank, warm: hftrain / TRL | streaming first step: hftrain / TRL | "
-             "streaming peak RSS: hftrain / TRL |", "|---|---|---|---|---|---|---|"]
+             "streaming peak RSS: hftrain / TRL | load (1 min) |", "|---|---|---|---|---|---|---|---|---|"]
 
     def cell(impl, mode, n, p, cache, key):
         r = last.get((impl, mode, n, p, cache, None))
-        if r is None:
+        if r is None or key not in r:
             return "-"
         v = r[key]
+        if key == "cpu_s":
+            return f"{max(v):.1f}" if v else "-"
         return f"{max(v):.2f} GB" if key == "peak_rss_gb" else f"{v:.1f} s"
+
+    def loads(n, p):
+        seen = [float(x) for r in last.values() if r["rows"] == n and r["procs"] == p and "first_step_s" in r
+                for x in (r["load_before"].split("/")[0], r["load_after"].split("/")[0])]
+        return f"{min(seen):.1f}-{max(seen):.1f}" if seen else "-"
 
     for n in sizes:
         for p in (1, 2):
@@ -161,14 +168,17 @@ def table(results: list[dict]) -> str:
                 continue
             pair = lambda mode, cache, key: f"{cell('hftrain', mode, n, p, cache, key)} / {cell('trl', mode, n, p, cache, key)}"  # noqa: E731
             lines.append(f"| {n:,} | {p} | {pair('prepared', 'cold', 'first_step_s')} | "
-                         f"{pair('prepared', 'warm', 'first_step_s')} | {pair('prepared', 'warm', 'peak_rss_gb')} | "
-                         f"{pair('streaming', 'cold', 'first_step_s')} | {pair('streaming', 'cold', 'peak_rss_gb')} |")
+                         f"{pair('prepared', 'warm', 'first_step_s')} | {pair('prepared', 'warm', 'cpu_s')} | "
+                         f"{pair('prepared', 'warm', 'peak_rss_gb')} | "
+                         f"{pair('streaming', 'cold', 'first_step_s')} | {pair('streaming', 'cold', 'peak_rss_gb')} | "
+                         f"{loads(n, p)} |")
     cli = [r for r in last.values() if r["mode"] in ("prepare", "check", "data")]
     if cli:
-        lines += ["", "| command | rows | cache | data.num_proc | seconds | peak RSS |", "|---|---|---|---|---|---|"]
+        lines += ["", "| command | rows | cache | data.num_proc | seconds | peak RSS | load (1 min) |",
+                  "|---|---|---|---|---|---|---|"]
         for r in sorted(cli, key=lambda r: (r["mode"], r["rows"], r.get("num_proc") or 0)):
             lines.append(f"| hftrain {r['mode']} | {r['rows']:,} | {r['cache']} | {r.get('num_proc') or 'default'} | "
-                         f"{r['seconds']:.1f} | {max(r['peak_rss_gb']):.2f} GB |")
+                         f"{r['seconds']:.1f} | {max(r['peak_rss_gb']):.2f} GB | {r['load_before'].split('/')[0]} |")
     return "\n".join(lines)
 
 
@@ -192,14 +202,16 @@ def plot(results: list[dict]) -> None:
                     ax.plot(*zip(*pts), style, color=color, label=f"{impl}, {procs} proc")
             pts = sorted((r["rows"], max(r[key]) if isinstance(r[key], list) else r[key]) for r in last
                          if (r["impl"], r["mode"], r["procs"]) == (impl, "streaming", 1))
-            if pts and key != "first_step_s" or (pts and cache == "warm"):
+            if pts and cache == "warm":  # a stream has no cache: drawn with the warm runs it competes with
                 ax.plot(*zip(*pts), ":^", color=color, label=f"{impl}, streaming")
         ax.set_xscale("log")
         ax.set_xlabel("rows")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
-    axes[2].legend(fontsize=8)
+    axes[1].set_ylim(bottom=0)
+    axes[2].set_ylim(bottom=0)
+    axes[2].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
 
