@@ -113,8 +113,9 @@ class _JsonLines:
                     fh.seek(at)
                 elif lo > 0:
                     fh.seek(lo - 1)
-                    if fh.read(1) != b"\n":
-                        fh.readline()  # the line that started in the block before belongs to it
+                    if fh.read(1) != b"\n":  # the line that started in the block before belongs to it
+                        while (part := fh.readline(ROW_LIMIT + 1)) and not part.endswith(b"\n"):
+                            pass  # read in bounded pieces: that block refuses a line over the limit
                 while (pos := fh.tell()) < hi:
                     raw = fh.readline(ROW_LIMIT + 1)
                     if not raw:
