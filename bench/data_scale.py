@@ -98,6 +98,7 @@ def run_one(impl: str, mode: str, n: int, procs: int, cache_state: str, folder: 
             "first_step_s": round(max(x["first_step_at"] for x in ranks) - start, 2),
             "peak_rss_gb": [round(x["peak_rss"] / 2**30, 3) for x in ranks], "wall_s": round(wall, 1),
             "cpu_s": [round(x.get("cpu_s", float("nan")), 1) for x in ranks],
+            "uss_gb": [round(x.get("uss", float("nan")) / 2**30, 3) for x in ranks],
             "load_before": load, "load_after": load_now(), "when": time.strftime("%Y-%m-%d %H:%M")}
 
 

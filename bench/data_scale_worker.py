@@ -12,6 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import psutil  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 MAX_LENGTH, BATCH = 512, 8
@@ -30,7 +31,10 @@ class FirstStep(TrainerCallback):
                 json.dump({"first_step_at": time.time(), "peak_rss": me.ru_maxrss * 1024,
                            # CPU seconds of this rank and of the workers it waited for (datasets' num_proc pool):
                            # the work done, whatever else the machine runs
-                           "cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime}, fh)
+                           "cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime,
+                           # memory of this rank alone at that moment: RSS also counts mapped pages of the cache
+                           # files, which the page cache holds once for every rank
+                           "uss": psutil.Process().memory_full_info().uss}, fh)
             os.replace(f"{self.out}.rank{self.rank}.tmp", f"{self.out}.rank{self.rank}")
             control.should_training_stop = True
         return control

@@ -11,6 +11,7 @@ process tokenises with data.num_proc workers while the others wait holding no ro
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from datasets.fingerprint import Hasher
 from ..config import DataSection, DataSource
 from ..distributed import once_per_node, print0
 from ..errors import DataError
+from ..fileio import atomic_write
 from .cache import cache_folder, code_version, digest, in_cache
 from .collate import make_collator
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
@@ -50,6 +52,7 @@ class Prepared:
     layout: Layout
     tokenised: datasets.Dataset
     cache_file: str | None
+    counts: dict  # what choose() needs to know whether it must read the columns at all (summary())
 
     def column(self, name: str) -> np.ndarray:
         return self.tokenised.data.column(name).to_numpy()
@@ -65,10 +68,27 @@ def workers(cfg: DataSection, rows: int) -> int | None:
     return n if n and n > 1 else None
 
 
+def batch_rows(max_length: int) -> int:
+    """Rows per map batch, which is also an Arrow record batch of the cache: as many as ~2M tokens allow (a worker
+    holds a batch as Python lists), at least datasets' 1000. Fewer batches, less mapped on a warm start: a reader
+    touches every batch's header and the kernel maps its neighbours with it."""
+    return max(1000, min(10_000, 2_000_000 // max_length))
+
+
+def summary(tok: datasets.Dataset, max_length: int) -> dict:
+    """The counts choose() decides by, read once from the columns when the examples are made."""
+    n_tokens = tok.data.column("n_tokens").to_numpy()
+    trainable = tok.data.column("n_trainable").to_numpy()
+    return {"examples": len(tok), "too_long": int((n_tokens > max_length).sum()),
+            "untrainable": int((trainable == 0).sum()),
+            "untrainable_not_too_long": int(((trainable == 0) & (n_tokens <= max_length)).sum())}
+
+
 def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, tokenizer_key: str | None = None
                    ) -> Prepared:
     """One source read and tokenised into the cache (or found there), every row checked: a bad row stops with a
-    DataError naming the key, the file and the row."""
+    DataError naming the key, the file and the row. `tokens-<name>.json`, written last, lists the cache's files
+    and counts: a warm start reads it and maps those files, nothing else."""
     rows = read_rows(src, key)
     layout = layout_of(rows, src, key, tokenizer)
     fn = row_examples(layout, tokenizer, cfg)
@@ -76,16 +96,30 @@ def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, token
                    layout.rename, layout.has_template, layout.roles, fn.on_prompt, cfg.chat_template_kwargs,
                    cfg.max_length, cfg.truncation])
     folder = cache_folder()
-    cache = os.path.join(folder, f"tokens-{name}.arrow")
-    os.makedirs(folder, exist_ok=True)
-    need = 4 * rows.dataset.data.nbytes  # token ids, labels and counts: a few times the rows' own size
-    tok = in_cache(folder, key, need, lambda: rows.dataset.map(
-        fn, batched=True, with_indices=True, remove_columns=rows.dataset.column_names, features=TOKENISED,
-        num_proc=workers(cfg, rows.count), cache_file_name=cache, new_fingerprint=name,
-        desc=f"Tokenising {src.path}"))
+    cache, meta_path = os.path.join(folder, f"tokens-{name}.arrow"), os.path.join(folder, f"tokens-{name}.json")
+    meta = None
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+        if not all(os.path.exists(os.path.join(folder, f)) for f in meta["files"]):
+            meta = None
+    if meta is not None:
+        parts = [datasets.Dataset.from_file(os.path.join(folder, f)) for f in meta["files"]]
+        tok = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    else:
+        os.makedirs(folder, exist_ok=True)
+        n = batch_rows(cfg.max_length)
+        need = 4 * rows.dataset.data.nbytes  # token ids, labels and counts: a few times the rows' own size
+        tok = in_cache(folder, key, need, lambda: rows.dataset.map(
+            fn, batched=True, with_indices=True, remove_columns=rows.dataset.column_names, features=TOKENISED,
+            batch_size=n, writer_batch_size=n, num_proc=workers(cfg, rows.count), cache_file_name=cache,
+            new_fingerprint=name, desc=f"Tokenising {src.path}"))
+        meta = {"files": [os.path.basename(f["filename"]) for f in tok.cache_files],
+                "counts": summary(tok, cfg.max_length)}
+        atomic_write(meta_path, json.dumps(meta))
     # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
     print0(f"hftrain: {key} ({src.path}): layout {layout.fmt}, {rows.count} rows", file=sys.stderr)
-    return Prepared(key, src, rows, layout, tok, cache)
+    return Prepared(key, src, rows, layout, tok, cache, meta["counts"])
 
 
 def prepare_sample(src: DataSource, key: str, tokenizer, cfg: DataSection, n: int) -> Prepared:
@@ -94,7 +128,7 @@ def prepare_sample(src: DataSource, key: str, tokenizer, cfg: DataSection, n: in
     layout = layout_of(rows, src, key, tokenizer)
     tok = rows.dataset.map(row_examples(layout, tokenizer, cfg), batched=True, with_indices=True,
                            remove_columns=rows.dataset.column_names, features=TOKENISED, keep_in_memory=True)
-    return Prepared(key, src, rows, layout, tok, None)
+    return Prepared(key, src, rows, layout, tok, None, summary(tok, cfg.max_length))
 
 
 def held_out_rows(n: int, fraction: float, seed: int, key: str, path: str) -> np.ndarray:
@@ -110,6 +144,9 @@ def held_out_rows(n: int, fraction: float, seed: int, key: str, path: str) -> np
 def choose(p: Prepared, cfg: DataSection, rows_mask: np.ndarray | None = None) -> datasets.Dataset:
     """The examples of a prepared source that train (of the rows in `rows_mask`): too long ones dropped with
     data.truncation: drop, untrainable ones refused by name, or dropped with data.skip_untrainable."""
+    untrainable = p.counts["untrainable_not_too_long" if cfg.truncation == "drop" else "untrainable"]
+    if rows_mask is None and untrainable == 0 and (cfg.truncation != "drop" or p.counts["too_long"] == 0):
+        return p.tokenised.remove_columns(list(STATS))  # every example trains: no column read
     n_tokens, trainable, row = p.column("n_tokens"), p.column("n_trainable"), p.column("row")
     keep = np.ones(len(row), dtype=bool) if rows_mask is None else rows_mask[row]
     if cfg.truncation == "drop":

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import datasets
 from datasets.arrow_writer import ArrowWriter
@@ -34,7 +34,7 @@ from .cache import cache_folder, digest, in_cache
 from .jsonrows import ROW_LIMIT, array_rows, is_array_file, line_rows, only_whitespace, too_large
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-READER_VERSION = "1"  # bump when what rows-<key>.arrow holds changes
+READER_VERSION = "2"  # bump when what rows-<key>.arrow holds changes
 JSON, FILE, LINE = "json", "file", "line"  # the columns of a JSON source's rows
 WRITE_BATCH_BYTES = 64 << 20
 HEAD_TAIL = 64 << 10
@@ -60,15 +60,22 @@ class RowNames:
 @dataclass
 class Rows:
     """A source as read: its columns (first seen first) and each part's (the mixed-layout check names files), its
-    rows memory-mapped, how to name them, and a key that changes whenever the rows do."""
+    rows memory-mapped, how to name them, and a key that changes whenever the rows do. A JSON source's rows file is
+    opened only when its rows are read (`dataset`): a warm start that finds the tokenised examples never maps it."""
 
     columns: list[str]
     count: int
-    dataset: datasets.Dataset  # JSON: columns json/file/line; Arrow: the source's own columns
+    source: datasets.Dataset | Callable[[], datasets.Dataset]  # JSON: columns json/file/line; Arrow: the source's
     names: RowNames
     is_json: bool
     key: str
     part_columns: list[tuple[str, list[str]]] = field(default_factory=list)
+
+    @property
+    def dataset(self) -> datasets.Dataset:
+        if callable(self.source):
+            self.source = self.source()
+        return self.source
 
     def where(self, index: int) -> str:
         if self.is_json:
@@ -224,7 +231,7 @@ def read_rows_sample(src: DataSource, key: str, n: int) -> Rows:
                     break
             part_columns.append(list(columns))
         ds = datasets.Dataset.from_dict(batch)
-        return Rows(columns=list(dict.fromkeys(c for cols in part_columns for c in cols)), count=len(ds), dataset=ds,
+        return Rows(columns=list(dict.fromkeys(c for cols in part_columns for c in cols)), count=len(ds), source=ds,
                     names=RowNames(files, arrays=arrays), is_json=True, key="sample",
                     part_columns=list(zip(files, part_columns)))
     try:
@@ -252,7 +259,7 @@ def _arrow_rows(parts: list[tuple[str, datasets.Dataset]]) -> Rows:
     ds = parts[0][1] if len(parts) == 1 else datasets.concatenate_datasets([d for _, d in parts])
     files = [[c["filename"], *os.stat(c["filename"])[6:9:2]] for _, d in parts for c in d.cache_files]
     key = digest(["arrow", READER_VERSION, files or [d._fingerprint for _, d in parts]])
-    return Rows(columns=list(dict.fromkeys(c for _, d in parts for c in d.column_names)), count=n, dataset=ds,
+    return Rows(columns=list(dict.fromkeys(c for _, d in parts for c in d.column_names)), count=n, source=ds,
                 names=RowNames([p for p, _ in parts], offsets=offsets), is_json=False, key=key,
                 part_columns=[(p, d.column_names) for p, d in parts])
 
@@ -269,9 +276,9 @@ def _json_rows(files: list[str], key: str) -> Rows:
         atomic_write(meta_path, json.dumps(meta))
     with open(meta_path, encoding="utf-8") as fh:
         meta = json.load(fh)
-    ds = datasets.Dataset.from_file(arrow)
-    return Rows(columns=meta["columns"], count=len(ds), dataset=ds, names=RowNames(files, arrays=meta["arrays"]),
-                is_json=True, key=rows_key, part_columns=list(zip(files, meta["part_columns"])))
+    return Rows(columns=meta["columns"], count=meta["count"], source=lambda: datasets.Dataset.from_file(arrow),
+                names=RowNames(files, arrays=meta["arrays"]), is_json=True, key=rows_key,
+                part_columns=list(zip(files, meta["part_columns"])))
 
 
 def _write_json_rows(files: list[str], key: str, arrow: str) -> dict:
@@ -279,9 +286,11 @@ def _write_json_rows(files: list[str], key: str, arrow: str) -> dict:
     features = datasets.Features({JSON: datasets.Value("large_string"), FILE: datasets.Value("int32"),
                                   LINE: datasets.Value("int64")})
     tmp = os.path.join(os.path.dirname(arrow), f"tmp-{os.getpid()}-{os.path.basename(arrow)}")
-    arrays, part_columns = [], []
+    arrays, part_columns, count = [], [], 0
     try:
-        with ArrowWriter(features=features, path=tmp) as writer:
+        # Record batches of up to 10000 rows (WRITE_BATCH_BYTES at most): every batch's header is a page a reader
+        # touches, and the kernel maps its neighbours with it (fault-around), so fewer batches, less resident memory
+        with ArrowWriter(features=features, path=tmp, writer_batch_size=10_000) as writer:
             batch, size = {JSON: [], FILE: [], LINE: []}, 0
             for i, f in enumerate(files):
                 array = is_array_file(f)
@@ -293,6 +302,7 @@ def _write_json_rows(files: list[str], key: str, arrow: str) -> dict:
                     batch[FILE].append(i)
                     batch[LINE].append(number)
                     size += len(text)
+                    count += 1
                     if size > WRITE_BATCH_BYTES or len(batch[JSON]) >= 10_000:
                         writer.write_batch(batch)
                         batch, size = {JSON: [], FILE: [], LINE: []}, 0
@@ -306,4 +316,4 @@ def _write_json_rows(files: list[str], key: str, arrow: str) -> dict:
             os.remove(tmp)
         raise
     return {"columns": list(dict.fromkeys(c for cols in part_columns for c in cols)), "arrays": arrays,
-            "part_columns": part_columns}
+            "part_columns": part_columns, "count": count}
