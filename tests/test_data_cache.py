@@ -61,12 +61,16 @@ def texts(tokenizer, ds) -> list[str]:
     return [tokenizer.decode(x) for x in ds["input_ids"]]
 
 
-def test_an_unchanged_file_is_not_read_again_a_changed_one_is(tmp_path, tokenizer, own_cache, counted):
+def test_an_unchanged_file_is_not_read_again_a_changed_one_is(tmp_path, tokenizer, own_cache, counted, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"a {i}"} for i in range(5)])
     first = build_datasets(section(path), tokenizer)
     assert counted == {"read": 1, "tokenised": 5}
+    mapped = []
+    from_file = datasets.Dataset.from_file
+    monkeypatch.setattr(datasets.Dataset, "from_file", lambda f, *a, **k: mapped.append(f) or from_file(f, *a, **k))
     again = build_datasets(section(path), tokenizer)
     assert counted == {"read": 1, "tokenised": 5}  # found by name: nothing read, nothing tokenised
+    assert [os.path.basename(f).split("-")[0] for f in mapped] == ["tokens"]  # only the examples are mapped
     assert texts(tokenizer, again.train) == texts(tokenizer, first.train)
     assert all(f["filename"].startswith(str(own_cache)) for f in again.train.cache_files)  # memory-mapped
 
