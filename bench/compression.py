@@ -27,7 +27,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hftrain.distributed import free_port  # noqa: E402
+from tests.support import free_port  # noqa: E402
 MODEL = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 8,
          "num_key_value_heads": 8}
 START = 10  # PowerSGD and top-k send uncompressed gradients for the first START steps

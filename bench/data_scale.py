@@ -69,7 +69,7 @@ def load_now() -> str:
 
 
 def launch(procs: int, args: list[str], env: dict) -> list[str]:
-    from hftrain.distributed import free_port
+    from tests.support import free_port
 
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             os.path.join(REPO, "accelerate_configs", "ddp.yaml"), "--num_processes", str(procs),

@@ -48,10 +48,9 @@ def alpaca_to_chat(row: dict) -> dict:
 
 
 def run_hftrain(mode: str, model: str, data: str, out: str, num_proc: str | None) -> None:
-    from hftrain.data.stream_position import StreamPositionMixin
     from hftrain.launch import check_data, setup_run
     from hftrain.modeling import load_model
-    from hftrain.trainer import HFTrainer
+    from hftrain.trainer import SFTTrainer
 
     raw = {"model": {"name_or_path": model, "dtype": "float32"},
            "data": {"sources": [{"path": data}], "max_length": MAX_LENGTH, "streaming": mode == "streaming",
@@ -60,7 +59,7 @@ def run_hftrain(mode: str, model: str, data: str, out: str, num_proc: str | None
                         "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "logging_steps": 1}}
     run = setup_run([], raw=raw)
     tokenizer, data_ = check_data(run.recipe, run.args.world_size, seed=run.args.seed)
-    trainer = type("Trainer", (StreamPositionMixin, HFTrainer), {})(
+    trainer = SFTTrainer(
         model=load_model(run.recipe.model), args=run.args, train_dataset=data_.train, processing_class=tokenizer,
         data_collator=data_.collator, callbacks=[FirstStep(out, run.args.process_index)])
     trainer.train()

@@ -10,8 +10,8 @@ the GPU when one is present (then CUDA max allocated instead of RSS). A step is 
 1-layer Llama with a small hidden size, so that the output head and the loss dominate as they do at 128k+
 vocabularies. Implementations:
 - `plain`: transformers' Trainer.compute_loss, labels passed to the model (its own loss, from the full logits);
-- `hftrain_logits`: HFTrainer.compute_loss with training.loss_impl: logits (the full logits, upcast to fp32);
-- `hftrain_chunked`: HFTrainer.compute_loss with training.loss_impl: chunked (chunked_ce.py).
+- `hftrain_logits`: SFTTrainer.compute_loss with training.loss_impl: logits (the full logits, upcast to fp32);
+- `hftrain_chunked`: SFTTrainer.compute_loss with training.loss_impl: chunked (chunked_ce.py).
 Peak RSS is the child's ru_maxrss after the steps; `step` is that minus ru_maxrss before the first step (model,
 optimizer-free: the step's own memory). tokens/s is over the steps after the first. Configurations whose full fp32
 logits exceed --max-logits-gib are skipped for the logits implementations (the machine is shared).
@@ -40,7 +40,8 @@ def child(vocab: int, tokens: int, impl: str, hidden: int, steps: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hftrain.trainer import HFTrainer
+    from hftrain.config import HFTrainingArguments
+    from hftrain.trainer import SFTTrainer
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -52,7 +53,9 @@ def child(vocab: int, tokens: int, impl: str, hidden: int, steps: int) -> dict:
     if impl == "plain":
         trainer = Trainer(model=model, args=args)
     else:
-        trainer = HFTrainer(model=model, args=args, loss_impl=impl.removeprefix("hftrain_"))
+        args = HFTrainingArguments(output_dir=args.output_dir, use_cpu=not cuda, report_to="none",
+                                   loss_impl=impl.removeprefix("hftrain_"))
+        trainer = SFTTrainer(model=model, args=args)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
@@ -86,7 +89,8 @@ def alternate(vocab: int, tokens: int, hidden: int, reps: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hftrain.trainer import HFTrainer
+    from hftrain.config import HFTrainingArguments
+    from hftrain.trainer import SFTTrainer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -95,7 +99,10 @@ def alternate(vocab: int, tokens: int, hidden: int, reps: int) -> dict:
     model = LlamaForCausalLM(cfg).train()
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none")
     trainers = {"plain": Trainer(model=model, args=args),
-                **{i: HFTrainer(model=model, args=args, loss_impl=i.removeprefix("hftrain_")) for i in IMPLS[1:]}}
+                **{i: SFTTrainer(model=model, args=HFTrainingArguments(output_dir=args.output_dir, use_cpu=True,
+                                                                       report_to="none",
+                                                                       loss_impl=i.removeprefix("hftrain_")))
+                   for i in IMPLS[1:]}}
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     times: dict[str, list[float]] = {k: [] for k in trainers}

@@ -28,7 +28,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hftrain.distributed import free_port  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 MODEL = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
          "num_key_value_heads": 12, "max_position_embeddings": 512}

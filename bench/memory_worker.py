@@ -16,7 +16,7 @@ from hftrain.data import build_datasets  # noqa: E402
 from hftrain.launch import setup_run  # noqa: E402
 from hftrain.launch.setup import launcher_strategy  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
-from hftrain.trainer import HFTrainer  # noqa: E402
+from hftrain.trainer import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,8 +106,8 @@ def main(model_dir: str, out: str, steps: str, nvme: str) -> None:
     if strategy.name.startswith("zero"):
         at_step.wrap_deepspeed_step()
     model = load_model(recipe.model)
-    trainer = HFTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
-                        data_collator=data.collator, callbacks=[at_step.callback()])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
+                         data_collator=data.collator, callbacks=[at_step.callback()])
     trainer.train()
     gc.collect()
     after = tensor_bytes() - tensors_before

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import runpy
 import statistics
 import subprocess
 import sys
@@ -33,9 +32,10 @@ PY = sys.executable
 
 def _train_worker(argv: list[str]) -> None:
     """One training run in this process; prints its peak RSS last."""
+    from hftrain.recipes import sft
+
     os.chdir(REPO)
-    sys.argv = ["recipes/sft.py", *argv]
-    runpy.run_path(os.path.join(REPO, "recipes", "sft.py"), run_name="__main__")
+    sft.main(argv)
     print("BENCH_MAXRSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
 
 
@@ -131,7 +131,7 @@ def _ep_worker(ns) -> None:
 
 
 def ep(ns) -> None:
-    from hftrain.distributed import free_port
+    from tests.support import free_port
 
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.abspath(__file__), "_ep_worker", "--tokens", str(ns.tokens), "--iters", str(ns.iters),

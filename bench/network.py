@@ -1,5 +1,5 @@
 """Does gradient compression reach the same loss sooner on a slow link? Two "hosts" (network namespaces joined by a
-rate-shaped veth pair, hftrain/netns.py), 1 DDP process each, the demo SFT task; as root.
+rate-shaped veth pair, tests/netns.py), 1 DDP process each, the demo SFT task; as root.
 
     sudo python bench/network.py [--rate 10mbit] [--steps 40] [--methods none int8 powersgd-r2 ...]
                                  [--workdir DIR] [--plot bench/network.png]
@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hftrain import netns  # noqa: E402
+from tests import netns  # noqa: E402
 
 IP = ("10.97.0.1", "10.97.0.2")
 PY = sys.executable

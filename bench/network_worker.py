@@ -14,21 +14,19 @@ user runs it, and the recipe has no hook for extra callbacks (none is needed out
 """
 
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-import sft  # noqa: E402  recipes/sft.py
+from hftrain import distributed, lifecycle
+from hftrain.callbacks import CurvesCallback
+from hftrain.errors import exit_on_user_error
+from hftrain.recipes import sft
 
-from hftrain import distributed  # noqa: E402
-from hftrain.errors import exit_on_user_error  # noqa: E402
 
-
-class Clock(sft.CurvesCallback):
+class Clock(CurvesCallback):
     out, target, budget = "", 0.0, 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -64,6 +62,6 @@ class Clock(sft.CurvesCallback):
 if __name__ == "__main__":
     recipe, Clock.out, target, budget, *overrides = sys.argv[1:]
     Clock.target, Clock.budget = float(target), float(budget)
-    sft.CurvesCallback = Clock
+    lifecycle.CurvesCallback = Clock  # the run's curves callback, with the clock added
     with exit_on_user_error():
         sft.main([recipe, *overrides])

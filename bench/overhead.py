@@ -4,7 +4,7 @@
 
 1. Overhead (`--part overhead`): the same tiny model (same weights) on the same tokenised data, trained for the
    same steps and batch size through
-   - hftrain: `hftrain.trainer.HFTrainer` built as recipes/sft.py builds it (the recipe's TrainingArguments, its
+   - hftrain: `hftrain.trainer.SFTTrainer` built as the SFT recipe builds it (the recipe's TrainingArguments, its
      data collator, CurvesCallback, loss_averaging, compression), and
    - plain: a plain `transformers.Trainer` with transformers' default TrainingArguments and
      DataCollatorForSeq2Seq,
@@ -14,7 +14,7 @@
    on_step_begin and on_step_end callbacks: forward, loss, backward, clipping, optimizer and scheduler step.
    Wall time (`time.perf_counter()`) is recorded the same way for reference. The first 5 steps of each run are
    warm-up and dropped; a run's figure is its median step.
-   Not inside that window: fetching and collating the step's batch and HFTrainer.get_batch_samples (hftrain's
+   Not inside that window: fetching and collating the step's batch and SFTTrainer.get_batch_samples (hftrain's
    global target-token count), which the Trainer runs before on_step_begin, and logging after on_step_end. The
    "full iteration" line times on_step_end to the next on_step_end, which includes them.
    Output, per measure (CPU step, wall step, CPU full iteration): each side's median of its per-run medians (ms),
@@ -49,7 +49,7 @@ from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
 from hftrain.config import load_recipe  # noqa: E402
 from hftrain.launch.setup import training_arguments  # noqa: E402
 from hftrain.tiny import build_tiny_model, texts_of_jsonl  # noqa: E402
-from hftrain.trainer import HFTrainer  # noqa: E402
+from hftrain.trainer import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "data", "demo", "train.jsonl")
@@ -101,14 +101,13 @@ def step_figures(timer: StepTimer) -> dict[str, float]:
 
 
 def hftrain_run(recipe, tokenizer) -> dict[str, float]:
-    """Train through hftrain.trainer.HFTrainer, built as recipes/sft.py builds it."""
+    """Train through hftrain.trainer.SFTTrainer, built as the SFT recipe builds it."""
     args = training_arguments(recipe)
     model = load_model(recipe.model, packing=recipe.data.packing)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
     timer = StepTimer()
-    trainer = HFTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
-                        data_collator=data.collator, callbacks=[CurvesCallback(), timer],
-                        loss_averaging=recipe.training["loss_averaging"], compression=recipe.compression)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
+                         data_collator=data.collator, callbacks=[CurvesCallback(), timer])
     trainer.train()
     return step_figures(timer)
 

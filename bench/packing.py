@@ -4,7 +4,7 @@
                             [--sets instruct,demo] [--no-one-row]
 
 Two data sets, each trained padded and packed with the same tiny model (hftrain.tiny, same weights), the same
-tokenised examples and the same batch size, through `HFTrainer` built as recipes/sft.py builds it:
+tokenised examples and the same batch size, through `SFTTrainer` built as the SFT recipe builds it:
 - instruct: prompt/completion pairs with instruction-like lengths (prompts 20-300 tokens, answers 5-400, both
   lognormal; data.max_length 1024, nothing truncated);
 - demo: data/demo/train.jsonl (short chat examples, 10-30 tokens).
@@ -43,7 +43,7 @@ from hftrain.data import build_datasets, make_collator  # noqa: E402
 from hftrain.launch.setup import training_arguments  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
 from hftrain.tiny import build_tiny_model, texts_of_jsonl  # noqa: E402
-from hftrain.trainer import HFTrainer  # noqa: E402
+from hftrain.trainer import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "data", "demo", "train.jsonl")
@@ -98,8 +98,7 @@ def one_run(recipe, train, collate) -> dict[str, float]:
         return batch
 
     window = Window()
-    trainer = HFTrainer(model=model, args=args, train_dataset=train, data_collator=counting, callbacks=[window],
-                        loss_averaging=recipe.training["loss_averaging"], compression=recipe.compression)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train, data_collator=counting, callbacks=[window])
     trainer.train()
     steps = len(window.wall)
     real = sum(r for r, _ in batches[WARMUP:steps])  # the batches of the timed steps (a prefetched one is left out)

@@ -1,6 +1,7 @@
 """Memory of the reference model in preference tuning: recipes/dpo.py on a ~100M-parameter model, per variant.
 
-    python bench/preference_memory.py [--steps 3] [--rows 128] [--variants sft frozen precompute lora simpo]
+    python bench/preference_memory.py [--steps 3] [--rows 128] [--variants sft frozen precompute lora simpo orpo kto
+                                                                       kto_precompute]
 
 Builds a Llama-style model from a config (fp32, hidden 768 x 12 layers, like bench/memory.py), then runs each variant
 in a fresh process (1 process, CPU) on the first --rows pairs of data/demo/preference_train.jsonl for --steps steps:
@@ -9,6 +10,9 @@ in a fresh process (1 process, CPU) on the first --rows pairs of data/demo/prefe
 - precompute: preference.precompute_ref_log_probs: true (reference log-probs computed once, no reference kept);
 - lora:       model.lora: {r: 16} (the reference is the base model with the adapter disabled);
 - simpo:      preference.loss_type: simpo (reference-free);
+- orpo:       preference.loss_type: orpo (reference-free; TRL's ORPOTrainer computes the full logits);
+- kto:        preference.loss_type: kto, the pairs split in two (4 examples a step, each with its KL completion), a
+              frozen reference copy; kto_precompute: with precompute_ref_log_probs;
 - sft:        plain transformers Trainer SFT of the same model on the chosen answers (baseline, no reference).
 
 Per process it reads the peak resident set size (VmHWM) and, after training, the bytes of the policy's and the
@@ -22,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -39,10 +42,15 @@ VARIANTS = {
     "precompute": ["preference.precompute_ref_log_probs=true"],
     "lora": ["model.lora.r=16"],
     "simpo": ["preference.loss_type=simpo"],
+    "orpo": ["preference.loss_type=orpo"],
+    "kto": ["preference.loss_type=kto"],
+    "kto_precompute": ["preference.loss_type=kto", "preference.precompute_ref_log_probs=true"],
 }
 LABELS = {"sft": "SFT, plain `Trainer` (baseline)", "frozen": "DPO, frozen reference copy (default)",
           "precompute": "DPO, `precompute_ref_log_probs: true`", "lora": "DPO, `model.lora: {r: 16}`",
-          "simpo": "SimPO (`loss_type: simpo`)"}
+          "simpo": "SimPO (`loss_type: simpo`)", "orpo": "ORPO (`loss_type: orpo`)",
+          "kto": "KTO (`loss_type: kto`), frozen reference copy",
+          "kto_precompute": "KTO, `precompute_ref_log_probs: true`"}
 
 
 def measure(trainer) -> dict:
@@ -88,20 +96,21 @@ def worker(variant: str, model_dir: str, data: str, out: str, steps: int) -> Non
         trainer.train()
         report.update(measure(trainer))
     else:
-        import hftrain.preference as pref
+        from hftrain.trainer import StagedCheckpointMixin  # the first train() of every preference trainer
 
-        train = pref.PreferenceTrainer.train
+        train = StagedCheckpointMixin.train
 
         def measured_train(self, *a, **k):
             result = train(self, *a, **k)
             report.update(measure(self))
             return result
 
-        pref.PreferenceTrainer.train = measured_train
+        StagedCheckpointMixin.train = measured_train
         argv = [os.path.join(REPO, "recipes", "demo", "dpo.yaml"), f"model.name_or_path={model_dir}",
                 f"data.sources.0.path={data}", "data.eval_sources=[]", *common, *VARIANTS[variant]]
-        sys.argv = [os.path.join(REPO, "recipes", "dpo.py"), *argv]
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        from hftrain.recipes import dpo
+
+        dpo.main(argv)
     gc.collect()
     report["peak_rss"] = rss("VmHWM")
     with open(os.path.join(out, "mem.json"), "w") as fh:
@@ -112,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=128, help="pairs of the shipped set used (precompute reads them all)")
-    ap.add_argument("--variants", nargs="+", default=["sft", "frozen", "precompute", "lora", "simpo"])
+    ap.add_argument("--variants", nargs="+", default=list(LABELS), choices=list(LABELS))
     ap.add_argument("--worker", nargs=5, metavar=("VARIANT", "MODEL", "DATA", "OUT", "STEPS"), help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.worker:

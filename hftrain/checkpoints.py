@@ -113,10 +113,35 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
 
 
 # -- verification -----------------------------------------------------------------------------------------------
+_verified: dict[tuple[str, bool], tuple] = {}  # (checkpoint, weights_only) -> its files' stat when it passed
+
+
+def _stat_signature(path: str) -> tuple:
+    """(relative path, size, mtime) of every file under `path`: what a change since a verification would alter."""
+    out = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            out.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
 def verify(path: str, weights_only: bool = False, warn=logger.warning) -> None:
     """Refuse (CheckpointError naming each file) a checkpoint whose files differ from its manifest, whose
     trainer_state.json, rng_state*.pth or hftrain_checkpoint.json cannot be read, or (unless weights_only) whose
-    optimizer or scheduler state is missing."""
+    optimizer or scheduler state is missing. A checkpoint that passed in this process and whose files' sizes and
+    times are unchanged is not read again (the run checks it before the model loads and the trainer at resume: one
+    sha256 pass over a checkpoint of many GB is enough)."""
+    key = (os.path.realpath(path), weights_only)
+    signature = _stat_signature(path) if os.path.isdir(path) else None
+    if signature is not None and _verified.get(key) == signature:
+        return
+    _verify(path, weights_only, warn)
+    if signature is not None:
+        _verified[key] = signature
+
+
+def _verify(path: str, weights_only: bool, warn) -> None:
     def refuse(problems: list[str], extra: str = "") -> CheckpointError:
         return CheckpointError(f"cannot resume from {path}: " + "; ".join(problems) + ". Resume from another "
                                f"checkpoint: set training.resume_from_checkpoint to its path{_others(path)}, or to "

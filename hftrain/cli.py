@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
-from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
-from .constants import STRATEGIES
+from .config.sections import STRATEGY_DEFAULTS, UNPAIRED, resolved_strategy
+from .constants import RECIPE_MODULES, STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
@@ -23,16 +23,12 @@ from .data.cache import cache_folder
 from .data.preview import preview
 from .launch import check_data, check_recipe
 from .launch.plan import GiB, format_plan, model_facts, plan
-from .launch.strategies import render, slurm_script
+from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
+from .launch.strategies import render
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
-# recipes/sft.py (recipes/dpo.py for a recipe with a preference: section) of this checkout (hftrain is installed
-# editable from the repository).
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-DEFAULT_SCRIPT = os.path.join(RECIPES, "sft.py")
-PREFERENCE_SCRIPT = os.path.join(RECIPES, "dpo.py")
 
 
 def _check(ns) -> int:
@@ -57,6 +53,9 @@ def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
     if recipe.preference is not None:  # pairs: their counts (check_data prints them) and the first N as read
         _, data = check_data(recipe, 1)
+        if recipe.preference.loss_type in UNPAIRED:  # kto: single examples, in the order they train
+            print(f"hftrain: the first {min(ns.examples, len(data.train))} training examples, in training order "
+                  "(label true: desirable, false: undesirable)", file=sys.stderr)
         for i in range(min(ns.examples, len(data.train))):
             print(json.dumps(data.train[i], ensure_ascii=False))
         return 0
@@ -73,6 +72,8 @@ def _tiny_model(ns) -> int:
 
 def _config(ns) -> int:
     training, comm_dtype, overrides = None, None, list(ns.overrides)
+    if not ns.slurm and (ns.launcher or ns.script):
+        raise RecipeError(["command line: --launcher and --script shape the SLURM script: add --slurm"])
     if ns.recipe:
         if ns.strategy:
             overrides.append(f"strategy.name={ns.strategy}")
@@ -95,8 +96,12 @@ def _config(ns) -> int:
             if not ns.recipe:
                 raise RecipeError(["command line: --slurm needs a recipe: hftrain config RECIPE --slurm"])
             path = os.path.join(out, "launch.sbatch")
-            atomic_write(path, slurm_script(replace(strategy, name=name), written[0], ns.recipe, ns.overrides))
-            written.append(path)
+            atomic_write(path, slurm_script(recipe, replace(strategy, name=name), ns.recipe, ns.overrides,
+                                            config_path=written[0], launcher=ns.launcher or "accelerate",
+                                            script=ns.script,
+                                            path=path))
+            os.chmod(path, 0o755)
+            written += [path, prepare_log_folder(recipe)]
         for path in written:
             print(f"hftrain: wrote {path}")
     return 0
@@ -119,8 +124,10 @@ def _launch(ns) -> int:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
         if ns.max_restarts:
             cmd += ["--max_restarts", str(ns.max_restarts)]
-        script = ns.script or (PREFERENCE_SCRIPT if recipe.preference is not None else DEFAULT_SCRIPT)
-        cmd += [script, ns.recipe, *overrides, f"strategy.name={strategy.name}"]
+        # The recipe scripts ship in the package (hftrain/recipes/): run as modules, they work from any folder.
+        kind = getattr(ns, "kind", None) or ("dpo" if recipe.preference is not None else "sft")
+        cmd += [ns.script] if ns.script else ["-m", RECIPE_MODULES[kind]]
+        cmd += [ns.recipe, *overrides, f"strategy.name={strategy.name}"]
         print("hftrain: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         if ns.dry_run:
             with open(config, encoding="utf-8") as fh:
@@ -194,7 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strategy", choices=STRATEGIES)
     g.add_argument("--all", action="store_true", help="every strategy (how accelerate_configs/ is made)")
     g.add_argument("--output", help="folder to write to (default: the recipe's output_dir, or accelerate_configs)")
-    g.add_argument("--slurm", action="store_true", help="also write launch.sbatch: one accelerate launch per node")
+    g.add_argument("--slurm", action="store_true", help="also write launch.sbatch, the SLURM job: one launcher per "
+                   "node, logs in OUTPUT_DIR/slurm, a checkpoint and a requeue before the time limit")
+    g.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="--slurm: the launcher each node runs (torchrun: ddp; deepspeed: zero*; default accelerate)")
+    g.add_argument("--script", default=None, help="--slurm: a training script of your own instead of the recipe's "
+                   "method")
     g.set_defaults(fn=_config)
 
     pl = sub.add_parser("plan", allow_abbrev=False,
@@ -206,19 +218,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory", dest="gpu_memory", type=float, default=None, help="GiB per GPU")
     pl.set_defaults(fn=_plan)
 
-    la = sub.add_parser("launch", allow_abbrev=False,
-                        help="Render the recipe's launcher config (into a private temporary folder) and run accelerate "
-                        "launch with it; on several machines run it on each (--machine-rank K).")
-    la.add_argument("recipe", help="recipe YAML")
-    la.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    la.add_argument("--script", default=None, help="training script (default: recipes/sft.py, or recipes/dpo.py "
-                    "for a recipe with a preference: section)")
-    la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
-                    help="restart the workers this many times when one dies")
-    la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
-                    help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
-    la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
-    la.set_defaults(fn=_launch)
+    launch_help = ("Render the recipe's launcher config (into a private temporary folder) and run accelerate launch "
+                   "with it; on several machines run it on each (--machine-rank K).")
+    for name, what in (("launch", "the recipe's method (dpo for a recipe with a preference: section, else sft)"),
+                       ("sft", "supervised fine-tuning (hftrain/recipes/sft.py)"),
+                       ("dpo", "preference tuning (hftrain/recipes/dpo.py)")):
+        la = sub.add_parser(name, allow_abbrev=False, help=f"Train: {what}. {launch_help}")
+        la.add_argument("recipe", help="recipe YAML")
+        la.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        if name == "launch":
+            la.add_argument("--script", default=None, help="a training script of your own instead of the recipe's "
+                            "method")
+        la.add_argument("--max-restarts", dest="max_restarts", type=int, default=0,
+                        help="restart the workers this many times when one dies")
+        la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
+                        help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
+        la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
+        la.set_defaults(fn=_launch, kind=None if name == "launch" else name, script=None)
 
     pu = sub.add_parser("push", allow_abbrev=False,
                         help="Validate a finished run's output_dir, write its model card and upload it to the Hub.")
@@ -269,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "data", "launch", "plan", "prepare"):
+    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "plan", "prepare"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

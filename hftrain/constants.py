@@ -28,3 +28,7 @@ PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_in
 
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe beside the model
 RUN_INFO_FILE = "run_info.json"  # what actually ran
+# The SLURM job's folder in output_dir (`hftrain config --slurm`): its logs (slurm-<job id>.out), its working files.
+SLURM_DIR = "slurm"
+# Recipe kind -> the module hftrain/recipes/ runs under the launcher (`hftrain launch` picks by the recipe's sections).
+RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo"}

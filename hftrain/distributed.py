@@ -173,13 +173,28 @@ def launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, for a local launch's rendezvous (tests and benchmarks start many)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def elastic_restart_count() -> int:
+    """How many times an elastic launcher (torchrun / accelerate --max_restarts) has restarted the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def requeue_count() -> int:
+    """How many times SLURM has requeued this job (SLURM_RESTART_COUNT: after `scontrol requeue`, a preemption or
+    a node failure the job's script runs again with it set, and srun passes it to every task)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 def restart_count() -> int:
-    """How many times an elastic launcher (torchrun / accelerate --max_restarts) has restarted the workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    """How many times this run has been started again, by an elastic launcher or by SLURM requeueing the job: a
+    restarted run resumes from the newest complete checkpoint in output_dir."""
+    return elastic_restart_count() + requeue_count()
+
+
+def any_rank(flag: bool, device=None) -> bool:
+    """True on every rank when `flag` is true on any (one MAX all-reduce; `device`: the process group's, e.g. a
+    CUDA device under NCCL). Every rank must call it at the same point."""
+    if world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import distributed
+from .data.forms import template_messages
 from .data.templates import template_kwargs
 
 
@@ -13,8 +14,8 @@ def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = Non
     with the same data.chat_template_kwargs (and pinned date) as training; or its plain prompt."""
     if "messages" in example:
         kwargs = template_kwargs(tokenizer, chat_template_kwargs)
-        return tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True, return_dict=True,
-                                             **kwargs)["input_ids"]
+        msgs = template_messages(example["messages"], tokenizer, kwargs, "eval.exact_match")
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, **kwargs)["input_ids"]
     return tokenizer(example["prompt"])["input_ids"]
 
 

@@ -6,7 +6,7 @@ the Trainer built is the strategy the recipe asked for.
   (one tiny collective, so every rank decides alike and none is left waiting). A non-finite value skips the step
   (up to `training.max_bad_steps`) or stops the run with a `NonFiniteError` naming the step, the value and the fixes.
   Under DeepSpeed, whose engine steps inside backward, the losses are judged before the step's last backward and
-  the gradient norm only after the engine's step (HFTrainer decides where each check runs).
+  the gradient norm only after the engine's step (trainer/step_guard.py decides where each check runs).
 - `check_finite_weights`: one pass over the parameters (each rank its own shards), the verdict all-gathered; a
   non-finite parameter refuses the save, naming it.
 - `engine_problem` / `environment_engine_problem`: the engine actually built against the recipe's strategy, after the

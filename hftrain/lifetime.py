@@ -36,6 +36,7 @@ import torch.distributed as dist
 from . import PARENT_PID_AT_START
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+DEEPSPEED_NODE_LAUNCHER = b"deepspeed.launcher.launch"  # started per node by DeepSpeed's runner (`deepspeed ...`)
 _WATCHING: list[bool] = []  # die_with_parent ran in this process
 HEARTBEAT_PREFIX = "hftrain/heartbeat"
 DONE = "done"
@@ -54,8 +55,8 @@ def prctl_function():
 
 def launched_by_a_launcher() -> bool:
     """This process was started by a launcher that should own it: torch elastic (`torchrun`, `accelerate launch`
-    with several processes) exports TORCHELASTIC_RUN_ID; accelerate's one-process launcher exports nothing of its
-    own, so its command line is looked at. A plain `python recipes/sft.py` (e.g. under nohup) is not tied to the
+    with several processes) exports TORCHELASTIC_RUN_ID; accelerate's one-process launcher and DeepSpeed's node
+    launcher export nothing of their own, so the parent's command line is looked at. A plain `python recipes/sft.py` (e.g. under nohup) is not tied to the
     shell that started it."""
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return True
@@ -64,7 +65,38 @@ def launched_by_a_launcher() -> bool:
             argv = fh.read().split(b"\0")
     except OSError:
         return False
-    return any(a.endswith(b"accelerate") or a == b"accelerate.commands.launch" for a in argv)
+    return any(a.endswith(b"accelerate") or a in (b"accelerate.commands.launch", DEEPSPEED_NODE_LAUNCHER)
+               for a in argv)
+
+
+def _proc(pid: int, what: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _identity(pid: int) -> bytes:
+    """The pid's start time (/proc/PID/stat field 22): the same pid with another start time is another process; b""
+    for none, or a zombie (dead, not yet reaped by its parent)."""
+    fields = _proc(pid, "stat").rsplit(b")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 and fields[0] != b"Z" else b""
+
+
+def outer_launchers(parent: int) -> list[tuple[int, bytes]]:
+    """Launchers above the parent that own this worker too, as (pid, identity). DeepSpeed's runner (`deepspeed`,
+    deepspeed.launcher.runner) starts a node launcher (deepspeed.launcher.launch, the worker's parent) that does not
+    end with it: without this a SIGKILLed runner would leave the node launcher and its workers training on. Linux
+    (/proc) only; elsewhere [] (the parent alone is watched)."""
+    if DEEPSPEED_NODE_LAUNCHER not in _proc(parent, "cmdline").split(b"\0"):
+        return []
+    stat = _proc(parent, "stat")
+    runner = int(stat.rsplit(b")", 1)[-1].split()[1]) if stat else 0
+    argv = _proc(runner, "cmdline").split(b"\0")
+    if runner > 1 and any(a.endswith(b"deepspeed") or a == b"deepspeed.launcher.runner" for a in argv):
+        return [(runner, _identity(runner))]
+    return []
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL, prctl=None) -> bool:
@@ -86,7 +118,8 @@ def _parent_gone(original: int) -> None:
 def die_with_parent(poll_seconds: float = 1.0) -> None:
     """End this process within seconds of its parent's end: the kernel's parent-death signal (Linux) and a daemon
     thread that compares the parent pid with the one seen when hftrain was first imported (every platform; on Linux
-    it also covers a parent that died before the signal was armed: this process was then already re-parented)."""
+    it also covers a parent that died before the signal was armed: this process was then already re-parented), and
+    watches the launchers above the parent that own this worker too (outer_launchers: DeepSpeed's runner)."""
     if _WATCHING:
         return
     _WATCHING.append(True)
@@ -95,11 +128,16 @@ def die_with_parent(poll_seconds: float = 1.0) -> None:
     if os.getppid() != original:
         _parent_gone(original)
 
+    outer = outer_launchers(original)
+
     def watch():
         while True:
             time.sleep(poll_seconds)
             if os.getppid() != original:
                 _parent_gone(original)
+            for pid, identity in outer:
+                if _identity(pid) != identity:
+                    _parent_gone(pid)
 
     threading.Thread(target=watch, name="hftrain-parent-watch", daemon=True).start()
 

@@ -16,12 +16,13 @@ import sys
 import time
 
 from .checkpoints import LAYOUT, PREFIX, STAGING
-from .constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
+from .constants import RECIPE_FILE, RUN_INFO_FILE, SLURM_DIR, STRATEGIES
 from .errors import LaunchError
 
 LOCK_FILE = ".hftrain.lock"
-# Written only by `hftrain config` / `hftrain launch` before a run starts: a folder holding these alone is not a run.
-CONFIG_FILES = {f"{name}.{ext}" for name in STRATEGIES for ext in ("yaml", "json")} | {"launch.sbatch"}
+# Written only by `hftrain config` / `hftrain launch` before a run starts: a folder holding these alone is not a run
+# (SLURM_DIR: the job's log folder, made by `hftrain config --slurm`).
+CONFIG_FILES = {f"{name}.{ext}" for name in STRATEGIES for ext in ("yaml", "json")} | {"launch.sbatch", SLURM_DIR}
 OVERWRITE = "overwrite_output_dir"
 
 _held: dict[str, int] = {}  # realpath -> file descriptor of the lock this process holds (released at exit)

@@ -1,4 +1,4 @@
-"""Preference tuning: TRL's DPOTrainer with hftrain's Trainer underneath (staged checkpoints, guards, compression),
+"""Preference tuning: TRL's DPOTrainer with hftrain's run mixins (staged checkpoints, guards, compression; trainer/),
 and what TRL 1.16 lacks, written here:
 
 - the loss is the exact mean over the preference pairs of the optimizer step's global batch (losses.pair_mean_share):
@@ -20,24 +20,26 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
 from . import losses
-from .config import ModelSection, PreferenceSection, Recipe
+from .config import HFTrainOptions, ModelSection, PreferenceSection, Recipe
 from .modeling import load_model, lora_config
-from .trainer import HFTrainer
+from .trainer import RUN_MIXINS
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
 
 
 def load_policy(cfg: ModelSection):
-    """(model, peft_config): with model.lora the base model and its LoraConfig, for TRL to wrap: TRL computes the
+    """The model to tune; with model.lora the base model, for TRL to wrap with `policy_peft_config`: TRL computes the
     reference with that fresh adapter disabled (no copy). A model wrapped beforehand would make TRL copy the adapter
     as a 'ref' adapter, for adapters trained earlier."""
-    if cfg.lora is None:
-        return load_model(cfg), None
-    return load_model(dataclasses.replace(cfg, lora=None)), lora_config(cfg)
+    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None))
+
+
+def policy_peft_config(cfg: ModelSection):
+    """The LoraConfig TRL wraps the policy with (model.lora), or None."""
+    return lora_config(cfg) if cfg.lora is not None else None
 
 
 def trl_loss(p: PreferenceSection) -> str:
@@ -49,42 +51,30 @@ def trl_loss(p: PreferenceSection) -> str:
     return p.loss_type
 
 
-def dpo_config(args: TrainingArguments, recipe: Recipe) -> DPOConfig:
-    """DPOConfig with every TrainingArguments value of the run (launch.setup built them) plus the preference
+@dataclasses.dataclass
+class HFDPOConfig(DPOConfig, HFTrainOptions):
+    """TRL's DPOConfig with hftrain's options, and SimPO's margin (set: the loss is SimPO's)."""
+
+    simpo_gamma: float | None = dataclasses.field(
+        default=None, metadata={"help": "SimPO: the target margin gamma; None: not SimPO."})
+
+
+def dpo_config(recipe: Recipe, **kwargs) -> HFDPOConfig:
+    """The run's arguments (`kwargs`: every TrainingArguments value launch.setup resolved) plus the preference
     section's. A reference-free loss takes the precompute path, whose reference log-probs PreferenceTrainer sets."""
     p = recipe.preference
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
-    return DPOConfig(**values, beta=p.beta, loss_type=[trl_loss(p)], label_smoothing=p.label_smoothing,
-                     precompute_ref_log_probs=p.precompute_ref_log_probs or p.loss_type == "simpo",
-                     max_length=recipe.data.max_length, truncation_mode="keep_start", disable_dropout=True)
+    simpo = p.loss_type == "simpo"
+    return HFDPOConfig(**kwargs, beta=p.beta, loss_type=[trl_loss(p)], label_smoothing=p.label_smoothing,
+                       precompute_ref_log_probs=p.precompute_ref_log_probs or simpo,
+                       simpo_gamma=(SIMPO_GAMMA if p.simpo_gamma is None else p.simpo_gamma) if simpo else None,
+                       max_length=recipe.data.max_length, truncation_mode="keep_start", disable_dropout=True)
 
 
-class PreferenceTrainer(DPOTrainer, HFTrainer):
-    """DPOTrainer first in the method order (its loss, batches, metrics and eval), HFTrainer below it (checkpoints,
-    guards, compression, engine check), transformers' Trainer at the bottom."""
+class PairMeanMixin:
+    """The preference loss as the exact mean over the pairs of the optimizer step's global batch
+    (losses.pair_mean_share), from the per-micro-batch mean a TRL trainer returns."""
 
-    def __init__(self, *args, preference: PreferenceSection, strategy: str | None = None, compression=None,
-                 max_bad_steps: int = 0, resume_weights_only: bool = False, **kwargs):
-        self.preference = preference
-        # DPOTrainer builds HFTrainer without hftrain's keywords: HFTrainer.__init__ reads them from here.
-        self.hftrain_options = {"strategy": strategy, "compression": compression, "max_bad_steps": max_bad_steps,
-                                "resume_weights_only": resume_weights_only}
-        super().__init__(*args, **kwargs)
-        self.loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses.py)
-
-    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
-        """SimPO needs no reference: its constant 'reference log-probs' are set instead of computed."""
-        if self.preference.loss_type != "simpo":
-            return super()._precompute_ref_logps(dataset, name, batch_size)
-        gamma = SIMPO_GAMMA if self.preference.simpo_gamma is None else self.preference.simpo_gamma
-        limit = self.args.max_length
-
-        def add(row):  # the chosen tokens the collator keeps (keep_start truncation at max_length)
-            kept = len(row["chosen_ids"]) if limit is None else max(0, min(len(row["chosen_ids"]),
-                                                                            limit - len(row["prompt_ids"])))
-            return {"ref_chosen_logps": gamma / self.beta * kept, "ref_rejected_logps": 0.0}
-
-        return dataset.map(add, desc=f"SimPO margin for the {name} dataset")
+    loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses.py)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The pairs of the optimizer step over every micro-batch and rank (a batch holds chosen then rejected rows)."""
@@ -100,5 +90,23 @@ class PreferenceTrainer(DPOTrainer, HFTrainer):
         loss, outputs = out if return_outputs else (out, None)
         dp_size = self.accelerator.num_processes // self.get_tp_size()
         loss = losses.pair_mean_share(loss, inputs["input_ids"].shape[0] // 2, num_items_in_batch, dp_size)
-        self._guard_loss(loss)  # finite or stop (guards.py)
         return (loss, outputs) if return_outputs else loss
+
+
+class PreferenceTrainer(*RUN_MIXINS, PairMeanMixin, DPOTrainer):
+    """TRL's DPOTrainer (its loss, batches, metrics and eval) with hftrain's checkpoints, guards and compression, and
+    the exact pair mean; `args` is an HFDPOConfig (dpo_config)."""
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """SimPO needs no reference: its constant 'reference log-probs' are set instead of computed."""
+        gamma = self.args.simpo_gamma
+        if gamma is None:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        limit = self.args.max_length
+
+        def add(row):  # the chosen tokens the collator keeps (keep_start truncation at max_length)
+            kept = len(row["chosen_ids"]) if limit is None else max(0, min(len(row["chosen_ids"]),
+                                                                            limit - len(row["prompt_ids"])))
+            return {"ref_chosen_logps": gamma / self.beta * kept, "ref_rejected_logps": 0.0}
+
+        return dataset.map(add, desc=f"SimPO margin for the {name} dataset")

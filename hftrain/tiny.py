@@ -16,10 +16,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from .config import DataSource
 from .data import canonicalise, detect_format, read_rows
 
-# ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token).
+# ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token). Tools, when a row
+# has them, are listed in a system turn first, and an assistant's tool calls follow its content as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5's layout), so that tool-calling rows are
+# trained with their calls.
 CHATML_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{%- for tool in tools %}{{ tool | tojson }}{{ '\\n' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] %}{{ '<tool_call>' + call['function'] | tojson + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -12,7 +12,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hftrain.launch.preflight import deepspeed_op_builders, extensions_dir, op_is_built, stale_build_locks  # noqa: E402
+from hftrain.launch.preflight import extensions_dir, stale_build_locks  # noqa: E402
+
+# The CPU ops hftrain's DeepSpeed strategies JIT-build on first use.
+DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+
+
+def deepspeed_op_builders() -> list:
+    """DeepSpeed's builders of DEEPSPEED_CPU_OPS that can build here (async_io needs libaio)."""
+    from deepspeed.accelerator import get_accelerator
+
+    builders = [get_accelerator().create_op_builder(name) for name in DEEPSPEED_CPU_OPS]
+    return [b for b in builders if b.name != "async_io" or b.is_compatible(verbose=False)]
+
+
+def op_is_built(builder, root: str | None = None) -> bool:
+    """torch's JIT cache holds `<root>/<name>/<name>.so` once the op has been built."""
+    root = root or extensions_dir()
+    return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
 
 
 def main() -> int:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv and install hftrain with its test extras. On a machine without an NVIDIA GPU the CPU build of
-# torch (torch==2.13.0) goes in first, so the package's torch range does not pull a multi-GB CUDA build.
-# ZeRO-Infinity (NVMe offload) needs libaio: installed with apt-get when missing and we are root.
+# Create .venv and install hftrain with its test extras, at the versions the suite was tested with (constraints.txt);
+# HFTRAIN_NEWEST=1: the newest releases pyproject.toml allows instead (torch stays 2.13.0). On a machine without an
+# NVIDIA GPU the CPU build of torch (torch==2.13.0) goes in first, so the package's torch range does not pull a
+# multi-GB CUDA build.
+# ZeRO-Infinity (NVMe offload) needs libaio, the SLURM tests SLURM and munge: installed with apt-get when missing and
+# we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio.h ]; then
@@ -12,11 +15,18 @@ if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio
     echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
   fi
 fi
+# The SLURM tests stand up a 2-node cluster of the distribution's slurmctld/slurmd/munge: installed when missing.
+bash scripts/install_slurm.sh || echo "setup: SLURM packages not installed; the SLURM tests will be skipped"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e ".[test]"
-.venv/bin/python -c "import hftrain, torch, transformers; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+if [ "${HFTRAIN_NEWEST:-0}" = 1 ]; then
+  echo "torch==2.13.0" > .venv/newest-constraints.txt
+  .venv/bin/pip install -q -U --upgrade-strategy eager -e ".[test]" -c .venv/newest-constraints.txt
+else
+  .venv/bin/pip install -q -e ".[test]" -c constraints.txt
+fi
+.venv/bin/python -c "import hftrain, torch, transformers, accelerate, trl, deepspeed; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| trl', trl.__version__, '| deepspeed', deepspeed.__version__)"
 # DeepSpeed's CPU ops are JIT-built on first use: build them here, once (cached), not inside a run or a test.
 .venv/bin/python scripts/build_deepspeed_ops.py

@@ -21,7 +21,7 @@ from hftrain.artifacts import describe
 from hftrain.data import build_datasets
 from hftrain.launch import setup_run
 from hftrain.modeling import load_model, load_tokenizer
-from hftrain.trainer import HFTrainer
+from hftrain.trainer import SFTTrainer
 
 COUNTED = {"bytes": 0}
 
@@ -63,8 +63,8 @@ def main(recipe_path, out, overrides):
     model = load_model(recipe.model)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
     every = EveryStep()
-    trainer = HFTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
-                        data_collator=data.collator, callbacks=[every], compression=recipe.compression)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data.train, processing_class=tokenizer,
+                         data_collator=data.collator, callbacks=[every])
     COUNTED["bytes"] = 0
     trainer.train()
     if distributed.is_main_process():

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from hftrain.launch.preflight import deepspeed_op_builders, extensions_dir, op_is_built
+from hftrain.launch.preflight import extensions_dir
+from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")

@@ -9,7 +9,6 @@
   by itself, and when).
 Run as a script (by a launcher) it applies them and runs recipes/sft.py; imported, it only defines them."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,15 +20,15 @@ from hftrain import distributed
 from hftrain.artifacts import weights_digest
 from hftrain.errors import exit_on_user_error
 from hftrain.launch import preflight
-from hftrain.trainer import HFTrainer
+from hftrain.recipes import sft
+from hftrain.trainer import SFTTrainer
 
-SFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
-_forward = HFTrainer._forward
-_init = HFTrainer.__init__
+_forward = SFTTrainer._forward
+_init = SFTTrainer.__init__
 
 
 def forward(self, model, inputs, capture=False):
-    """HFTrainer._forward whose logits (or, on the chunked loss path, lm_head's input) are NaN on the chosen steps
+    """SFTTrainer._forward whose logits (or, on the chunked loss path, lm_head's input) are NaN on the chosen steps
     and rank (as a bad batch or a diverged model gives): the loss computed from them, and its gradients, are NaN."""
     result = _forward(self, model, inputs, capture=capture)
     steps = {int(s) for s in os.environ.get("HFTRAIN_TEST_NAN_STEPS", "").split(",") if s}
@@ -64,22 +63,15 @@ def init(self, *args, **kwargs):
         self.add_callback(Digests(os.environ["HFTRAIN_TEST_DIGESTS"]))
 
 
-def sft_module():
-    spec = importlib.util.spec_from_file_location("hftrain_sft_script", SFT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 if __name__ == "__main__":
-    HFTrainer._forward = forward
-    HFTrainer.__init__ = init
+    SFTTrainer._forward = forward
+    SFTTrainer.__init__ = init
     if os.environ.get("HFTRAIN_TEST_NO_EARLY_ENGINE_CHECK") == "1":
         preflight.environment_engine_problem = lambda *a, **k: None
     code = 0
     try:
         with exit_on_user_error():
-            sft_module().main(sys.argv[1:])
+            sft.main(sys.argv[1:])
     except SystemExit as e:
         code = e.code
         raise

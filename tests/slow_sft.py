@@ -1,22 +1,22 @@
-"""recipes/sft.py with every training step slowed by HFTRAIN_TEST_STEP_SLEEP seconds (default 0), so that a test
-can kill a run between two checkpoints. It only sleeps: the numerics are recipes/sft.py's."""
+"""hftrain's SFT recipe with every training step slowed by HFTRAIN_TEST_STEP_SLEEP seconds (default 0), so that a
+test can kill a run between two checkpoints. It only sleeps: the numerics are the recipe's. With
+HFTRAIN_TEST_SLEEP_UNTIL_RESTART=1 a restarted run (a requeued SLURM job) does not sleep."""
 
 import os
-import runpy
-import sys
 import time
 
-from hftrain.trainer import HFTrainer
+from hftrain.recipes import sft
+from hftrain.trainer import SFTTrainer
 
-SFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "sft.py")
-_training_step = HFTrainer.training_step
+_training_step = SFTTrainer.training_step
 
 
 def training_step(self, *args, **kwargs):
-    time.sleep(float(os.environ.get("HFTRAIN_TEST_STEP_SLEEP", "0")))
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    if not (restarted and os.environ.get("HFTRAIN_TEST_SLEEP_UNTIL_RESTART") == "1"):
+        time.sleep(float(os.environ.get("HFTRAIN_TEST_STEP_SLEEP", "0")))
     return _training_step(self, *args, **kwargs)
 
 
-HFTrainer.training_step = training_step
-sys.argv = [SFT, *sys.argv[1:]]
-runpy.run_path(SFT, run_name="__main__")
+SFTTrainer.training_step = training_step
+sft.main()

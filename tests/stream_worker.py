@@ -10,10 +10,9 @@ import sys
 
 
 def main(model_dir: str, path: str, out: str) -> None:
-    from hftrain.data.stream_position import StreamPositionMixin
     from hftrain.launch import check_data, setup_run
     from hftrain.modeling import load_model
-    from hftrain.trainer import HFTrainer
+    from hftrain.trainer import SFTTrainer
 
     run = setup_run([], raw={
         "model": {"name_or_path": model_dir, "dtype": "float32"},
@@ -21,7 +20,7 @@ def main(model_dir: str, path: str, out: str) -> None:
         "training": {"output_dir": os.path.join(out, "run"), "max_steps": 3, "per_device_train_batch_size": 4,
                      "report_to": "none", "disable_tqdm": True}})
     tokenizer, data = check_data(run.recipe, run.args.world_size, seed=run.args.seed)
-    trainer = type("T", (StreamPositionMixin, HFTrainer), {})(
+    trainer = SFTTrainer(
         model=load_model(run.recipe.model), args=run.args, train_dataset=data.train, processing_class=tokenizer,
         data_collator=data.collator)
     texts = []

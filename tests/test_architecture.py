@@ -75,3 +75,27 @@ def test_modules_stay_small(path):
 def test_recipe_scripts_read_as_a_table_of_contents(path):
     n = sum(1 for _ in open(path, encoding="utf-8"))
     assert n <= 150, f"{path} has {n} lines"
+
+
+def test_the_installed_versions_are_the_tested_ones():
+    """constraints.txt names the versions the suite passes with; scripts/setup.sh installs them (HFTRAIN_NEWEST=1
+    installs the newest releases instead: then this is only reported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pinned = {}
+    with open(os.path.join(REPO, "constraints.txt"), encoding="utf-8") as fh:
+        for line in fh:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, _, want = line.partition("==")
+                pinned[name] = want
+    got = {}
+    for name in pinned:
+        try:
+            got[name] = version(name).split("+")[0]
+        except PackageNotFoundError:
+            got[name] = None
+    differ = {n: (pinned[n], got[n]) for n in pinned if got[n] != pinned[n]}
+    if os.environ.get("HFTRAIN_NEWEST") == "1":
+        pytest.skip(f"HFTRAIN_NEWEST=1: testing other versions than constraints.txt: {differ}")
+    assert differ == {}, f"installed versions differ from constraints.txt (name: (tested, installed)): {differ}"

@@ -21,7 +21,7 @@ def make_trainer(model_dir, out, lora=None, **training):
     from hftrain.modeling import load_model, load_tokenizer
     from hftrain.config import load_recipe
     from hftrain.launch.setup import training_arguments
-    from hftrain.trainer import HFTrainer
+    from hftrain.trainer import SFTTrainer
 
     recipe = load_recipe(None, raw={
         "model": {"name_or_path": model_dir, "dtype": "float32", **({"lora": lora} if lora else {})},
@@ -33,8 +33,8 @@ def make_trainer(model_dir, out, lora=None, **training):
     args = training_arguments(recipe)
     tokenizer = load_tokenizer(recipe.model)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
-    return HFTrainer(model=load_model(recipe.model), args=args, train_dataset=data.train,
-                     processing_class=tokenizer, data_collator=data.collator)
+    return SFTTrainer(model=load_model(recipe.model), args=args, train_dataset=data.train,
+                      processing_class=tokenizer, data_collator=data.collator)
 
 
 def final_weights(trainer):
@@ -396,7 +396,7 @@ def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(
 
 
 def test_rng_file_damaged_after_the_check_is_named_by_the_trainer(tmp_path, tiny_model_dir, reference):
-    """HFTrainer._load_rng_state: what changed between the check and the load is named, torch's advice is not."""
+    """SFTTrainer._load_rng_state: what changed between the check and the load is named, torch's advice is not."""
     ck = tmp_path / "checkpoint-4"
     shutil.copytree(reference[0] / "checkpoint-4", ck)
     (ck / "rng_state.pth").write_bytes(b"garbage")
@@ -475,8 +475,7 @@ def test_resume_weights_only_starts_the_optimizer_fresh(weights_only, tmp_path, 
     and the step come from the checkpoint either way."""
     out = tmp_path / "out"
     shutil.copytree(reference[0] / "checkpoint-2", out / "checkpoint-2")
-    t = make_trainer(tiny_model_dir, out, resume_from_checkpoint=True)
-    t.resume_weights_only = weights_only
+    t = make_trainer(tiny_model_dir, out, resume_from_checkpoint=True, resume_weights_only=weights_only)
     t.train(resume_from_checkpoint=True)
     assert t.state.global_step == 4
     steps = {float(s["step"]) for s in t.optimizer.state.values()}

@@ -140,13 +140,13 @@ def tiny_lm(vocab=512, tie=True, kind="llama", seed=0):
 
 
 def trainer_for(model, impl, tmp_path, **kwargs):
-    from transformers import TrainingArguments
+    from hftrain.config import HFTrainingArguments
+    from hftrain.trainer import SFTTrainer
 
-    from hftrain.trainer import HFTrainer
-
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
-                             label_smoothing_factor=kwargs.pop("label_smoothing", 0.0))
-    return HFTrainer(model=model, args=args, loss_impl=impl, **kwargs)
+    args = HFTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_impl=impl,
+                               label_smoothing_factor=kwargs.pop("label_smoothing", 0.0),
+                               **{k: kwargs.pop(k) for k in ("loss_averaging",) if k in kwargs})
+    return SFTTrainer(model=model, args=args, **kwargs)
 
 
 def lm_batch(vocab, b=2, t=48, packed=False, seed=1):
@@ -325,11 +325,12 @@ def test_loss_impl_key():
     assert load_recipe(None, ["training.loss_impl=chunked"], raw=dict(base)).training["loss_impl"] == "chunked"
     with pytest.raises(RecipeError, match="training.loss_impl: expected one of 'auto', 'chunked', 'logits', got 'x'"):
         load_recipe(None, ["training.loss_impl=x"], raw=dict(base))
-    assert "loss_impl" not in vars(training_arguments(load_recipe(None, [], raw=dict(base))))
+    # typed end to end: the trainer reads it from its arguments
+    assert training_arguments(load_recipe(None, ["training.loss_impl=chunked"], raw=dict(base))).loss_impl == "chunked"
 
 
 def test_placeholder_is_in_the_graph_but_passes_no_gradient():
-    """ZeRO-3 pairs lm_head's backward hooks only when a gradient passes lm_head's output (HFTrainer._ce adds
+    """ZeRO-3 pairs lm_head's backward hooks only when a gradient passes lm_head's output (SFTTrainer._ce (ChunkedLossMixin) adds
     0 * its sum): the placeholder must require grad, let a gradient through and add nothing to the hidden states."""
     head = torch.nn.Linear(4, 7)
     h = torch.randn(2, 3, 4, requires_grad=True)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hftrain import compression as comp
 from hftrain.config import RecipeError, load_recipe
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
 

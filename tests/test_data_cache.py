@@ -220,7 +220,7 @@ def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": f"row {i}"} for i in range(3000)])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": f"row {i}"} for i in range(2000)] + [{"text": 5}])
     env = {**os.environ, "PYTHONPATH": REPO, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    from hftrain.distributed import free_port
+    from .support import free_port
 
     for path, name in ((good, "good"), (bad, "bad")):
         out = tmp_path / name

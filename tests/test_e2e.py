@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from hftrain.artifacts import weights_digest
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 

@@ -11,7 +11,7 @@ from hftrain import losses
 from hftrain.config import DataSection, DataSource, ModelSection
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import build_datasets
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.evaluate import greedy_answer, shard
 
 from .conftest import ACCELERATE_LAUNCH, PY, eval_token_mean_and_old, run, uneven_data
@@ -49,10 +49,11 @@ def test_example_sums_one_row_per_example_padded_or_packed(spiky_model_dir, toke
 @pytest.mark.parametrize("packing", [False, True])
 def test_eval_loss_is_the_token_mean_over_the_eval_set_for_any_batch_size(eval_set, spiky_model_dir, tmp_path,
                                                                           packing):
-    from transformers import AutoTokenizer, TrainingArguments
+    from transformers import AutoTokenizer
 
+    from hftrain.config import HFTrainingArguments
     from hftrain.modeling import load_model
-    from hftrain.trainer import HFTrainer
+    from hftrain.trainer import SFTTrainer
 
     path, ref, old = eval_set
     tok = AutoTokenizer.from_pretrained(spiky_model_dir)
@@ -61,10 +62,10 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set_for_any_batch_size(eval_s
     model = load_model(ModelSection(name_or_path=spiky_model_dir, dtype="float32"), packing=packing)
     assert len(data.eval) == N_EVAL
     for bs in (1, 3, 8):
-        args = TrainingArguments(output_dir=str(tmp_path / str(bs)), per_device_eval_batch_size=bs, use_cpu=True,
-                                 report_to="none")
-        trainer = HFTrainer(model=model, args=args, eval_dataset=data.eval, data_collator=data.collator,
-                            processing_class=tok)
+        args = HFTrainingArguments(output_dir=str(tmp_path / str(bs)), per_device_eval_batch_size=bs, use_cpu=True,
+                                   report_to="none")
+        trainer = SFTTrainer(model=model, args=args, eval_dataset=data.eval, data_collator=data.collator,
+                             processing_class=tok)
         assert trainer.evaluate()["eval_loss"] == pytest.approx(ref, rel=1e-5), bs
         if bs < N_EVAL:  # negative control: the old number (a mean of per-batch means) is visibly off on this data
             assert abs(old(bs) - ref) > 1e-3 * ref, bs

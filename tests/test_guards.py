@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from hftrain import guards
 from hftrain.errors import LaunchError, NonFiniteError, exit_on_user_error
-from hftrain.trainer import HFTrainer
+from hftrain.trainer import SFTTrainer
 
 from . import guard_worker
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, run
+from .support import free_port
 
 
 def recipe(tmp_path, model_dir, **training) -> str:
@@ -38,7 +39,7 @@ def recipe(tmp_path, model_dir, **training) -> str:
 def run_main(argv, capsys) -> tuple[int, str]:
     try:
         with exit_on_user_error():
-            guard_worker.sft_module().main(argv)
+            guard_worker.sft.main(argv)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -80,8 +81,8 @@ def test_a_sane_run_is_not_stopped(tmp_path, tiny_model_dir, capsys):
 
 def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tiny_model_dir, capsys, monkeypatch):
     digests = tmp_path / "digests.jsonl"
-    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
-    monkeypatch.setattr(HFTrainer, "__init__", guard_worker.init)
+    monkeypatch.setattr(SFTTrainer, "_forward", guard_worker.forward)
+    monkeypatch.setattr(SFTTrainer, "__init__", guard_worker.init)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2")
     monkeypatch.setenv("HFTRAIN_TEST_DIGESTS", str(digests))
     code, err = run_main([recipe(tmp_path, tiny_model_dir, max_bad_steps=1, weight_decay=0.1)], capsys)
@@ -98,7 +99,7 @@ def test_max_bad_steps_skips_the_step_without_touching_the_weights(tmp_path, tin
 
 
 def test_one_bad_step_more_than_allowed_stops(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    monkeypatch.setattr(HFTrainer, "_forward", guard_worker.forward)
+    monkeypatch.setattr(SFTTrainer, "_forward", guard_worker.forward)
     monkeypatch.setenv("HFTRAIN_TEST_NAN_STEPS", "2,3")
     code, err = run_main([recipe(tmp_path, tiny_model_dir, max_bad_steps=1)], capsys)
     assert code == 2, err[-3000:]
@@ -115,7 +116,7 @@ def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_mode
     exits.mkdir()
     start = time.time()
     r = run([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             str(free_port()), "tests/guard_worker.py",
              recipe(tmp_path, tiny_model_dir, max_steps=20), f"strategy.name={strategy}"], timeout=300,
             env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1", "HFTRAIN_TEST_EXIT_DIR": str(exits)})
     elapsed = time.time() - start
@@ -135,7 +136,7 @@ def test_a_nan_on_one_rank_is_skipped_alike_by_both_ranks(tmp_path, tiny_model_d
     and end with equal weights (save_final's per-rank digest check) that the skipped step did not change."""
     digests = tmp_path / "digests.jsonl"
     r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             str(free_port()), "tests/guard_worker.py",
              recipe(tmp_path, tiny_model_dir, max_bad_steps=1)], timeout=300,
             env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1", "HFTRAIN_TEST_DIGESTS": str(digests)})
     assert r.returncode == 0, r.stderr[-4000:]
@@ -154,7 +155,7 @@ def test_under_zero2_a_nan_loss_stops_before_the_engine_steps(tmp_path, tiny_mod
     exits = tmp_path / "exits"
     exits.mkdir()
     r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero2.yaml", "--main_process_port",
-             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             str(free_port()), "tests/guard_worker.py",
              recipe(tmp_path, tiny_model_dir, max_steps=20, gradient_accumulation_steps=2), "strategy.name=zero2"],
             timeout=300, env={"HFTRAIN_TEST_NAN_STEPS": "2", "HFTRAIN_TEST_NAN_RANK": "1",
                               "HFTRAIN_TEST_EXIT_DIR": str(exits)})
@@ -318,7 +319,7 @@ def test_use_cpu_launch_of_zero2_is_stopped(early, tmp_path, tiny_model_dir, dee
     refuses it; with that check switched off (guard_worker), the check after the wrap sees plain DDP."""
     env = {"ACCELERATE_USE_CPU": "true", **({} if early else {"HFTRAIN_TEST_NO_EARLY_ENGINE_CHECK": "1"})}
     r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero2.yaml", "--main_process_port",
-             str(guard_worker.distributed.free_port()), "tests/guard_worker.py",
+             str(free_port()), "tests/guard_worker.py",
              recipe(tmp_path, tiny_model_dir, max_steps=2), "strategy.name=zero2"], timeout=300, env=env)
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
     expected = ("strategy.name: 'zero2' cannot run with ACCELERATE_USE_CPU=true" if early else

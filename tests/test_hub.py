@@ -24,7 +24,7 @@ from hftrain.errors import HubError
 from hftrain.hub.checks import validate_folder
 from hftrain.hub.push import STAGE_DIR, push
 from hftrain.config import HubSection, RecipeError, load_recipe
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 

@@ -30,8 +30,8 @@ FIRST = {  # the canonical form of each example file's first row
     "messages.jsonl": ("messages", {"messages": [
         {"role": "system", "content": "You convert units. Use the tool when a number is involved."},
         {"role": "user", "content": "How many kilometres is 26.2 miles?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "unit_convert", "arguments": {"value": 26.2, "from": "mi", "to": "km"}}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {  # arguments as given
+            "name": "unit_convert", "arguments": "{\"value\": 26.2, \"from\": \"mi\", \"to\": \"km\"}"}}]},
         {"role": "tool", "content": "42.16", "name": "unit_convert"},
         {"role": "assistant", "content": "26.2 miles is about 42.2 km."}], "tools": [UNIT_TOOL]}),
     "sharegpt.json": ("sharegpt", {"messages": [
@@ -87,21 +87,39 @@ def test_detection_order_and_every_layout_has_columns():
     assert detect_format(["question", "answer"]) is None
 
 
-def test_content_parts_and_argument_strings_are_canonicalised():
+def test_content_parts_arguments_reasoning_and_tools_are_canonicalised_as_given():
+    """Content parts stay parts, arguments stay JSON text or an object, the call's id stays (render.py hands each
+    template the forms it reads); reasoning under any usual spelling is reasoning_content; bare tools are wrapped."""
     row = {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "a "}, {"text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}}]},
+        {"role": "assistant", "content": None, "thinking": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}},
+            {"name": "g", "arguments": {"y": 1}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
-        {"role": "assistant", "content": "done", "tool_calls": None, "name": None}],  # Arrow's nulls: absent
-        "tools": "[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]"}
+        {"role": "assistant", "content": "done", "reasoning": "sure", "tool_calls": None, "name": None}],  # nulls
+        "tools": "[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}, {\"name\": \"g\"}]"}
     assert to_messages_or_text(row, "messages", has_template=True) == {"messages": [
-        {"role": "user", "content": "a b"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
-                                                             "function": {"name": "f", "arguments": {"x": [1, 2]}}}]},
-        {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "f"},
-        {"role": "assistant", "content": "done"}], "tools": [{"type": "function", "function": {"name": "f"}}]}
+        {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}},
+            {"type": "function", "function": {"name": "g", "arguments": {"y": 1}}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "done", "reasoning_content": "sure"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]}
     assert "tools" not in to_messages_or_text(chat(), "messages", has_template=True)  # no tools column, no key
+    both = {"messages": [MSG, {"role": "assistant", "content": "x", "reasoning": "a", "thinking": "b"}]}
+    with pytest.raises(DataError, match=r"messages\[1\] has reasoning under \['reasoning', 'thinking'\]; keep one"):
+        to_messages_or_text(both, "messages", has_template=True)
+
+
+def test_reasoning_field_mapped_by_columns(tmp_path):
+    rows = [{"messages": [MSG, {"role": "assistant", "content": "x", "cot": "because"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    _, out = read_canonical(DataSource(path=path, columns={"reasoning_content": "cot"}), KEY, True)
+    assert out[0][1]["messages"][1] == {"role": "assistant", "content": "x", "reasoning_content": "because"}
+    with pytest.raises(DataError, match=rf"{KEY}.columns: no message of \S+ has the field\(s\) \['chain'\] "
+                                        r"\(reasoning_content: chain\)"):
+        read_canonical(DataSource(path=path, columns={"reasoning_content": "chain"}), KEY, True)
 
 
 def test_alpaca_history_without_a_template_is_one_prompt():

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from hftrain import losses
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run, uneven_data
 

@@ -13,7 +13,7 @@ from hftrain.errors import MoeError
 from hftrain.moe.aux import z_loss
 from hftrain.moe.blocks import moe_blocks, routers
 from hftrain.moe.upcycle import upcycle
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run
 
@@ -391,15 +391,15 @@ def test_expert_parallel_options_are_validated():
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(model_type, tmp_path):
-    """What HFTrainer.compute_loss returns = CE / targets + coef * aux / GA + z_coef * z / GA, with aux the family's
+    """What SFTTrainer.compute_loss returns = CE / targets + coef * aux / GA + z_coef * z / GA, with aux the family's
     own load-balancing loss on the same router logits and padding mask (and no model-internal loss)."""
     import importlib
 
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hftrain import losses
-    from hftrain.config import MoeSection
-    from hftrain.trainer import HFTrainer
+    from hftrain.config import HFTrainingArguments, MoeSection
+    from hftrain.trainer import SFTTrainer
 
     cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
                                moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
@@ -407,8 +407,8 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
                                initializer_range=0.5)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    trainer = HFTrainer(model=model, args=args)
+    args = HFTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = SFTTrainer(model=model, args=args)
     done = moe.attach(trainer, MoeSection(aux_loss_coef=0.1, router_z_loss_coef=0.01))
     assert done["aux_losses"] == ["moe_aux_loss", "moe_z_loss"]
     mask = torch.ones_like(IDS)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from .conftest import DEMO_TRAIN, PY, REPO
-from hftrain import netns
+from tests import netns
 from hftrain.checkpoints import verify
 
 pytestmark = pytest.mark.slow
@@ -218,8 +218,8 @@ def test_a_restarted_worker_on_one_node_resumes_the_job(nodes, tiny_model_dir, t
         for pid in netns.pids(nodes[1]):
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 argv = fh.read().split(b"\0")
-            if any(a.endswith(b"sft.py") for a in argv) and not any(b"accelerate" in a for a in argv):
-                victims.append(pid)  # the worker: torch elastic starts it as `python -u recipes/sft.py ...`
+            if b"hftrain.recipes.sft" in argv and not any(b"accelerate" in a for a in argv):
+                victims.append(pid)  # the worker: torch elastic starts it as `python -u -m hftrain.recipes.sft ...`
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         rcs = [p.wait(timeout=TIMEOUT) for p in procs]

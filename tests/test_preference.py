@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from hftrain.config import parse_recipe
 from hftrain.config.sections import DataSource
 from hftrain.data.preference import read_pairs
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 
@@ -35,7 +35,8 @@ def test_shipped_recipe_parses():
 
 @pytest.mark.parametrize("override, expected", [
     ("preference.beta_=0.2", "command line: preference.beta_: unknown key; did you mean 'preference.beta'?"),
-    ("preference.loss_type=orpo", "command line: preference.loss_type: expected one of 'sigmoid', 'ipo', 'simpo'"),
+    ("preference.loss_type=cpo", "command line: preference.loss_type: expected one of 'sigmoid', 'ipo', 'simpo', "
+                                 "'orpo', 'kto'"),
     ("preference.beta=0", "preference.beta: must be a finite number > 0, got 0.0"),
     ("preference.label_smoothing=0.5", "preference.label_smoothing: must be in [0, 0.5), got 0.5"),
     ("preference.simpo_gamma=1", "preference.simpo_gamma: applies to loss_type simpo, not 'sigmoid': remove it"),
@@ -73,7 +74,7 @@ def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir):
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump(tree))
     r = run([PY, "recipes/dpo.py", str(rec)], timeout=120)
-    assert r.returncode == 2 and "recipes/dpo.py needs a preference: section" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in r.stderr, r.stderr[-2000:]
 
 
 # -- data: every bad row refused by file and line ----------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_hftrain_check_refuses_a_bad_row_and_launch_picks_dpo_py(tmp_path, tiny_
     assert e.value.code == 2
     assert f"data.sources.0: {data}:2: chosen is empty" in capsys.readouterr().err
     assert cli_main(["launch", "--dry-run", str(rec)]) == 0
-    assert "recipes/dpo.py" in capsys.readouterr().out
+    assert "-m hftrain.recipes.dpo" in capsys.readouterr().out
 
 
 # -- runs -----------------------------------------------------------------------------------------------------
@@ -250,17 +251,71 @@ def test_one_rank_ga4_equals_one_batch(one_rank):
     assert_close_rel(final, ref)
 
 
+# The losses whose exactness across ranks is tested (sigmoid: DPO, whose runs above also hold the one-batch reference).
+LOSSES = {"sigmoid": {"beta": 0.5}, "orpo": {"loss_type": "orpo", "beta": 0.5},
+          "kto": {"loss_type": "kto", "beta": 0.5}}
+
+
+def uneven_unpaired(path, n, seed=0, desirable=0.75):
+    """KTO's rows (prompt, completion, label) with answers of 1 to 12 letters, about 3 in 4 desirable: the policy then
+    raises the completions' log-probs under other prompts too, and the KL reference point leaves 0 from step 3."""
+    rng = random.Random(seed)
+    word = lambda k: " ".join(rng.choice("abcdefghij") for _ in range(k))
+    rows = [{"prompt": [{"role": "user", "content": f"reverse: {word(3)}"}], "label": rng.random() < desirable,
+             "completion": [{"role": "assistant", "content": word(rng.choice([1, 2, 8, 12]))}]} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_rank_ga4(request, tmp_path_factory, spiky_model_dir):
+    """1 rank x GA4 (micro-batches of 2) per loss, run once and shared by every strategy's 2-rank run: (data, steps,
+    (losses, weights)). KTO: 3 steps of 8 of 32 unpaired examples, the last with its KL reference point above 0
+    (asserted: a point clamped to 0 would hide how it was estimated)."""
+    runs = {}
+
+    def get(loss):
+        if loss == "sigmoid":
+            data, _, ga4 = request.getfixturevalue("one_rank")
+            return data, 2, ga4
+        if loss not in runs:
+            tmp = tmp_path_factory.mktemp(f"one_rank_{loss}")
+            data = uneven_unpaired(tmp / "kto.jsonl", 32) if loss == "kto" else uneven_pairs(tmp / "pairs.jsonl", 16)
+            steps = 3 if loss == "kto" else 2
+            runs[loss] = data, steps, train(tmp, f"1x_ga4_{loss}", spiky_model_dir, data, 1, 2, 4, steps, LOSSES[loss])
+            if loss == "kto":
+                history = json.load(open(tmp / f"1x_ga4_{loss}" / "trainer_state.json"))["log_history"]
+                assert [h["kl"] for h in history if "loss" in h][-1] > 0.01, history
+        return runs[loss]
+
+    return get
+
+
 @pytest.mark.slow
+def test_orpo_one_batch_equals_its_micro_batches(tmp_path, spiky_model_dir, one_rank_ga4):
+    """ORPO's NLL is a token mean: one batch of 8 pairs trains like 4 micro-batches of 2 (GA4) only with the chosen
+    tokens counted over the whole step. (2 ranks x GA2 against 1 x GA4 cannot tell: with as many pairs in every
+    micro-batch, TRL's mean of micro-batch means is the same in both; here its losses are off by 0.8%.)"""
+    data, steps, (ref_loss, ref) = one_rank_ga4("orpo")
+    losses, final = train(tmp_path, "1x_bs8_orpo", spiky_model_dir, data, 1, 8, 1, steps, LOSSES["orpo"])
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
-def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, spiky_model_dir, one_rank, strategy, request):
-    """2 ranks x GA2 (micro-batch 2, global batch 8 pairs) give 1 rank x GA4's losses and weights over two steps."""
+def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, spiky_model_dir, one_rank_ga4, strategy, loss, request):
+    """2 ranks x GA2 (micro-batch 2, global batch 8 pairs or KTO examples) give 1 rank x GA4's losses and weights over
+    two steps (KTO three), for DPO, ORPO (its NLL a token mean: pairs of very uneven lengths) and KTO (its KL reference
+    point over the step's 8 examples, not each micro-step's)."""
     if strategy.startswith("zero"):
         request.getfixturevalue("deepspeed_ops")
-    data, _, (ref_loss, ref) = one_rank
+    data, steps, (ref_loss, ref) = one_rank_ga4(loss)
     # Under DDP the all-reduce runs through hftrain's timed hook (compression.profile): the same mean, exactly.
     extra = {"compression": {"profile": True}} if strategy == "ddp" else {}
-    losses, final = train(tmp_path, f"2x_ga2_{strategy}", spiky_model_dir, data, 2, 2, 2, 2, strategy=strategy,
-                          **extra)
+    losses, final = train(tmp_path, f"2x_ga2_{strategy}_{loss}", spiky_model_dir, data, 2, 2, 2, steps, LOSSES[loss],
+                          strategy=strategy, **extra)
     assert losses == pytest.approx(ref_loss, rel=1e-5)
     assert_close_rel(final, ref)
 
@@ -283,7 +338,7 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from hftrain.launch import check_data
-    from hftrain.launch.setup import training_arguments
+    from hftrain.launch.setup import run_arguments
     from hftrain.preference import PreferenceTrainer, dpo_config
 
     beta, gamma = 2.0, 0.7
@@ -296,8 +351,8 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
     assert found == []
     tokenizer, pairs = check_data(recipe, 1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = PreferenceTrainer(model=model, args=dpo_config(training_arguments(recipe), recipe),
-                                train_dataset=pairs.train, processing_class=tokenizer, preference=recipe.preference)
+    trainer = PreferenceTrainer(model=model, args=dpo_config(recipe, **run_arguments(recipe)),
+                                train_dataset=pairs.train, processing_class=tokenizer)
     rows = [trainer.train_dataset[i] for i in range(4)]
     trainer.model.eval()
     with torch.no_grad():

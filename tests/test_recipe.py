@@ -113,7 +113,16 @@ def test_loss_averaging_key():
     assert load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)).training["loss_averaging"] == "sequence"
     with pytest.raises(RecipeError, match="training.loss_averaging: expected one of 'token', 'sequence', got 'tokens'"):
         load_recipe(None, ["training.loss_averaging=tokens"], raw=dict(BASE))
-    assert "loss_averaging" not in vars(training_arguments(load_recipe(None, [], raw=dict(BASE))))
+    args = training_arguments(load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)))
+    assert args.loss_averaging == "sequence"  # typed end to end: the trainer reads it from its arguments
+
+
+def test_run_set_options_are_refused_in_training():
+    """strategy_name and compression are arguments the run fills in from strategy: and compression:."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["training.strategy_name=ddp", "training.compression={method: fp16}"], raw=dict(BASE))
+    assert "training.strategy_name: not accepted here: set strategy.name" in str(e.value)
+    assert "training.compression: not accepted here: set the compression: section" in str(e.value)
 
 
 def test_override_syntax_errors():

@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.manifest import manifest_problems, read_manifest
 
 from .conftest import (ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning,

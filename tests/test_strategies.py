@@ -13,7 +13,7 @@ from hftrain.config import strategy_of_deepspeed_config
 from hftrain.config import RecipeError, StrategySection, load_recipe
 from hftrain.constants import STRATEGIES
 from hftrain.launch.strategies import accelerate_config, deepspeed_config, render
-from hftrain.distributed import free_port
+from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, eval_token_mean, run
 
@@ -230,22 +230,6 @@ def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
     assert info["world_size"] == 2 and info["wrapper"] == "DistributedDataParallel"
     acc = yaml.safe_load(open(out / "ddp.yaml"))
     assert acc["num_processes"] == 2 and acc["distributed_type"] == "MULTI_GPU"
-
-
-def test_slurm_script_starts_one_launch_per_node(tmp_path):
-    from hftrain.cli import main
-
-    rec = tmp_path / "r.yaml"
-    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
-                                   "strategy": {"name": "zero3", "num_machines": 4, "num_processes": 32}}))
-    assert main(["config", str(rec), "--slurm", "--output", str(tmp_path / "o"), "training.max_steps=5"]) == 0
-    script = (tmp_path / "o" / "launch.sbatch").read_text()
-    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
-    assert '--machine_rank "$SLURM_NODEID"' in script and "--num_processes $(( SLURM_NNODES * 8 ))" in script
-    assert f"--config_file {tmp_path / 'o' / 'zero3.yaml'}" in script
-    assert "training.max_steps=5 strategy.name=zero3" in script
-    acc = yaml.safe_load(open(tmp_path / "o" / "zero3.yaml"))
-    assert acc["num_machines"] == 4 and acc["main_process_ip"] == "MAIN_NODE_ADDRESS"
 
 
 def _async_io_ok() -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from hftrain.config import DataSection, DataSource, RecipeError, load_recipe
 from hftrain.data.stream import CHECK_ROWS, Position, SourceStream, TrainStream, stream_dataset
-from hftrain.data.stream_position import POSITION_FILE, StreamPositionMixin
+from hftrain.trainer.stream_position import POSITION_FILE, StreamPositionMixin
 from hftrain.errors import DataError
 
 from .conftest import DEMO_TRAIN
@@ -24,7 +24,7 @@ def make_trainer(model_dir, out, sources, resume_mixin=True, **training):
     from hftrain.data import build_datasets
     from hftrain.launch.setup import training_arguments
     from hftrain.modeling import load_model, load_tokenizer
-    from hftrain.trainer import HFTrainer
+    from hftrain.trainer import SFTTrainer
 
     recipe = load_recipe(None, raw={
         "model": {"name_or_path": model_dir, "dtype": "float32"},
@@ -36,7 +36,8 @@ def make_trainer(model_dir, out, sources, resume_mixin=True, **training):
     args = training_arguments(recipe)
     tokenizer = load_tokenizer(recipe.model)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)
-    cls = type("StreamTrainer", (StreamPositionMixin, HFTrainer), {}) if resume_mixin else HFTrainer
+    cls = SFTTrainer if resume_mixin else type(
+        "ReplayingTrainer", tuple(b for b in SFTTrainer.__bases__ if b is not StreamPositionMixin), {})
     return cls(model=load_model(recipe.model), args=args, train_dataset=data.train, processing_class=tokenizer,
                data_collator=data.collator)
 
@@ -190,7 +191,7 @@ def test_two_processes_train_on_their_own_rows(tmp_path, tiny_model_dir):
     dispatch_batches off) give each process rows the other never sees, and the run trains."""
     import subprocess
 
-    from hftrain.distributed import free_port
+    from .support import free_port
 
     from .conftest import ACCELERATE_LAUNCH, REPO
 

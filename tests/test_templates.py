@@ -1,28 +1,31 @@
-"""Labels under the real chat templates of six model families (tests/data/templates/, each naming its model).
+"""Labels under the real chat templates of model families (tests/data/templates/, each naming its model).
 
 The expected labels are computed here without hftrain's turn-by-turn rendering: the whole conversation is rendered
 once with apply_chat_template, and each assistant turn's known text (its content or tool call, then the end-of-turn
 token) is found by string search right after the template's assistant header; exactly the tokens of those pieces
-are labels. The tokenizer is a byte-level BPE trained here, with each family's special tokens added as single ids."""
+are labels. The tokenizer is a byte-level BPE trained here, with each family's special tokens added as single ids.
+tests/test_template_oracle.py compares the labels with an oracle on 36 families."""
 
-import ast
 import json
 import os
-import re
 from datetime import datetime
 
 import pytest
 import transformers.utils.chat_template_utils as ctu
+from tokenizers import processors
 from transformers import AutoTokenizer
 
 from hftrain.config import DataSection, DataSource
 from hftrain.config.loading import parse_recipe
 from hftrain.constants import IGNORE_INDEX
-from hftrain.data import build_datasets, tokenize_example
+from hftrain.data import build_datasets, tokenize_example, tokenize_examples
 from hftrain.data.templates import FIXED_DATE, eos_problem, template_kwargs
 from hftrain.errors import DataError
 from hftrain.evaluate import prompt_ids
 from hftrain.tiny import train_tokenizer
+
+from .template_families import FAMILIES as FAMILIES_ORACLE
+from .template_families import tokenizer_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATES = os.path.join(REPO, "tests", "data", "templates")
@@ -158,34 +161,53 @@ def test_qwen3_enable_thinking_reaches_every_rendering():
           enable_thinking=False)
 
 
-def test_qwen3_dropping_earlier_reasoning_is_refused_naming_row_and_text():
+THINK_CALL = "<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>\n"
+THINK_SUNNY = "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>\n"
+
+
+def test_qwen3_turns_the_template_rewrites_are_trained_as_generated():
+    """Qwen3 drops the reasoning of turns before the last user query: those turns are trained in an example that
+    ends with them (as the model generated them), the last turn in the whole conversation (issue 27 point 1; the
+    row was refused before)."""
     tok = family("qwen3")
-    msgs = CASES["qwen3"][0] + [AGAIN, RAIN]  # a later user query: the template drops the earlier reasoning
-    with pytest.raises(DataError) as e:
-        tokenize_example({"messages": msgs, "tools": TOOLS, "row": 7}, tok, False, source="data.sources.0 (c.jsonl)")
-    msg = str(e.value)
-    assert msg.startswith("data.sources.0 (c.jsonl), row 7: assistant message 2 cannot be located")
-    alone, whole = excerpts(msg)
-    assert alone.endswith("assistant\n<think>\nI should look it up.\n</think>\n\n<to")
-    assert "assistant\n<tool_call>\n{" in whole
-    assert "{% generation %}" in msg and "data.assistant_only_loss: false" in msg
+    msgs = CASES["qwen3"][0] + [AGAIN, RAIN]
+    first, last = tokenize_examples({"messages": msgs, "tools": TOOLS}, tok, False)
+    check(tok, first, msgs[:5], "<|im_start|>assistant\n", [THINK_CALL, THINK_SUNNY], TOOLS)
+    check(tok, last, msgs, "<|im_start|>assistant\n", ["<think>\n\n</think>\n\nRain.<|im_end|>\n"], TOOLS)
+    assert "I should look it up" not in tok.decode(last["input_ids"])  # the history as the model sees it later
+    with pytest.raises(ValueError, match="becomes 2 examples"):
+        tokenize_example({"messages": msgs, "tools": TOOLS}, tok, False)
+    # data.train_turns: last trains the final turn only, in the whole conversation
+    assert tokenize_examples({"messages": msgs, "tools": TOOLS}, tok, False, train_turns="last") == [last]
+    # reasoning given as reasoning_content (or reasoning, thinking) reaches the template: the same tokens
+    split = [dict(m, content=m["content"].split("</think>\n\n")[-1], reasoning_content=m["content"].split(
+        "</think>")[0].removeprefix("<think>\n").strip()) if "<think>" in m["content"] else m for m in msgs]
+    assert split[2]["reasoning_content"] == "I should look it up." and split[2]["content"] == ""
+    assert tokenize_examples({"messages": split, "tools": TOOLS}, tok, False) == [first, last]
 
 
-def excerpts(msg: str) -> tuple[str, str]:
-    """The two texts a prefix-stability refusal shows where the renderings part, as the strings they are."""
-    m = re.search(r"rendered alone ('.*?'), in the whole conversation ('.*?')\)\.", msg, re.S)
-    return ast.literal_eval(m.group(1)), ast.literal_eval(m.group(2))
+def test_a_prefix_stable_template_gives_one_example_per_conversation():
+    tok = family("qwen2_5")
+    assert len(tokenize_examples({"messages": AGENT, "tools": TOOLS}, tok, False)) == 1
 
 
-def test_deepseek_r1_generation_prompt_differs_from_its_turns_so_refused():
+def test_deepseek_r1_trains_from_where_its_generation_prompt_and_turn_part():
+    """R1's generation prompt opens <think>, its turns are written without it: the turn is trained from where the
+    two part (after <｜Assistant｜>), with the end-of-sentence token (the row was refused before). Its template drops
+    the reasoning of every turn: a row with reasoning is refused, naming what would be lost."""
     tok = family("deepseek_r1")
-    msgs = [SYSTEM, ASK, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nIt is sunny."}]
-    with pytest.raises(DataError, match=r"row 3: assistant message 2 cannot be located: .*with the generation "
-                                        "prompt differently") as e:
-        tokenize_example({"messages": msgs, "row": 3}, tok, False, source="data.sources.0 (r1.jsonl)")
-    alone, whole = excerpts(str(e.value))
-    assert alone.endswith("<｜Assistant｜><think>\n") and "<｜Assistant｜>\n\nIt is sunny." in whole
-    out = tokenize_example({"messages": msgs}, tok, True)  # whole-text training needs no turn boundaries
+    msgs = [SYSTEM, ASK, SUNNY]
+    check(tok, tokenize_example({"messages": msgs}, tok, False), msgs, "<｜Assistant｜>",
+          ["It is sunny.<｜end▁of▁sentence｜>"])
+    inline = [SYSTEM, ASK, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nIt is sunny."}]
+    with pytest.raises(DataError, match=r"row 3: the chat template does not write the content of message 2 "
+                                        r"\(assistant\): '<think>' is not in the text it trains for that turn"):
+        tokenize_example({"messages": inline, "row": 3}, tok, False, source="data.sources.0 (r1.jsonl)")
+    field = [SYSTEM, ASK, dict(SUNNY, reasoning_content="Easy.")]
+    with pytest.raises(DataError, match=r"row 3: assistant message 2 has reasoning \(reasoning_content\) and the "
+                                        r"chat template writes none"):
+        tokenize_example({"messages": field, "row": 3}, tok, False, source="data.sources.0 (r1.jsonl)")
+    out = tokenize_example({"messages": inline}, tok, True)  # whole-text training: what the template writes
     assert out["labels"] == out["input_ids"]
 
 
@@ -315,3 +337,48 @@ def test_the_fine_tuned_model_stops_where_turns_end():
     assert stop_at_end_of_turn(model, base) == im_end
     assert model.generation_config.eos_token_id == [base.eos_token_id, im_end]
     assert stop_at_end_of_turn(model, base) is None and model.generation_config.eos_token_id[-1] == im_end
+
+
+@pytest.mark.parametrize("trim_offsets", [False, True])
+def test_labels_do_not_depend_on_the_offset_convention(trim_offsets):
+    """A byte-level post-processor that trims offsets (the tokenizers default) gives a token of spaces zero width;
+    its labels must be the same as without trimming (issue 27 point 6: " 2 + 3 = 5." trained as "2 +", "3 =", "5."
+    before)."""
+    tok = train_tokenizer(["abc def"] * 20, vocab_size=300)  # no merge joins a space to a digit: spaces alone
+    backend = tok.backend_tokenizer
+    backend.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=trim_offsets),
+                                                  backend.post_processor])
+    assert "Ġ" in tok.convert_ids_to_tokens(tok(" 2 + 3")["input_ids"])
+    out = tokenize_example({"prompt": "Sum:", "completion": " 2 + 3 = 5."}, tok, False)
+    assert tok.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == " 2 + 3 = 5.<|im_end|>"
+    chat = tokenize_example({"messages": [{"role": "user", "content": "Sum?"},
+                                          {"role": "assistant", "content": "2 + 3 = 5."}]}, tok, False)
+    assert tok.decode([t for t in chat["labels"] if t != IGNORE_INDEX]) == "2 + 3 = 5.<|im_end|>\n"
+
+
+def test_glm_trains_the_next_roles_token_that_ends_its_turn(tmp_path):
+    """GLM-4-MoE ends an assistant turn with nothing: the next role's token (<|user|>, <|observation|>) stops
+    generation (its generation_config.json eos_token_id). That token is trained: the one that follows the turn, or
+    after the last message the one the template writes after such a turn (issue 27 point 5)."""
+    glm = FAMILIES_ORACLE["glm4moe"]
+    tok = tokenizer_for(glm, str(tmp_path / "glm"))
+    agent = [ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]}, TOOL_RESULT, SUNNY]
+    out = tokenize_example({"messages": agent, "tools": TOOLS}, tok, False)
+    runs = trained_runs(tok, out)
+    assert runs[0].endswith("</tool_call><|observation|>") and runs[1] == "\n<think></think>\nIt is sunny.<|user|>"
+    assert tok.decode(out["input_ids"]).endswith("It is sunny.<|user|>")  # appended after the last message
+    # the stop tokens come from the generation config: without it the template's text alone is trained
+    bare = tokenizer_for(glm, str(tmp_path / "glm_bare"))
+    (tmp_path / "glm_bare" / "generation_config.json").unlink()
+    assert trained_runs(bare, tokenize_example({"messages": [ASK, SUNNY]}, bare, False)) == [
+        "\n<think></think>\nIt is sunny."]
+
+
+def trained_runs(tok, out: dict) -> list[str]:
+    runs, run = [], []
+    for t, lab in zip(out["input_ids"] + [None], out["labels"] + [IGNORE_INDEX]):
+        if lab != IGNORE_INDEX:
+            run.append(t)
+        elif run:
+            runs, run = runs + [tok.decode(run)], []
+    return runs

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import yaml
 
-from hftrain.distributed import free_port
+from tests.support import free_port
 from hftrain.lifetime import DONE, Heartbeat
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning
@@ -122,6 +122,18 @@ def hftrain_cmd(rec):
     return [PY, "-m", "hftrain.cli", "launch", rec, "--script", "tests/slow_sft.py"]
 
 
+def deepspeed_cmd(rec):
+    """DeepSpeed's runner (the `deepspeed` command): it starts a node launcher (deepspeed.launcher.launch), which
+    starts the workers; `--num_gpus 2` makes it start 2 on CPU, `--no_local_rank` keeps --local_rank off the recipe's
+    arguments. The workers run DDP (no DeepSpeed config: the launcher is only a process launcher here)."""
+    port = yaml.safe_load(open(rec))["strategy"]["main_process_port"]
+    return [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), "--no_local_rank",
+            "tests/slow_sft.py", rec, "strategy.name=ddp"]
+
+
+LAUNCH_COMMANDS = {"accelerate": accelerate_cmd, "hftrain": hftrain_cmd, "deepspeed": deepspeed_cmd}
+
+
 def start_until_training(cmd, sleep=0.5, timeout=300):
     """Start the launch (slowed steps), return it once the first loss line is printed, with the output so far."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP=str(sleep))
@@ -159,11 +171,12 @@ def worker_pids(marker) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher,sig", [("accelerate", signal.SIGKILL), ("accelerate", signal.SIGINT),
                                           ("hftrain", signal.SIGKILL), ("hftrain", signal.SIGINT),
-                                          ("hftrain", signal.SIGTERM)],
-                         ids=["accelerate-kill", "accelerate-int", "hftrain-kill", "hftrain-int", "hftrain-term"])
+                                          ("hftrain", signal.SIGTERM), ("deepspeed", signal.SIGKILL)],
+                         ids=["accelerate-kill", "accelerate-int", "hftrain-kill", "hftrain-int", "hftrain-term",
+                              "deepspeed-kill"])
 def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, tmp_path, tiny_model_dir):
     rec = recipe(tmp_path, tiny_model_dir)
-    proc, lines = start_until_training((accelerate_cmd if launcher == "accelerate" else hftrain_cmd)(rec))
+    proc, lines = start_until_training(LAUNCH_COMMANDS[launcher](rec))
     try:
         workers = worker_pids(rec)
         assert sorted(workers) == [0, 1], processes_mentioning(rec)
@@ -270,3 +283,44 @@ def test_the_child_dies_when_its_owner_is_sigkilled(marker):
     proc.kill()
     proc.wait()
     assert_no_process_left(marker, within=5)
+
+
+# -- DeepSpeed's runner -> node launcher -> worker chain, without training --------------------------------------
+
+FAKE_RUNNER = """
+import subprocess, sys
+# argv holds 'deepspeed.launcher.runner' (as `python -m deepspeed.launcher.runner` does): it starts the node launcher
+subprocess.Popen([sys.executable, "-c", sys.argv[2], "deepspeed.launcher.launch", sys.argv[3], sys.argv[4]]).wait()
+"""
+FAKE_NODE_LAUNCHER = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[3]]).wait()  # not owned by the runner: lives on
+"""
+WORKER = """
+import time
+from hftrain.lifetime import die_with_parent, launched_by_a_launcher
+assert launched_by_a_launcher()
+die_with_parent(poll_seconds=0.2)
+print("worker up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_of_deepspeeds_launcher_dies_with_the_runner_too(marker):
+    """`deepspeed` (the runner) starts deepspeed.launcher.launch, which starts the workers: the node launcher does not
+    end with a SIGKILLed runner, so the worker watches the runner as well as its parent (lifetime.outer_launchers)."""
+    proc = subprocess.Popen([PY, "-c", FAKE_RUNNER, "deepspeed.launcher.runner", FAKE_NODE_LAUNCHER, WORKER, marker],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "worker up\n"
+        worker = [pid for pid in processes_mentioning(marker)
+                  if open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[2] == WORKER.encode()]
+        assert len(worker) == 1, processes_mentioning(marker)
+        proc.kill()  # the runner
+        t0 = time.time()
+        while worker[0] in processes_mentioning(marker) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        assert worker[0] not in processes_mentioning(marker), "the worker outlived DeepSpeed's runner"
+    finally:
+        proc.kill()
+        proc.wait()

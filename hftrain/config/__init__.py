@@ -7,12 +7,12 @@ from .rules import recipe_problems, strategy_problems
 from .sections import (CompressionSection, DataSection, DataSource, EvalSection, HubSection, LoraSection,
                        ModelSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection, resolved_strategy,
                        strategy_of_deepspeed_config)
-from .training import TRAINING_DEFAULTS, arguments_kwargs, arguments_problem
+from .training import TRAINING_DEFAULTS, HFTrainingArguments, HFTrainOptions, arguments_kwargs, arguments_problem
 
 __all__ = [
     "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
     "recipe_problems", "strategy_problems", "CompressionSection", "DataSection", "DataSource", "EvalSection",
     "HubSection", "LoraSection", "ModelSection", "MoeSection", "PreferenceSection", "Recipe", "StrategySection", "UpcycleSection",
     "resolved_strategy", "strategy_of_deepspeed_config", "TRAINING_DEFAULTS", "arguments_kwargs",
-    "arguments_problem",
+    "arguments_problem", "HFTrainingArguments", "HFTrainOptions",
 ]

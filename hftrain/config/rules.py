@@ -11,8 +11,9 @@ from dataclasses import fields
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
-from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, CompressionSection, DataSource,
-                       HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
+from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
+                       DataSource, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection,
+                       UpcycleSection)
 
 Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
@@ -198,6 +199,9 @@ def _data_problems(recipe: Recipe, out: Problems) -> bool:
     problem = _chat_template_problem(d.chat_template)
     if problem:
         out.append(("data.chat_template", problem))
+    if d.train_turns == "last" and d.assistant_only_loss is False:
+        out.append(("data.train_turns", "'last' picks the assistant turn to train, and data.assistant_only_loss: "
+                    "false trains every token of the conversation: remove one of them"))
     if _num(d.max_length) and d.max_length < 2:
         out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
     if _num(d.num_proc) and d.num_proc < 1:
@@ -325,7 +329,7 @@ def repo_id_problem(repo_id: str) -> str | None:
 
 # data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
 _SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False, "truncation": "right"}
+                  "skip_untrainable": False, "truncation": "right", "train_turns": "all"}
 
 
 def preference_problems(recipe: Recipe) -> Problems:
@@ -338,6 +342,13 @@ def preference_problems(recipe: Recipe) -> Problems:
     if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type == "ipo":
         out.append(("preference.label_smoothing", "does not apply to loss_type ipo (a squared loss has no labels "
                     "to flip): remove it, or use loss_type sigmoid"))
+    if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type in ("orpo", "kto"):
+        out.append(("preference.label_smoothing", f"does not apply to loss_type {p.loss_type} (TRL's {p.loss_type} "
+                    "loss has no label noise): remove it, or use loss_type sigmoid or simpo"))
+    if p.loss_type == "orpo" and recipe.training.get("include_num_input_tokens_seen") not in (None, False, "no"):
+        out.append(("training.include_num_input_tokens_seen", "cannot count ORPO's tokens (TRL's ORPO batches hold "
+                    "chosen_/rejected_input_ids, not the input_ids the Trainer counts): remove it"))
+    _unpaired_problems(recipe, out)
     if p.simpo_gamma is not None and p.loss_type != "simpo":
         out.append(("preference.simpo_gamma", f"applies to loss_type simpo, not '{p.loss_type}': remove it"))
     if _num(p.simpo_gamma) and not (math.isfinite(p.simpo_gamma) and p.simpo_gamma >= 0):
@@ -367,3 +378,27 @@ def preference_problems(recipe: Recipe) -> Problems:
     if recipe.moe is not None:
         out.append(("moe", "is not supported with preference tuning: train the MoE model with recipes/sft.py"))
     return out
+
+
+def _unpaired_problems(recipe: Recipe, out: Problems) -> None:
+    """KTO's options, and what its KL reference point needs of the batches (TRL's KTOTrainer: it pairs each prompt
+    with the completion of the example before it in a fixed-order micro-batch)."""
+    p = recipe.preference
+    for key in ("desirable_weight", "undesirable_weight"):
+        value = getattr(p, key)
+        if _num(value) and value != 1.0 and p.loss_type not in UNPAIRED:
+            out.append((f"preference.{key}", f"applies to loss_type kto, not '{p.loss_type}': remove it"))
+        elif _num(value) and not (math.isfinite(value) and value > 0):
+            out.append((f"preference.{key}", f"must be a finite number > 0, got {value}"))
+    if p.loss_type not in UNPAIRED:
+        return
+    batch = recipe.training_value("per_device_train_batch_size")
+    if _num(batch) and batch < 2:
+        out.append(("training.per_device_train_batch_size", f"kto needs at least 2 examples per micro-batch, got "
+                    f"{batch}: its KL reference point scores each prompt with another example's completion of the "
+                    "same micro-batch"))
+    sampling = recipe.training.get("train_sampling_strategy")
+    if sampling not in (None, "sequential"):
+        out.append(("training.train_sampling_strategy", f"must be sequential for kto, got {sampling!r}: the KL "
+                    "completions are paired within fixed micro-batches (hftrain shuffles the examples once, with "
+                    "training.seed, before they are batched): remove it"))

@@ -79,6 +79,11 @@ class DataSection:
     packing: bool = _f(False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
                                "example so none attends another.")
     assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
+    train_turns: Literal["all", "last"] = _f(
+        "all", "Conversations: train every assistant turn, each as the chat template writes it when it is the last "
+        "message (a template that rewrites earlier turns, e.g. drops their reasoning, makes one example per such "
+        "turn), or only the 'last' one."
+    )
     completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
     skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
     num_proc: int | None = _f(None, "Processes that prepare (read and tokenise) the data, on the first process of "
@@ -105,6 +110,11 @@ class StrategySection:
         None, "Seconds a rank may go without answering (stopped, hung, dead) before the job fails naming it; "
         "0 turns the check off; default 300."
     )
+    socket_ifname: str | None = _f(
+        None, "Network interface the machines reach each other on (e.g. eth0, ib0): exported as GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME to every rank, and the SLURM script takes the main address from it; default: what the "
+        "hostname resolves to."
+    )
     fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
     fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
     fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
@@ -122,7 +132,7 @@ class StrategySection:
 
 # Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
 COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
-                            "main_process_port", "rank_timeout"})
+                            "main_process_port", "rank_timeout", "socket_ifname"})
 STRATEGY_OPTIONS = {
     "ddp": COMMON_OPTIONS,
     "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
@@ -275,21 +285,27 @@ class MoeSection:
     )
 
 
-PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
-REFERENCE_FREE = ("simpo",)  # losses that need no reference model
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
+REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
+UNPAIRED = ("kto",)  # losses trained on single examples labelled desirable or not (pairs are split in two)
 
 
 @dataclass
 class PreferenceSection:
     loss_type: PreferenceLoss = _f(
-        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised).")
-    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO), or the reward scale (SimPO).")
+        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised); "
+        "orpo: ORPO (reference-free: NLL of the chosen + odds-ratio term); kto: KTO (unpaired examples with a "
+        "true/false label, or pairs split in two; KL reference point).")
+    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO/KTO), the reward scale (SimPO), or the weight "
+                     "lambda of the odds-ratio term (ORPO).")
     label_smoothing: float = _f(0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
                                 "in [0, 0.5).")
     simpo_gamma: float | None = _f(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
     precompute_ref_log_probs: bool = _f(
-        False, "sigmoid/ipo without LoRA: compute the reference log-probs once before training and keep no reference "
-        "model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+        False, "sigmoid/ipo/kto without LoRA: compute the reference log-probs once before training and keep no "
+        "reference model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+    desirable_weight: float = _f(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
+    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
 
 
 @dataclass
@@ -304,7 +320,8 @@ class Recipe:
     hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
     moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
     preference: PreferenceSection | None = field(default=None, metadata={
-        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected."})
+        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
+        "(kto: also prompt/completion/label)."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})

@@ -6,12 +6,12 @@ Types come from TrainingArguments' hints and the values are then checked by buil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import typing
 from typing import Any
-from unittest import mock
 
 import torch
 from transformers import TrainingArguments
@@ -19,42 +19,56 @@ from transformers import TrainingArguments
 from ..constants import LossAveraging, LossImpl
 from .schema import Ctx, check, type_name, unknown
 
-# Keys of `training:` that hftrain adds to TrainingArguments' own: (type, default, help).
-HFTRAIN_TRAINING_KEYS: dict[str, tuple[Any, Any, str]] = {
-    "loss_averaging": (
-        LossAveraging,
+def _option(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class HFTrainOptions:
+    """hftrain's own `training:` keys, mixed into TrainingArguments (`HFTrainingArguments`) and TRL's configs, so that
+    `training:` is one typed dataclass end to end and a trainer reads every option from `self.args`."""
+
+    loss_averaging: LossAveraging = _option(
         "token",
         "token: mean CE over every target token of the global batch; sequence: mean over all sequences of the "
-        "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.",
-    ),
-    "overwrite_output_dir": (
-        bool,
+        "global batch of each sequence's mean CE. Both exact whatever the world size and accumulation.")
+    overwrite_output_dir: bool = _option(
         False,
         "Train into an output_dir that holds a finished or unfinished run (its checkpoints and run_info.json are "
-        "removed first) or files hftrain did not write. Off: such a folder is refused unless resuming.",
-    ),
-    "resume_weights_only": (
-        bool,
+        "removed first) or files hftrain did not write. Off: such a folder is refused unless resuming.")
+    resume_weights_only: bool = _option(
         False,
         "with resume_from_checkpoint: load the checkpoint's weights, step, data position and RNG, but start the "
         "optimizer state and the learning-rate schedule fresh (for a checkpoint whose optimizer.pt or scheduler.pt "
-        "is missing or damaged). Not with DeepSpeed (ZeRO) strategies.",
-    ),
-    "max_bad_steps": (
-        int,
+        "is missing or damaged). Not with DeepSpeed (ZeRO) strategies.")
+    max_bad_steps: int = _option(
         0,
         "Optimizer steps with a non-finite loss or gradient norm that are skipped (gradients dropped, the update "
         "not applied; the LR schedule and step count still advance) before the run stops. 0: the first one stops "
-        "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.",
-    ),
-    "loss_impl": (
-        LossImpl,
+        "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.")
+    loss_impl: LossImpl = _option(
         "auto",
         "chunked: the CE from the final hidden states and the output head in chunks of tokens, never the full logits "
         "(the same loss and gradients, far less memory at large vocabularies); logits: from the model's logits; "
-        "auto: chunked where supported (not under fsdp or ZeRO-3, nor with a head it cannot reproduce), else logits.",
-    ),
-}
+        "auto: chunked where supported (not under fsdp or ZeRO-3, nor with a head it cannot reproduce), else logits.")
+    # Set by the run from other sections of the recipe, never in `training:` (RUN_SET).
+    strategy_name: str | None = _option(
+        None, "The recipe's strategy: the engine built is checked against it before the first step (None: not).")
+    compression: dict | None = _option(
+        None, "The recipe's compression: section as a mapping (gradient compression on the data-parallel "
+        "reduction); None: none.")
+
+
+# HFTrainOptions fields the run fills in from other sections (strategy:, compression:), refused in `training:`.
+RUN_SET = {"strategy_name": "set strategy.name", "compression": "set the compression: section"}
+HFTRAIN_TRAINING_KEYS = tuple(f.name for f in dataclasses.fields(HFTrainOptions) if f.name not in RUN_SET)
+
+
+@dataclasses.dataclass
+class HFTrainingArguments(TrainingArguments, HFTrainOptions):
+    """TrainingArguments with hftrain's options: what every hftrain trainer is given as `args`."""
+
+
 # hftrain's defaults where they differ from TrainingArguments', overridden by the recipe's `training:` section.
 TRAINING_DEFAULTS: dict[str, Any] = {
     "output_dir": "runs/hftrain",
@@ -65,7 +79,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "save_total_limit": 2,
     # All parameters take part in every step of a causal LM; True costs an extra all-reduce per step.
     "ddp_find_unused_parameters": False,
-    **{k: v[1] for k, v in HFTRAIN_TRAINING_KEYS.items()},
+    **{f.name: f.default for f in dataclasses.fields(HFTrainOptions) if f.name not in RUN_SET},
 }
 # TrainingArguments fields the recipe owns elsewhere, or must never hold.
 TRAINING_REFUSED = {
@@ -82,14 +96,14 @@ TRAINING_REFUSED = {
     "fsdp": "set strategy.name: fsdp and its options (strategy.fsdp_*)",
     "fsdp_config": "set strategy.name: fsdp and its options (strategy.fsdp_*)",
 }
-# Keys read by hftrain (not TrainingArguments fields, or passed to train() rather than to TrainingArguments).
-NOT_ARGUMENTS = {"resume_from_checkpoint", *HFTRAIN_TRAINING_KEYS}
+# Keys read by hftrain itself rather than by the trainer (resolved to one checkpoint path at set-up).
+NOT_ARGUMENTS = {"resume_from_checkpoint"}
 
 
 @functools.cache
 def _training_fields() -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
-    hints = typing.get_type_hints(TrainingArguments)
-    return hints, {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    hints = typing.get_type_hints(HFTrainingArguments)
+    return hints, {f.name: f for f in dataclasses.fields(HFTrainingArguments) if f.init and f.name not in RUN_SET}
 
 
 def training_value(training: dict, name: str):
@@ -109,10 +123,13 @@ def validate_training(raw: dict, ctx: Ctx) -> dict:
         if name in TRAINING_REFUSED:
             ctx.add(key, f"not accepted here: {TRAINING_REFUSED[name]}")
             continue
-        if name not in fields and name not in HFTRAIN_TRAINING_KEYS:
-            unknown(key, str(name), sorted((set(fields) | set(HFTRAIN_TRAINING_KEYS)) - set(TRAINING_REFUSED)), ctx)
+        if name in RUN_SET:
+            ctx.add(key, f"not accepted here: {RUN_SET[name]} (hftrain fills it in from that section)")
             continue
-        tp = HFTRAIN_TRAINING_KEYS[name][0] if name in HFTRAIN_TRAINING_KEYS else hints.get(name, Any)
+        if name not in fields:
+            unknown(key, str(name), sorted(set(fields) - set(TRAINING_REFUSED)), ctx)
+            continue
+        tp = hints.get(name, Any)
         if name == "resume_from_checkpoint":
             tp = str | bool | None  # true = the newest checkpoint in output_dir
         ok, conv = check(value, tp, key, ctx)
@@ -140,6 +157,10 @@ def arguments_kwargs(recipe, accelerator: bool) -> dict:
         # dataset would have the main process read every batch and send the others theirs.
         config = kwargs.get("accelerator_config")
         kwargs["accelerator_config"] = {**(config if isinstance(config, dict) else {}), "dispatch_batches": False}
+    for precision in ("bf16", "fp16"):
+        # TRL's configs turn bf16 on when neither is set (trl's _BaseConfig.__post_init__): the recipe's value, or
+        # TrainingArguments' default (off) that `training_value` reports, must be the one a TRL trainer runs with.
+        kwargs.setdefault(precision, training_value(recipe.training, precision))
     if "use_cpu" not in kwargs and not accelerator:
         # Without it a GPU-less multi-process launch silently trains world-size-1 copies.
         kwargs["use_cpu"] = True
@@ -150,17 +171,26 @@ def arguments_problem(kwargs: dict) -> str | None:
     """TrainingArguments' own verdict on these keywords (e.g. the eval/save strategies load_best_model_at_end
     needs), from a real TrainingArguments built without resolving its device (which would start the process group)
     and without the launcher's DeepSpeed variables (which would register a DeepSpeed config globally)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED"))}
     try:
-        with mock.patch.dict(os.environ, env, clear=True):
+        with _without_environ(("ACCELERATE_USE_", "ACCELERATE_DEEPSPEED")):
             _DeviceFreeArguments(**kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:
         return " ".join(str(e).split()) or type(e).__name__
     return None
 
 
+@contextlib.contextmanager
+def _without_environ(prefixes: tuple[str, ...]):
+    """os.environ without the variables starting with `prefixes` for the block, restored after it."""
+    saved = {k: os.environ.pop(k) for k in [k for k in os.environ if k.startswith(prefixes)]}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 @dataclasses.dataclass
-class _DeviceFreeArguments(TrainingArguments):
+class _DeviceFreeArguments(HFTrainingArguments):
     """TrainingArguments whose `device` is not resolved: resolving it starts the process group."""
 
     @property

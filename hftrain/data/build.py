@@ -4,7 +4,9 @@ cached datasets map (rows.py), checked, split, mixed.
 Memory stays flat in the corpus size: rows live in memory-mapped Arrow files of the datasets cache, and the only
 per-row arrays held are a few integer columns (lengths, trainable counts, row indices) while choosing the examples.
 The tokenised cache is named by a key of the rows' own key (the source files' identity), hftrain's pipeline code,
-the tokenizer and every setting that changes an example; a warm start finds it by name and memory-maps it. The
+the tokenizer and every setting that changes an example (data.train_turns among them: a row becomes one example, or
+one per assistant turn its template writes differently once later messages follow, and the `row` column names each
+example's row, so a held-out row takes all its examples to eval); a warm start finds it by name and memory-maps it. The
 preparation runs once per machine, or once per job on a shared filesystem (distributed.once_per_node): the main
 process tokenises with data.num_proc workers while the others wait holding no rows, then map the result.
 """
@@ -27,9 +29,11 @@ from ..errors import DataError
 from ..fileio import atomic_write
 from .cache import cache_folder, code_version, digest, in_cache
 from .collate import make_collator
+from .layouts import content_text
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
 from .sources import Rows, read_rows, read_rows_sample
 from .stream import stream_dataset
+from .templates import stop_ids
 
 ROWS_PER_WORKER = 5_000  # below this, a worker process costs more than it saves
 
@@ -93,8 +97,9 @@ def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, token
     layout = layout_of(rows, src, key, tokenizer)
     fn = row_examples(layout, tokenizer, cfg)
     name = digest(["tokens", rows.key, code_version(), tokenizer_key or Hasher.hash(tokenizer), layout.fmt,
-                   layout.rename, layout.has_template, layout.roles, fn.on_prompt, cfg.chat_template_kwargs,
-                   cfg.max_length, cfg.truncation])
+                   layout.rename, layout.fields, layout.has_template, layout.roles, fn.on_prompt,
+                   cfg.chat_template_kwargs, cfg.train_turns, cfg.max_length, cfg.truncation,
+                   None if tokenizer is None else sorted(stop_ids(tokenizer)[0])])  # generation_config.json's eos ends a turn
     folder = cache_folder()
     cache, meta_path = os.path.join(folder, f"tokens-{name}.arrow"), os.path.join(folder, f"tokens-{name}.json")
     meta = None
@@ -172,7 +177,8 @@ def _eval_examples(p: Prepared, rows: np.ndarray, n: int) -> list[dict]:
     for index in sorted(int(i) for i in rows)[:max(n, 0)]:
         canon = p.canonical(index)
         if "messages" in canon and canon["messages"] and canon["messages"][-1]["role"] == "assistant":
-            out.append({"messages": canon["messages"][:-1], "reference": canon["messages"][-1]["content"]})
+            out.append({"messages": canon["messages"][:-1],
+                        "reference": content_text(canon["messages"][-1]["content"])})
         elif "prompt" in canon:
             out.append({"prompt": canon["prompt"], "reference": canon["completion"]})
     return out

@@ -19,7 +19,8 @@ from ..fileio import free_bytes, is_no_space
 
 # The modules whose code decides what a prepared example holds: their text is part of every key, so a change of
 # hftrain's reading, layouts or rendering is never served from an older cache.
-PIPELINE_MODULES = ("jsonrows.py", "sources.py", "layouts.py", "render.py", "templates.py", "rows.py")
+PIPELINE_MODULES = ("jsonrows.py", "sources.py", "layouts.py", "render.py", "templates.py", "turns.py", "forms.py",
+                    "offsets.py", "cut.py", "rows.py")
 
 
 def cache_folder() -> str:

@@ -1,9 +1,16 @@
 """Layouts: which kind of rows a source holds, and each row in canonical form. The canonical forms are the contract
 with render.py:
 
-    {"messages": [{"role", "content", "tool_calls"?, "name"?, "tool_call_id"?}, ...], "tools"?: list | None}
+    {"messages": [{"role", "content", "reasoning_content"?, "tool_calls"?, "name"?, "tool_call_id"?}, ...],
+     "tools"?: list | None}
     {"prompt": str, "completion": str}
     {"text": str}
+
+A message's content is text, or text parts [{"type": "text", "text": ...}] as the data gives them (render.py passes
+each form to the template in the form it reads); reasoning_content is the message's reasoning (read from
+reasoning_content, reasoning or thinking, or the field `columns:` names); a tool call's arguments are an object or
+JSON text, as given; tools are in the OpenAI form {type: function, function: {...}} (bare {name, parameters, ...}
+schemas are wrapped).
 
 Every row is checked here, before any model is loaded: a problem names the recipe key, the file, the row in the
 file's own numbering (see sources.py), what is wrong and the fix.
@@ -14,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
+
 from ..config import DataSource
 from ..constants import ROLE_TARGETS, ROLES
 from ..distributed import print0
@@ -39,6 +48,11 @@ def detect_format(columns) -> str | None:
     return None
 
 
+# Message fields, and the spellings datasets use for them (first found wins); `columns:` may name another
+# (e.g. {reasoning_content: cot}): a `columns` entry for one of these renames a key of every message, not a column.
+MESSAGE_FIELDS = {"reasoning_content": ("reasoning_content", "reasoning", "thinking")}
+
+
 def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
     """(layout, [(where, canonical example)]) for every row of a source; the first bad row stops with a DataError."""
     return canonicalise(read_rows(src, key), src, key, has_template)
@@ -46,17 +60,20 @@ def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, 
 
 def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
     """read_canonical for rows already read (into a list: for small sources, the tiny model's tokenizer, tests)."""
-    fmt, rename = source_layout(rows, src, key)
-    out = [(where, canonical_row(row, fmt, rename, has_template, src.roles, key, where)) for where, row in rows.iterate()]
+    fmt, rename, fields = source_layout(rows, src, key)
+    out = [(where, canonical_row(row, fmt, rename, has_template, src.roles, key, where, fields))
+           for where, row in rows.iterate()]
     # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
     print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
     return fmt, out
 
 
-def source_layout(rows: Rows, src: DataSource, key: str) -> tuple[str, dict[str, str]]:
-    """(the layout of a source's rows, the rename map of its `columns:`): detected from the columns of all its rows
-    (a folder or glob whose files hold different layouts is refused naming them), or the one `format:` names."""
-    rename = column_map(rows, src, key)
+def source_layout(rows: Rows, src: DataSource, key: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(the layout of a source's rows, the rename map of its `columns:`, the message fields `columns:` renames
+    (hftrain's name -> the data's)): the layout detected from the columns of all its rows (a folder or glob whose
+    files hold different layouts is refused naming them), or the one `format:` names."""
+    fields = {ours: theirs for ours, theirs in src.columns.items() if ours in MESSAGE_FIELDS}
+    rename = column_map(rows, replace(src, columns={k: v for k, v in src.columns.items() if k not in fields}), key)
     columns = [rename.get(c, c) for c in rows.columns]
     fmt = src.format
     if fmt == "auto":
@@ -82,16 +99,36 @@ def source_layout(rows: Rows, src: DataSource, key: str) -> tuple[str, dict[str,
             )
     if rows.count == 0:
         raise DataError(f"{key}.path: {src.path} has no examples")
-    return fmt, rename
+    if fields and fmt in ("messages", "sharegpt"):
+        _check_fields(rows, rename, LAYOUT_COLUMNS[fmt][0], fields, src, key)
+    return fmt, rename, fields
+
+
+def _check_fields(rows: Rows, rename: dict[str, str], col: str, fields: dict[str, str], src: DataSource,
+                  key: str) -> None:
+    """A `columns:` entry for a message field that no message of the source has is refused. The rows are read only
+    until every named field is met (the first row, as a rule): a million-row source is read whole only to refuse."""
+    unused = dict(fields)
+    for _, row in rows.iterate():
+        msgs = {rename.get(k, k): v for k, v in row.items()}.get(col)
+        for m in msgs if isinstance(msgs, list) else []:
+            if isinstance(m, dict):
+                unused = {ours: theirs for ours, theirs in unused.items() if m.get(theirs) is None}
+        if not unused:
+            return
+    raise DataError(f"{key}.columns: no message of {src.path} has the field(s) "
+                    f"{sorted(unused.values())} ({', '.join(f'{o}: {t}' for o, t in unused.items())}); "
+                    "fix the spelling or remove the entry")
 
 
 def canonical_row(row: dict, fmt: str, rename: dict[str, str], has_template: bool, roles: dict[str, str], key: str,
-                  where: str) -> dict:
-    """The canonical form of one row as read; a problem is a DataError naming the key and the row."""
+                  where: str, fields: dict[str, str] | None = None) -> dict:
+    """The canonical form of one row as read; a problem is a DataError naming the key and the row. `fields`: the
+    message fields `columns:` renames (source_layout)."""
     row = {rename.get(k, k): v for k, v in row.items()} if rename else row
     try:
         _check_layout(row, fmt)
-        return to_messages_or_text(row, fmt, has_template, roles, key)
+        return to_messages_or_text(row, fmt, has_template, roles, key, fields)
     except DataError as e:
         raise DataError(f"{key}: {where}: {e}") from None
 
@@ -105,15 +142,19 @@ def _check_layout(row: dict, fmt: str) -> None:
 
 
 def to_messages_or_text(example: dict, fmt: str, has_template: bool, roles: dict[str, str] | None = None,
-                        key: str = "data.sources.<i>") -> dict:
+                        key: str = "data.sources.<i>", fields: dict[str, str] | None = None,
+                        seen: set | None = None) -> dict:
     """The canonical form of one row (see the module docstring); a problem raises DataError saying what and how to fix.
 
-    `roles` maps the data's role names to hftrain's; alpaca rows become a conversation when the tokenizer has a chat
-    template, else the Alpaca prompt."""
+    `roles` maps the data's role names to hftrain's, `fields` message fields (hftrain's name -> the data's; `seen`
+    collects the mapped ones met); alpaca rows become a conversation when the tokenizer has a chat template, else
+    the Alpaca prompt."""
     roles = roles or {}
     if fmt in ("messages", "sharegpt"):
         col = LAYOUT_COLUMNS[fmt][0]
-        msgs = _conversation(_column(example, col, fmt), col, roles, key, sharegpt=fmt == "sharegpt")
+        names = {ours: (theirs,) for ours, theirs in (fields or {}).items()}
+        msgs = _conversation(_column(example, col, fmt), col, roles, key, fmt == "sharegpt",
+                             {**MESSAGE_FIELDS, **names}, seen if seen is not None else set())
         system = example.get("system")
         if system is not None and _text(system, "system") and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system})
@@ -143,8 +184,9 @@ def _text(value, what: str) -> str:
                     "give it a string")
 
 
-def _content(value, what: str) -> str:
-    """Text, or OpenAI content parts [{type: text, text}, ...] joined as written."""
+def _content(value, what: str) -> str | list[dict]:
+    """Text, or OpenAI content parts kept as parts: [{"type": "text", "text": ...}, ...] (render.py flattens them for
+    a template that reads text only)."""
     if not isinstance(value, list):
         return _text(value, what)
     parts = []
@@ -152,11 +194,17 @@ def _content(value, what: str) -> str:
         if not (isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part):
             raise DataError(f"{what}[{i}] is not a text part ({json.dumps(part, default=str)[:80]}); only "
                             "{\"type\": \"text\", \"text\": ...} parts can be trained on: remove the others")
-        parts.append(_text(part["text"], f"{what}[{i}].text"))
-    return "".join(parts)
+        parts.append({"type": "text", "text": _text(part["text"], f"{what}[{i}].text")})
+    return parts
 
 
-def _conversation(msgs, col: str, roles: dict[str, str], key: str, sharegpt: bool) -> list[dict]:
+def content_text(content) -> str:
+    """A canonical content as one string (parts joined as written)."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def _conversation(msgs, col: str, roles: dict[str, str], key: str, sharegpt: bool, fields: dict,
+                  seen: set) -> list[dict]:
     if isinstance(msgs, str):
         raise DataError(f"'{col}' is a string, not a list of messages; store it as a JSON list of "
                         "{\"role\": ..., \"content\": ...} objects, not as JSON text inside a string")
@@ -167,11 +215,27 @@ def _conversation(msgs, col: str, roles: dict[str, str], key: str, sharegpt: boo
         raise DataError(f"empty conversation ('{col}' is []); give the row its turns or remove it")
     out: list[dict] = []
     for j, m in enumerate(msgs):
-        out.append(_message(m, f"{col}[{j}]", roles, key, sharegpt, out[-1] if out else None))
+        out.append(_message(m, f"{col}[{j}]", roles, key, sharegpt, out[-1] if out else None, fields, seen))
     return out
 
 
-def _message(m, what: str, roles: dict[str, str], key: str, sharegpt: bool, previous: dict | None) -> dict:
+def _reasoning(m: dict, what: str, role: str, names: tuple[str, ...], seen: set) -> str | None:
+    """The message's reasoning, under whichever of `names` it has (at most one of them, with text)."""
+    found = [(n, m[n]) for n in names if m.get(n) is not None]
+    if not found:
+        return None
+    seen.update(n for n, _ in found)
+    if len(found) > 1:
+        raise DataError(f"{what} has reasoning under {[n for n, _ in found]}; keep one of them")
+    name, value = found[0]
+    text = _text(value, f"{what}.{name}")
+    if role != "assistant" and text:
+        raise DataError(f"{what}: only assistant messages carry reasoning, this one is {role}; remove its {name}")
+    return text
+
+
+def _message(m, what: str, roles: dict[str, str], key: str, sharegpt: bool, previous: dict | None,
+             fields: dict | None = None, seen: set | None = None) -> dict:
     if not isinstance(m, dict):
         raise DataError(f"{what} is {type(m).__name__}, not a message object; write it as "
                         "{\"role\": ..., \"content\": ...}")
@@ -192,6 +256,10 @@ def _message(m, what: str, roles: dict[str, str], key: str, sharegpt: bool, prev
         raise DataError(f"{what} ({role}) has no content (keys {list(m)}); give it a 'content' (or ShareGPT "
                         "'value'), \"\" if empty")
     out = {"role": role, "content": "" if m[content_key] is None else _content(m[content_key], f"{what}.content")}
+    reasoning = _reasoning(m, what, role, (fields or MESSAGE_FIELDS)["reasoning_content"],
+                           seen if seen is not None else set())
+    if reasoning:
+        out["reasoning_content"] = reasoning
     if calls:
         if role != "assistant":
             raise DataError(f"{what}: only assistant messages carry tool_calls, this one is {role}; fix its role")
@@ -222,24 +290,42 @@ def _function_call(value, what: str) -> list[dict]:
 
 
 def _tool_call(call, what: str) -> dict:
-    """{type: function, function: {name, arguments: dict}} from the OpenAI form or a bare {name, arguments}."""
+    """{type: function, function: {name, arguments}} (and the call's id when it has one) from the OpenAI form or a
+    bare {name, arguments}. Arguments stay as given, an object or JSON text of one (render.py hands the template the
+    form it reads)."""
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(fn, dict):
         raise DataError(f"{what} is not a tool call ({json.dumps(call, default=str)[:80]}); write it as "
                         "{\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": {...}}}")
     args = fn.get("arguments")
+    parsed = args
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            parsed = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as e:
             raise DataError(f"{what}.arguments is a string that is not JSON ({e.msg}): {args[:80]!r}; give an "
                             "object, or JSON text of one") from None
+        args = args if args.strip() else "{}"
     if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise DataError(f"{what}.arguments is {type(args).__name__} {json.dumps(args, default=str)[:80]}; give an "
-                        "object of named arguments")
-    return {"type": "function", "function": {"name": _text(fn.get("name"), f"{what}.name"), "arguments": args}}
+        args = parsed = {}
+    if not isinstance(parsed, dict):
+        raise DataError(f"{what}.arguments is {type(parsed).__name__} {json.dumps(parsed, default=str)[:80]}; give "
+                        "an object of named arguments")
+    out = {"type": "function", "function": {"name": _text(fn.get("name"), f"{what}.name"), "arguments": args}}
+    if isinstance(call, dict) and call.get("id") is not None:
+        out["id"] = _text(call["id"], f"{what}.id")
+    return out
+
+
+def _tool(tool, what: str) -> dict:
+    """A tool schema in the OpenAI form; a bare {name, description?, parameters?} is wrapped in it."""
+    if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+        return tool
+    if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+        return {"type": "function", "function": tool}
+    raise DataError(f"{what} is {json.dumps(tool, default=str)[:80]}; give a tool schema "
+                    + '({"type": "function", "function": {"name": ..., "parameters": {...}}} or '
+                    + '{"name": ..., "parameters": {...}})')
 
 
 def _tools(value) -> list[dict] | None:
@@ -251,10 +337,12 @@ def _tools(value) -> list[dict] | None:
         except json.JSONDecodeError as e:
             raise DataError(f"tools is a string that is not JSON ({e.msg}): {value[:80]!r}; give a list of tool "
                             "schemas, or JSON text of one") from None
-    if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+    if value is None:
+        return None
+    if not isinstance(value, list):
         raise DataError(f"tools is {json.dumps(value, default=str)[:80]}; give a list of tool schemas "
                         "({\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}})")
-    return value
+    return [_tool(t, f"tools[{i}]") for i, t in enumerate(value)]
 
 
 def _alpaca(example: dict, has_template: bool) -> dict:

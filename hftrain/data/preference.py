@@ -35,7 +35,7 @@ class PreferenceData:
     conversational: bool
 
 
-def _messages(value, what: str, roles: dict[str, str]) -> list[dict]:
+def messages_of(value, what: str, roles: dict[str, str]) -> list[dict]:
     if not isinstance(value, list):
         raise DataError(f"{what}: expected a list of messages, got {type(value).__name__}")
     out = []
@@ -50,7 +50,7 @@ def _messages(value, what: str, roles: dict[str, str]) -> list[dict]:
     return out
 
 
-def _empty(side) -> bool:
+def is_empty(side) -> bool:
     if isinstance(side, str):
         return not side.strip()
     return not side or all(not m["content"].strip() for m in side)
@@ -72,7 +72,7 @@ def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
         raise DataError("mixes text and message lists among prompt/chosen/rejected; write all three as text, or "
                         "all as lists of messages")
     else:
-        chosen, rejected = _messages(chosen, "chosen", roles), _messages(rejected, "rejected", roles)
+        chosen, rejected = messages_of(chosen, "chosen", roles), messages_of(rejected, "rejected", roles)
         if prompt is None:  # whole conversations: the prompt is the turns they share before the first answer
             n = 0
             while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
@@ -82,14 +82,14 @@ def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
                 raise DataError("chosen and rejected share no first turns, and there is no 'prompt' column: give the "
                                 "prompt turns in 'prompt', or begin both conversations with them")
         else:
-            prompt = _messages(prompt, "prompt", roles)
+            prompt = messages_of(prompt, "prompt", roles)
         for side, msgs in (("chosen", chosen), ("rejected", rejected)):
             if msgs and msgs[0]["role"] != "assistant":
                 raise DataError(f"{side} must begin with the assistant's answer (role assistant), got role "
                                 f"'{msgs[0]['role']}'")
         pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
     for side in PAIR:
-        if _empty(pair[side]):
+        if is_empty(pair[side]):
             raise DataError(f"{side} is empty: a pair needs an answer on both sides; fix or remove the row")
     if pair["chosen"] == pair["rejected"]:
         raise DataError("chosen equals rejected: the pair states no preference; fix or remove the row")

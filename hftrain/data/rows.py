@@ -1,14 +1,12 @@
 """One row as read -> the examples it trains on: its canonical form (layouts.py), its text cut to a bound derived
-from data.max_length, token ids and labels (render.py's tokenize_example, the unit), the length before truncation
-and the trainable tokens after it, and the row's index (its name in the user's numbering is made only for a
-message). `RowExamples` is a batched datasets map function (num_proc workers pickle it) and the streaming
-pipeline's per-row step alike; one row may give several examples (a list from tokenize_example is flattened).
+from data.max_length, token ids and labels (render.py's tokenize_examples: one example, or one per assistant turn
+its template writes differently once later messages follow, per data.train_turns), the length before truncation and
+the trainable tokens after it, and the row's index (its name in the user's numbering is made only for a message).
+`RowExamples` is a batched datasets map function (num_proc workers pickle it) and the streaming pipeline's per-row
+step alike; its output has a row per example, so more rows than its input where a row becomes several.
 
-Why the text is cut first: tokenising a 5 MB cell to keep its first 64 tokens costs ~1.4 GB (the fast tokenizer's
-offsets of every character). No token is longer than the longest string in the vocabulary (`char_bound`), so the
-first `(max_length + MARGIN) x longest` characters of a field give at least max_length + MARGIN tokens of it; the
-tokens kept are those of the uncut text (BPE merges are local: the cut only changes tokens near it, beyond
-max_length). A string is cut only when it is longer than the bound.
+The text is cut before tokenisation to a bound derived from data.max_length, and tokenised uncut where the
+cut would change what trains (cut.py).
 """
 
 from __future__ import annotations
@@ -21,11 +19,11 @@ import datasets
 
 from ..config import DataSection, DataSource
 from ..errors import DataError
+from .cut import bounded, char_bound, cut_changes
 from .layouts import canonical_row, source_layout
-from .render import tokenize_example, trainable_tokens
+from .render import tokenize_examples, trainable_tokens
 from .sources import FILE, JSON, LINE, RowNames, Rows, row_size_problem
 
-MARGIN = 64  # tokens past max_length that a cut text still has
 TOKENISED = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
     "labels": datasets.List(datasets.Value("int32")),
@@ -36,30 +34,13 @@ TOKENISED = datasets.Features({
 STATS = ("n_tokens", "n_trainable", "row")
 
 
-def char_bound(tokenizer, max_length: int) -> int:
-    """Characters of a text field that surely hold more than max_length tokens (see the module docstring)."""
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    return (max_length + MARGIN) * max(longest, 1)
-
-
-def bounded(canon: dict, limit: int) -> dict:
-    """The canonical example with every text longer than `limit` characters cut to `limit`."""
-    def cut(v):
-        return v[:limit] if isinstance(v, str) and len(v) > limit else v
-
-    if "messages" in canon:
-        if not any(isinstance(m.get("content"), str) and len(m["content"]) > limit for m in canon["messages"]):
-            return canon
-        return {**canon, "messages": [{**m, "content": cut(m.get("content"))} for m in canon["messages"]]}
-    return {k: cut(v) for k, v in canon.items()}
-
-
 @dataclass
 class Layout:
     """How the rows of one source become canonical examples, and how they are named."""
 
     fmt: str
     rename: dict[str, str]
+    fields: dict[str, str]  # message fields `columns:` renames (hftrain's name -> the data's)
     has_template: bool
     roles: dict[str, str]
     key: str
@@ -79,7 +60,8 @@ class Layout:
                 yield index, where, row
 
     def canonical(self, row: dict, where: str) -> dict:
-        return canonical_row(row, self.fmt, self.rename, self.has_template, self.roles, self.key, where)
+        return canonical_row(row, self.fmt, self.rename, self.has_template, self.roles, self.key, where,
+                             self.fields)
 
 
 def train_on_prompt(fmt: str, cfg: DataSection, tokenizer, key: str) -> bool:
@@ -101,8 +83,8 @@ def train_on_prompt(fmt: str, cfg: DataSection, tokenizer, key: str) -> bool:
 
 
 def layout_of(rows: Rows, src: DataSource, key: str, tokenizer) -> Layout:
-    fmt, rename = source_layout(rows, src, key)
-    return Layout(fmt=fmt, rename=rename, has_template=bool(getattr(tokenizer, "chat_template", None)),
+    fmt, rename, fields = source_layout(rows, src, key)
+    return Layout(fmt=fmt, rename=rename, fields=fields, has_template=bool(getattr(tokenizer, "chat_template", None)),
                   roles=dict(src.roles), key=key, names=rows.names, is_json=rows.is_json, path=src.path)
 
 
@@ -110,9 +92,10 @@ class RowExamples:
     """The tokenising map function of one source (batched, with_indices): see the module docstring."""
 
     def __init__(self, layout: Layout, tokenizer, train_on_prompt: bool, chat_template_kwargs: dict | None,
-                 max_length: int, truncate: bool):
+                 max_length: int, truncate: bool, train_turns: str = "all"):
         self.layout, self.tokenizer, self.on_prompt = layout, tokenizer, train_on_prompt
         self.kwargs, self.max_length, self.truncate = chat_template_kwargs, max_length, truncate
+        self.train_turns = train_turns
         self._limit: int | None = None
 
     @property
@@ -123,10 +106,11 @@ class RowExamples:
 
     def examples(self, canon: dict, where: str) -> list[dict[str, Any]]:
         """The tokenised examples of one canonical row, cut to max_length when truncating, with their counts."""
-        out = tokenize_example(bounded(canon, self.limit), self.tokenizer, self.on_prompt, self.kwargs,
-                               f"{self.layout.key} ({where})")
+        cut, source = bounded(canon, self.limit), f"{self.layout.key} ({where})"
+        if cut_changes(canon, cut, self.tokenizer, self.kwargs, self.max_length, self.limit):
+            cut = canon
         result = []
-        for ex in out if isinstance(out, list) else [out]:
+        for ex in tokenize_examples(cut, self.tokenizer, self.on_prompt, self.kwargs, source, self.train_turns):
             n = len(ex["input_ids"])
             if self.truncate:
                 ex = {k: v[:self.max_length] for k, v in ex.items()}
@@ -162,4 +146,5 @@ def untrainable_error(key: str, path: str, bad: list[str], count: int, total: in
 
 def row_examples(layout: Layout, tokenizer, cfg: DataSection) -> RowExamples:
     return RowExamples(layout, tokenizer, train_on_prompt(layout.fmt, cfg, tokenizer, layout.key),
-                       cfg.chat_template_kwargs, cfg.max_length, truncate=cfg.truncation != "drop")
+                       cfg.chat_template_kwargs, cfg.max_length, truncate=cfg.truncation != "drop",
+                       train_turns=cfg.train_turns)

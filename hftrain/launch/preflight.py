@@ -16,10 +16,11 @@ from dataclasses import replace
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.rules import strategy_problems as rule_problems
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
+from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
@@ -108,24 +109,6 @@ def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, fl
         if age > STALE_LOCK_S:
             found.append((lock, age))
     return found
-
-
-# The CPU ops hftrain's DeepSpeed strategies JIT-build on first use (scripts/build_deepspeed_ops.py builds them once).
-DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
-
-
-def deepspeed_op_builders() -> list:
-    """DeepSpeed's builders of DEEPSPEED_CPU_OPS that can build here (async_io needs libaio)."""
-    from deepspeed.accelerator import get_accelerator  # optional dependency: only ZeRO strategies need it
-
-    builders = [get_accelerator().create_op_builder(name) for name in DEEPSPEED_CPU_OPS]
-    return [b for b in builders if b.name != "async_io" or b.is_compatible(verbose=False)]
-
-
-def op_is_built(builder, root: str | None = None) -> bool:
-    """torch's JIT cache holds `<root>/<name>/<name>.so` once the op has been built."""
-    root = root or extensions_dir()
-    return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
 
 
 def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
@@ -320,7 +303,9 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     seed = recipe.training_value("seed") if seed is None else seed
     data: Datasets | PreferenceData
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        data = build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
+        unpaired = recipe.preference.loss_type in UNPAIRED  # kto: examples labelled desirable or not
+        build = build_unpaired_data if unpaired else build_preference_data
+        data = build(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
     if recipe.data.streaming:  # a stream has no length; its first rows were checked (data/stream.py)
@@ -332,6 +317,7 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
                             recipe.training_value("dataloader_drop_last"), len(data.train))
     if problem:
         raise LaunchError(problem)
-    print0(f"hftrain: {len(data.train)} training {'pairs' if recipe.preference is not None else 'examples'}"
+    pairs = recipe.preference is not None and recipe.preference.loss_type not in UNPAIRED
+    print0(f"hftrain: {len(data.train)} training {'pairs' if pairs else 'examples'}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data

@@ -7,6 +7,7 @@ strategy needs, builds TrainingArguments (which starts the process group) and ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,16 +18,20 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments, set_seed
 
-from ..config import Recipe, StrategySection, arguments_kwargs, split_argv, strategy_of_deepspeed_config
+from .. import checkpoints
+from ..config import (HFTrainingArguments, Recipe, StrategySection, arguments_kwargs, split_argv,
+                      strategy_of_deepspeed_config)
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
-from .. import outdir
-from ..distributed import (accelerator_available, all_gather_object, barrier, is_local_main_process, is_main_process,
-                           launcher_world_size, print0, restart_count, world_size)
+from .. import outdir, stop_request
+from ..distributed import (accelerator_available, all_gather_object, barrier, elastic_restart_count,
+                           is_local_main_process, is_main_process, launcher_world_size, print0, restart_count,
+                           world_size)
 from ..errors import LaunchError, RecipeError
 from ..lifetime import die_with_parent, end_on_interrupt, launched_by_a_launcher, start_heartbeat
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import share_fp32_master_with_fp32_weights
+from .network import export_socket_environment
 from .preflight import check_recipe, extensions_dir
 from .strategies import deepspeed_config, render
 
@@ -38,8 +43,10 @@ class Run:
     args: TrainingArguments
 
 
-def launcher_strategy() -> str:
-    """The strategy the launcher set up, read from the environment accelerate's launcher exports."""
+def launcher_strategy() -> str | None:
+    """The strategy the launcher set up, read from the environment accelerate's launcher exports; None under
+    DeepSpeed's launcher (`deepspeed`, which exports CROSS_RANK): it sets up no engine, the recipe's strategy
+    decides (its DeepSpeed config goes to TrainingArguments)."""
     env = os.environ
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -49,33 +56,50 @@ def launcher_strategy() -> str:
         return f"zero{env.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '')}"
     if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return "fsdp"
+    if "CROSS_RANK" in env and "LOCAL_SIZE" in env:  # deepspeed.launcher.launch's variables
+        return None
     return "ddp"
 
 
-def training_arguments(recipe: Recipe, **extra) -> TrainingArguments:
-    """TrainingArguments of a recipe, plus the strategy's `extra` (the DeepSpeed config). Under a launcher this starts
-    the process group (TrainingArguments resolves its device)."""
-    return TrainingArguments(**arguments_kwargs(recipe, accelerator_available()), **extra)
+def run_arguments(recipe: Recipe, strategy: StrategySection | None = None, resume: str | None = None, **extra) -> dict:
+    """Every keyword of a run's arguments (config.HFTrainingArguments or a TRL config with HFTrainOptions): the
+    recipe's `training:` values, the strategy and compression the trainer checks and applies, the checkpoint to
+    resume from (resolved), and the strategy's `extra` (the DeepSpeed config)."""
+    kwargs = arguments_kwargs(recipe, accelerator_available())
+    kwargs.update(strategy_name=strategy.name if strategy is not None else None, resume_from_checkpoint=resume,
+                  compression=dataclasses.asdict(recipe.compression), **extra)
+    return kwargs
 
 
-def setup_run(argv: list[str], raw: dict | None = None, method: str = "sft") -> Run:
-    """Validate, then set this process up: environment, patches, process group, TrainingArguments, seed.
+def training_arguments(recipe: Recipe, **extra) -> HFTrainingArguments:
+    """The arguments of an SFT run of a recipe outside a launcher (tests, benchmarks): no strategy check, no resume.
+    Under a launcher this starts the process group (TrainingArguments resolves its device)."""
+    return HFTrainingArguments(**run_arguments(recipe, **extra))
+
+
+def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
+    """Validate, then set this process up: environment, patches, process group, the run's arguments, seed.
 
     The launcher decides processes and the engine family; the recipe's `strategy:` options apply on top (for ZeRO
-    the DeepSpeed config is rendered from the recipe and given to TrainingArguments, for FSDP the options go into
+    the DeepSpeed config is rendered from the recipe and given to the arguments, for FSDP the options go into
     the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
-    dict, for tests and benchmarks) it holds overrides only. `method` is the recipe script's: "dpo" (recipes/dpo.py)
-    needs a `preference:` section, "sft" refuses one."""
+    dict, for tests and benchmarks) it holds overrides only. `method` (lifecycle.Method; None: SFT) builds the
+    arguments once (`method.arguments`) and names the recipe kind: "dpo" needs a `preference:` section, the others
+    refuse one. The checkpoint to resume from is resolved here, once."""
+    kind = getattr(method, "name", "sft")
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
+    stop_request.arm()  # SIGUSR1 (SLURM's warning before a time limit): save a checkpoint and stop, not die
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
-    if (recipe.preference is not None) != (method == "dpo"):
+    if (recipe.preference is not None) != (kind == "dpo"):
         raise RecipeError([f"{recipe.source}: preference: " + (
-            "this recipe has a preference: section: run it with recipes/dpo.py" if recipe.preference is not None
-            else "recipes/dpo.py needs a preference: section (e.g. preference: {loss_type: sigmoid, beta: 0.1})")])
+            "this recipe has a preference: section: run it with `hftrain dpo` (recipes/dpo.py)"
+            if recipe.preference is not None else f"`hftrain {kind}` (recipes/{kind}.py) needs a preference: section "
+            "(e.g. preference: {loss_type: sigmoid, beta: 0.1})")])
+    export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
     _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     extra = {}
     if strategy.name in ZERO_STAGE:
@@ -91,7 +115,12 @@ def setup_run(argv: list[str], raw: dict | None = None, method: str = "sft") -> 
             os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = strategy.fsdp_wrap_class
         if not accelerator_available():
             apply_fsdp_on_cpu()
-    args = training_arguments(recipe, **extra)
+    resume = checkpoints.resolve_resume(recipe.resume_from_checkpoint, recipe.output_dir, restart_count() > 0,
+                                        warn=print0, weights_only=recipe.training_value("resume_weights_only") is True)
+    if resume and restart_count() > 0 and not recipe.resume_from_checkpoint:
+        print0(f"hftrain: {_restarted_by()}: resuming from {resume}")
+    kwargs = run_arguments(recipe, strategy, resume, **extra)
+    args = method.arguments(recipe, kwargs) if method is not None else HFTrainingArguments(**kwargs)
     if strategy.name in ZERO_STAGE:
         import deepspeed  # optional dependency: only ZeRO strategies need it
 
@@ -149,7 +178,7 @@ def _isolate_restart_attempt() -> None:
     """After an elastic restart, start the process group on a store prefixed by the attempt number: torchrun's static
     rendezvous hands restarted workers the first attempt's store unprefixed, so the new group can read the dead
     attempt's addresses ("connectFullMesh ... Connection refused"). Runs before accelerate creates the group."""
-    attempt = restart_count()
+    attempt = elastic_restart_count()  # a requeued SLURM job starts a new launcher, with a new store
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return
     world, rank_ = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -162,3 +191,6 @@ def _isolate_restart_attempt() -> None:
     print0(f"hftrain: restart {attempt}: process group on a fresh store prefix")
 
 
+def _restarted_by() -> str:
+    """Who started this run again: the launcher's restart, or SLURM's requeue of the job."""
+    return "restarted by the launcher" if elastic_restart_count() else "the job was requeued by SLURM"

@@ -15,7 +15,7 @@ from .health import RouterHealthCallback
 
 
 def attach(trainer, cfg=None) -> dict:
-    """Wire MoE into an HFTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
+    """Wire MoE into an SFTTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
     the aux / z losses through `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and
     accumulation) and the router-health callback. Returns what was done (for the log)."""
     model = unwrap(trainer.model)
@@ -48,7 +48,7 @@ def _attach_section(trainer, model, cfg, done: dict) -> None:
         done["expert_parallel"] = _expert_parallel(trainer, base, cfg)
     if cfg.router_health and routers(base):
         cb = RouterHealthCallback(base)
-        trainer.add_callback(cb)  # its pop_logs() joins each training log (HFTrainer.log)
+        trainer.add_callback(cb)  # its pop_logs() joins each training log (CommHookMixin.log)
         done["router_health"] = len(cb.layers)
 
 

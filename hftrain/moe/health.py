@@ -122,7 +122,7 @@ def plot_expert_load(log_history: list[dict], path: str) -> str | None:
 
 class RouterHealthCallback(TrainerCallback):
     """MoE router health: per-layer expert load, normalised router entropy (1 = uniform), max load (1 = balanced),
-    dropped tokens; logged each logging step through `pop_logs` (HFTrainer.log), so they land in trainer_state.json
+    dropped tokens; logged each logging step through `pop_logs` (CommHookMixin.log), so they land in trainer_state.json
     (the aux / z losses are logged by the trainer's aux_losses), and `expert_load.png` in output_dir at the end."""
 
     def __init__(self, model):

@@ -1,8 +1,7 @@
 """A streaming run's position in its checkpoints, and resume from it (data.streaming: true; data/stream.py).
 
-How a trainer uses it: mix it in before the Trainer class, `class Trainer(StreamPositionMixin, HFTrainer)` (or
-before any transformers/TRL Trainer subclass). With a training dataset made by data/stream.py (it carries
-`.hftrain_stream`) it
+SFTTrainer has it first in its bases (it works before any transformers/TRL Trainer subclass). With a training
+dataset made by data/stream.py (it carries `.hftrain_stream`) it
 
 - writes `stream_position_<rank>.json` into every checkpoint, from each rank, next to `rng_state_<rank>.pth`
   (transformers' `_save_rng_state` is called by every rank on the folder being written, before hftrain's manifest

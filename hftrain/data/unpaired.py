@@ -1,0 +1,146 @@
+"""Unpaired preference examples (KTO): rows of prompt / completion / label, or pairs split in two.
+
+An unpaired row is text (`{"prompt": "2+2=", "completion": "4", "label": true}`) or a conversation (`prompt` a list of
+messages, `completion` the assistant turn(s) that answer it); `label` is a JSON boolean, true for a desirable answer
+(thumbs up) and false for an undesirable one. A source of prompt / chosen / rejected pairs (data/preference.py's rows,
+checked the same way) is split by TRL's `unpair_preference_dataset`: the chosen answer desirable, the rejected one not.
+
+What TRL does not do, done here: refuse a bad row by file and row (a missing or non-boolean label, an empty
+completion, text mixed with messages) and a split holding one label only (KTO's loss then has no counterpart: every
+example is pushed one way against the KL reference point alone), and shuffle the examples once with the run's seed.
+TRL's KTOTrainer trains them in order (it pairs each prompt with the completion of the example before it in a fixed
+micro-batch, for its KL estimate) and its unpairing puts the chosen answers of every 1000 pairs before their rejected
+ones: unshuffled, whole micro-batches would be of one label, and a KL completion would often answer the same prompt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import datasets
+from trl.data_utils import unpair_preference_dataset
+
+from ..config import DataSection, DataSource
+from ..distributed import print0
+from ..errors import DataError
+from .build import mix
+from .preference import PreferenceData, is_empty, messages_of, pair_of_row
+from .sources import column_map, read_rows
+
+EXAMPLE = ("prompt", "completion", "label")
+LABELS = {True: "desirable", False: "undesirable"}
+
+
+def example_of_row(row: dict, roles: dict[str, str]) -> dict:
+    """The canonical example of one unpaired row ({prompt, completion, label}); a DataError says what is wrong."""
+    missing = [c for c in EXAMPLE if c not in row or row[c] is None]
+    if missing:
+        raise DataError(f"no {' or '.join(repr(c) for c in missing)} column (the row has {list(row)}); an unpaired "
+                        "row needs prompt, completion and label (true: desirable, false: undesirable), or a pair "
+                        "needs prompt, chosen and rejected (map yours with columns:, e.g. {label: thumbs_up})")
+    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+    if not isinstance(label, bool):
+        raise DataError(f"label must be true or false (a JSON boolean: true for a desirable completion, false for an "
+                        f"undesirable one), got {type(label).__name__} {label!r}")
+    text = [isinstance(prompt, str), isinstance(completion, str)]
+    if all(text):
+        example = {"prompt": prompt, "completion": completion, "label": label}
+    elif any(text):
+        raise DataError("mixes text and message lists between prompt and completion; write both as text, or both as "
+                        "lists of messages")
+    else:
+        prompt, completion = messages_of(prompt, "prompt", roles), messages_of(completion, "completion", roles)
+        if completion and completion[0]["role"] != "assistant":
+            raise DataError(f"completion must begin with the assistant's answer (role assistant), got role "
+                            f"'{completion[0]['role']}'")
+        if not prompt:
+            raise DataError("prompt is empty: give the turns the completion answers")
+        example = {"prompt": prompt, "completion": completion, "label": label}
+    if is_empty(example["completion"]):
+        raise DataError("completion is empty: an example needs an answer to judge; fix or remove the row")
+    return example
+
+
+def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool, bool]:
+    """The rows of a source as checked (unpaired examples, or pairs: `split_in_two` makes them examples), whether they
+    are pairs, and whether they are conversations; the first bad row stops. A source holds either kind, as its first
+    row does."""
+    rows = read_rows(src, key)
+    rename = column_map(rows, src, key)
+    if rows.count == 0:
+        raise DataError(f"{key}.path: {src.path} has no examples")
+    out, kinds, first = [], {}, None
+    for where, row in rows.iterate():
+        row = {rename.get(k, k): v for k, v in row.items()}
+        paired = "completion" not in row and ("chosen" in row or "rejected" in row)
+        first = first or (paired, where)
+        try:
+            if paired != first[0]:
+                raise DataError(f"is {'a pair' if paired else 'an unpaired example'} but {first[1]} is "
+                                f"{'a pair' if first[0] else 'an unpaired example'}; put each kind in a source of its "
+                                "own")
+            item = pair_of_row(row, src.roles) if paired else example_of_row(row, src.roles)
+        except DataError as e:
+            raise DataError(f"{key}: {where}: {e}") from None
+        kind = not isinstance(item["prompt"], str)
+        kinds.setdefault(kind, where)
+        if len(kinds) > 1:
+            raise DataError(f"{key}: {where}: is {'a conversation' if kind else 'text'} but {kinds[not kind]} is "
+                            f"{'text' if kind else 'a conversation'}; put each kind in a source of its own")
+        out.append(item)
+    n = len(out) * (2 if first[0] else 1)
+    desirable = len(out) if first[0] else sum(e["label"] for e in out)
+    print0(f"hftrain: {key} ({src.path}): layout {'preference pairs, split in two' if first[0] else 'unpaired'} "
+           f"({'conversations' if kinds.get(True) else 'text'}), {n} examples ({desirable} desirable, "
+           f"{n - desirable} undesirable)", file=sys.stderr)
+    return datasets.Dataset.from_list(out), first[0], bool(kinds.get(True))
+
+
+def split_in_two(ds: datasets.Dataset, paired: bool) -> datasets.Dataset:
+    """Pairs as examples, by TRL's own split: each pair's chosen answer labelled true, its rejected answer false."""
+    return unpair_preference_dataset(ds) if paired else ds
+
+
+def _both_labels(ds: datasets.Dataset, key: str, fix: str) -> None:
+    labels = set(ds["label"])
+    if len(labels) < 2:
+        only = LABELS[labels.pop()]
+        raise DataError(f"{key}: every example ({len(ds)}) is {only} (label {str(only == 'desirable').lower()}): KTO "
+                        f"weighs desirable against undesirable examples and needs both; {fix}")
+
+
+def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) -> PreferenceData:
+    """Every source read and checked, held-out examples split off (data.eval_fraction) or read (data.eval_sources),
+    the training sources mixed by weight; both splits shuffled with `seed` (the module docstring says why)."""
+    train_parts, eval_parts, weights, kinds = [], [], [], {}
+    groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
+        ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
+    for group, src, i in groups:
+        key = f"data.{group}.{i}"
+        ds, paired, conversational = read_unpaired(src, key)
+        kinds.setdefault(conversational, key)
+        if len(kinds) > 1:
+            raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} examples but "
+                            f"{kinds[not conversational]} holds the other kind; use one kind in a run")
+        if conversational and not has_template:
+            raise DataError(f"{key}: conversations need a chat template and the tokenizer has none; set "
+                            "data.chat_template (a Jinja string or a .jinja file)")
+        if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
+            ds = ds.add_column("chat_template_kwargs", [cfg.chat_template_kwargs] * len(ds))
+        if group == "eval_sources":
+            eval_parts.append(split_in_two(ds, paired))
+            continue
+        if cfg.eval_fraction > 0:  # pairs are held out whole: no prompt's answers on both sides
+            split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+            ds = split["train"]
+            eval_parts.append(split_in_two(split["test"], paired))
+        train_parts.append(split_in_two(ds, paired))
+        weights.append(src.weight)
+    train = mix(train_parts, weights, seed).shuffle(seed=seed)
+    _both_labels(train, "data.sources", "add examples of the other label, or train with a paired loss on pairs")
+    evald = None
+    if eval_parts:
+        evald = datasets.concatenate_datasets(eval_parts).shuffle(seed=seed)
+        _both_labels(evald, "data.eval_sources" if cfg.eval_sources else "data.eval_fraction",
+                     "hold out examples of both labels")
+    return PreferenceData(train, evald, bool(kinds.get(True)))

@@ -1,0 +1,96 @@
+"""One run, in one order, for every training method: a recipe script (hftrain/recipes/) defines a `Method` with what
+differs (its arguments, model, trainer and held-out metrics) and calls `run(method, argv)`:
+
+    validate + set up (arguments built once, resume resolved once) -> Hub token -> data -> claim output_dir -> model
+    -> trainer -> metrics before -> train -> metrics after -> save -> report -> shut down -> push
+
+A stop request (SIGUSR1, e.g. SLURM's warning before a time limit) ends the run after train() with its checkpoint
+saved (trainer/stop_request.py): no metrics after, no final save, no push; the restarted run resumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import TrainingArguments
+
+from . import distributed
+from .artifacts import first_eval, save_final, write_recipe
+from .callbacks import CurvesCallback
+from .config import HFTrainingArguments, Recipe
+from .data.templates import stop_at_end_of_turn
+from .hub.push import check_token, push_after_training
+from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
+
+
+class Method:
+    """What one training method adds to the run. Subclasses set `name` and define `model` and `trainer`."""
+
+    name = "sft"  # also the recipe kind: "dpo" needs a preference: section, the others refuse one
+    # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
+    reported: tuple[str, ...] = ("eval_loss",)
+
+    def arguments(self, recipe: Recipe, kwargs: dict) -> TrainingArguments:
+        """The run's arguments from every resolved TrainingArguments value (launch.setup); built once."""
+        return HFTrainingArguments(**kwargs)
+
+    def data(self, run: Run):
+        """(tokenizer, datasets): every row read and checked, errors naming the file and row (launch.check_data:
+        SFT examples, or preference pairs for a recipe with a preference: section)."""
+        return check_data(run.recipe, run.args.world_size, seed=run.args.seed)
+
+    def model(self, run: Run):
+        raise NotImplementedError
+
+    def trainer(self, run: Run, model, tokenizer, data, callbacks: list):
+        raise NotImplementedError
+
+    def metrics(self, run: Run, trainer, data, before: bool) -> dict:
+        """Held-out metrics of this method beyond `reported` (e.g. exact match), before or after training."""
+        return {}
+
+
+def run(method: Method, argv: list[str]) -> dict:
+    """Run `method` on the recipe and overrides in `argv`; returns the metrics saved in run_info.json."""
+    # 1. Every problem of the recipe in this environment at once, then the process, its arguments and resume.
+    run = setup_run(argv, method)
+    recipe, args = run.recipe, run.args
+    check_token(recipe.hub)  # hub.push: the token must be there before training, not after
+
+    # 2. Data before the model: every row read and checked (the main process first; the others reuse its cache),
+    #    so a bad row stops the run before any weight is loaded. Then output_dir is locked for this run.
+    tokenizer, data = method.data(run)
+    claim_output_dir(recipe)
+    model = method.model(run)
+    stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
+    write_recipe(recipe)
+    if distributed.is_main_process():
+        write_strategy_configs(recipe, run.strategy)
+
+    # 3. Train, with the held-out metrics before (eval_on_start) and after.
+    trainer = method.trainer(run, model, tokenizer, data, [CurvesCallback()])
+    before = method.metrics(run, trainer, data, before=True)
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if trainer.stopped_at is not None:  # a stop request (SIGUSR1): checkpoint-N is saved; no final save, exit 0
+        del trainer, model
+        distributed.shutdown()
+        return {"stopped_at": result.global_step}
+    before.update(first_eval(trainer.state.log_history, method.reported))
+    after = method.metrics(run, trainer, data, before=False)
+    if data.eval is not None:
+        evaluated = trainer.evaluate()
+        after.update({k: evaluated[k] for k in method.reported if k in evaluated})
+    metrics = {**result.metrics, **{f"final_{k}": v for k, v in after.items()},
+               **{f"initial_{k}": v for k, v in before.items()}}
+    trainer.log_metrics("train", result.metrics)
+
+    # 4. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir; then push.
+    save_final(trainer, recipe, run.strategy, tokenizer, metrics)
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key, math.nan), after.get(key, math.nan)
+        distributed.print0(f"hftrain: {key}: before {b:.4f} -> after {a:.4f}")
+    distributed.print0(f"hftrain: saved to {recipe.output_dir}")
+    del trainer, model
+    distributed.shutdown()
+    push_after_training(recipe)  # hub.push: validate output_dir, then upload it (main process, no collective)
+    return metrics

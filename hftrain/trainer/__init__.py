@@ -1,0 +1,35 @@
+"""hftrain's trainers: transformers' `Trainer` (or a TRL trainer) with hftrain's concerns mixed in, one module each.
+
+    StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
+    StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
+    CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
+    StopRequestMixin       stop_request.py    on SIGUSR1 (a time limit near) every rank saves the same step and stops
+    ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
+    ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
+    StreamPositionMixin    stream_position.py a streaming run's position in its checkpoints, resumed exactly
+
+Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
+is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
+first and call `super()` through to it. preference.py composes the first three onto TRL's DPOTrainer.
+"""
+
+from transformers import Trainer
+
+from .checkpointing import StagedCheckpointMixin
+from .chunked_loss import ChunkedLossMixin
+from .comm_hook import CommHookMixin
+from .exact_loss import ExactLossMixin
+from .step_guard import StepGuardMixin
+from .stop_request import StopRequestMixin
+from .stream_position import StreamPositionMixin
+
+# What every hftrain trainer has, whatever its loss (the order is the method resolution order).
+RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)
+
+
+class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, ExactLossMixin, ChunkedLossMixin, Trainer):
+    """Supervised fine-tuning: transformers' Trainer with every hftrain concern."""
+
+
+__all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
+           "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin"]

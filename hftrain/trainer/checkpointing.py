@@ -1,0 +1,124 @@
+"""Checkpoints the Trainer writes and resumes, made safe (hftrain/checkpoints.py, hftrain/manifest.py):
+
+- `_save_checkpoint`: super() writes under a staging folder; once every rank has written its part, the layout and
+  the manifest (size and sha256 of every file) are added and the folder is renamed into place, then rotated;
+- `train`: resumes from a verified checkpoint (`True`: the newest complete one), converting a ZeRO checkpoint of
+  another world size to DeepSpeed's universal format first;
+- `_load_optimizer_and_scheduler`: skipped with training.resume_weights_only;
+- `_load_rng_state`: an error naming the damaged file instead of torch's advice to unpickle it.
+The Trainer's own save writes in place and has no staging folder: patches/transformers.py redirects it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .. import checkpoints, distributed, guards, manifest
+from ..config import strategy_of_deepspeed_config
+from ..errors import CheckpointError
+from ..patches.deepspeed import untie_zero3_universal_steps
+from ..patches.transformers import staged_checkpoint_dir
+
+
+class StagedCheckpointMixin:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # DeepSpeed restores the optimizer with the weights in one load_checkpoint call, and ZeRO's optimizer files
+        # hold the weights' partitions: refused there (preflight; here too, for a direct caller).
+        if self.args.resume_weights_only and self.is_deepspeed_enabled:
+            raise CheckpointError("training.resume_weights_only cannot be used with a DeepSpeed (ZeRO) strategy: "
+                                  "its optimizer state holds the weights' partitions; resume the whole checkpoint")
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """`resume_from_checkpoint`: a checkpoint folder, or True for the newest complete one in output_dir
+        (incomplete ones are skipped with a warning); None after an elastic restart: the newest complete one."""
+        restarted = distributed.restart_count() > 0
+        weights_only = self.args.resume_weights_only
+        path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
+                                          warn=distributed.print0, weights_only=weights_only)
+        if path and weights_only:
+            distributed.print0(f"hftrain: resuming the weights only from {path} (training.resume_weights_only): the "
+                               "optimizer state starts fresh and the learning-rate schedule restarts at its first step")
+        if restarted and path and resume_from_checkpoint in (None, False):
+            distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
+        now = self._layout()
+        checkpoints.check_layout(path, now)
+        if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
+            distributed.barrier()  # every rank has verified the checkpoint before the main process adds to it
+            with distributed.main_process_first():
+                universal = checkpoints.to_universal(path)
+            untie_zero3_universal_steps()
+            self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+            distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
+                               f"universal checkpoint {universal}")
+        return super().train(resume_from_checkpoint=path, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Skipped with training.resume_weights_only (the Trainer would load whatever of them is there)."""
+        if not self.args.resume_weights_only:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint):
+        """The Trainer's load, with an error naming the file instead of torch's (which suggests weights_only=False);
+        checkpoints.verify has read the files already, this catches what changed since."""
+        try:
+            super()._load_rng_state(checkpoint)
+        except Exception as e:
+            name = f"rng_state_{self.args.process_index}.pth" if self.args.world_size > 1 else "rng_state.pth"
+            raise CheckpointError(f"cannot resume from {checkpoint}: {name} cannot be loaded safely "
+                                  f"({type(e).__name__}); resume from another checkpoint") from None
+
+    def _layout(self) -> dict:
+        if self.is_deepspeed_enabled:
+            strategy = strategy_of_deepspeed_config(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        else:
+            strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
+        a = self.args
+        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        guards.check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        root = checkpoints.staging_root(run_dir)
+        staged, final = os.path.join(root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.lexists(staged):
+            shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
+        distributed.barrier()
+        try:
+            with staged_checkpoint_dir(self, root):  # super() writes (and rotates) under the staging root
+                super()._save_checkpoint(model, trial)
+        except Exception as e:
+            error = checkpoints.save_failure(e, staged, run_dir)
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)
+                checkpoints.remove_staging_root(root)
+            raise error from e
+        distributed.barrier()  # every rank has written its part (sharded strategies: its shards)
+        if self.args.should_save:
+            self._publish(staged, final, run_dir, root)
+        distributed.barrier()
+
+    def _publish(self, staged: str, final: str, run_dir: str, root: str) -> None:
+        """Main process: the best checkpoint's path as it will be, the layout and the manifest, then the rename."""
+        if self.state.best_global_step:  # super() looked for the best checkpoint under the staging root
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if best == final or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
+                self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
+        try:
+            with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
+                json.dump(self._layout(), fh)
+            # Last, once every rank has written its part (the barrier before): sizes and sha256 of every file.
+            manifest.write_manifest(staged)
+            checkpoints.publish(staged, final)
+        except OSError as e:
+            error = checkpoints.save_failure(e, staged, run_dir)
+            shutil.rmtree(staged, ignore_errors=True)
+            checkpoints.remove_staging_root(root)
+            raise error from e
+        rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
