@@ -10,19 +10,16 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, ROLE_TARGETS, STRATEGIES, ZERO_STAGE
+from ..constants import DDP_ONLY_COMPRESSION, OFFLOADED, STRATEGIES, ZERO_STAGE
+from .data_rules import Problems, data_problems
+from .data_rules import number as _num
 from .sections import (COMPRESSION_OPTIONS, REFERENCE_FREE, STRATEGY_OPTIONS, UNPAIRED, CompressionSection,
                        DataSource, HubSection, LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection,
                        UpcycleSection)
 
-Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
 PREFERENCE_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
-
-
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def recipe_problems(recipe: Recipe) -> Problems:
@@ -31,7 +28,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     out: Problems = []
     _training_ranges(recipe, out)
     _resume_weights_only(recipe, out)
-    has_eval = _data_problems(recipe, out)
+    has_eval = data_problems(recipe, out)
     if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0 and not has_eval:
@@ -175,74 +172,6 @@ def _training_ranges(recipe: Recipe, out: Problems) -> None:
     if _num(bad) and bad > 0 and t.get("fp16") is True:
         out.append(("training.max_bad_steps", "cannot be used with training.fp16: its grad scaler already skips "
                     "steps with non-finite gradients; use bf16, or set max_bad_steps to 0"))
-
-
-def _chat_template_problem(template) -> str | None:
-    """A chat_template value that is neither template text nor a .jinja file would be used as the template."""
-    if not isinstance(template, str) or template.endswith(".jinja") or "{{" in template or "{%" in template:
-        return None
-    return (f"{template!r} is neither a Jinja template (no {{{{ or {{%) nor a .jinja file: give the path of a .jinja "
-            "file, or the template text itself")
-
-
-def _data_problems(recipe: Recipe, out: Problems) -> bool:
-    """Rules of the data section; returns whether the recipe has held-out data."""
-    d = recipe.data
-    if d is None:
-        return False
-    if isinstance(d.sources, list) and len(d.sources) == 0:
-        out.append(("data.sources", "needs at least one source, e.g. [{path: data/train.jsonl}]"))
-    if _num(d.eval_fraction) and not 0.0 <= d.eval_fraction < 1.0:
-        out.append(("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
-    if _num(d.eval_fraction) and d.eval_fraction > 0 and d.eval_sources:
-        out.append(("data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"))
-    problem = _chat_template_problem(d.chat_template)
-    if problem:
-        out.append(("data.chat_template", problem))
-    if d.train_turns == "last" and d.assistant_only_loss is False:
-        out.append(("data.train_turns", "'last' picks the assistant turn to train, and data.assistant_only_loss: "
-                    "false trains every token of the conversation: remove one of them"))
-    if _num(d.max_length) and d.max_length < 2:
-        out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
-    if _num(d.num_proc) and d.num_proc < 1:
-        out.append(("data.num_proc", f"must be at least 1 (or unset: the cores available), got {d.num_proc}"))
-    _streaming_problems(recipe, out)
-    for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
-        if isinstance(s, DataSource) and _num(s.weight) and s.weight <= 0:
-            out.append((f"data.sources.{i}.weight", f"must be > 0, got {s.weight}"))
-    for group in ("sources", "eval_sources"):
-        for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
-            for theirs, ours in (s.roles.items() if isinstance(s, DataSource) and isinstance(s.roles, dict) else ()):
-                if ours not in ROLE_TARGETS:
-                    out.append((f"data.{group}.{i}.roles.{theirs}", f"unknown role '{ours}': map {theirs} to one of "
-                                f"{', '.join(ROLE_TARGETS)}"))
-    return (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
-
-
-def _streaming_problems(recipe: Recipe, out: Problems) -> None:
-    """data.streaming: a stream has no length (max_steps), holds nothing out, and keeps its position in the
-    training process (no dataloader workers)."""
-    d, t = recipe.data, recipe.training
-    if _num(d.shuffle_buffer) and d.shuffle_buffer < 1:
-        out.append(("data.shuffle_buffer", f"must be at least 1, got {d.shuffle_buffer}"))
-    if d.streaming is not True:
-        if d.shuffle_buffer is not None:
-            out.append(("data.shuffle_buffer", "applies to data.streaming: true only (prepared data is shuffled "
-                        "whole): remove it, or set data.streaming: true"))
-        return
-    steps = t.get("max_steps")
-    if not (_num(steps) and steps > 0):
-        out.append(("training.max_steps", "data.streaming needs training.max_steps > 0: a stream has no length to "
-                    "count epochs in"))
-    if _num(d.eval_fraction) and d.eval_fraction > 0:
-        out.append(("data.eval_fraction", "cannot hold rows out of a stream: give held-out data in "
-                    "data.eval_sources (prepared, not streamed), or set data.streaming: false"))
-    workers = t.get("dataloader_num_workers")
-    if _num(workers) and workers > 0:
-        out.append(("training.dataloader_num_workers", "must be 0 with data.streaming: the stream's position, which "
-                    "a checkpoint records, lives in the training process (rows are tokenised there as they come)"))
-    if recipe.preference is not None:
-        out.append(("data.streaming", "applies to supervised fine-tuning, not to preference pairs: remove it"))
 
 
 def _compression_problems(c: CompressionSection, out: Problems) -> None:
