@@ -99,7 +99,8 @@ def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, token
     name = digest(["tokens", rows.key, code_version(), tokenizer_key or Hasher.hash(tokenizer), layout.fmt,
                    layout.rename, layout.fields, layout.has_template, layout.roles, fn.on_prompt,
                    cfg.chat_template_kwargs, cfg.train_turns, cfg.max_length, cfg.truncation,
-                   None if tokenizer is None else sorted(stop_ids(tokenizer)[0])])  # generation_config.json's eos ends a turn
+                   # generation_config.json's eos: the token that ends a turn
+                   None if tokenizer is None else sorted(stop_ids(tokenizer)[0])])
     folder = cache_folder()
     cache, meta_path = os.path.join(folder, f"tokens-{name}.arrow"), os.path.join(folder, f"tokens-{name}.json")
     meta = None
