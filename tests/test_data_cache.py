@@ -237,3 +237,52 @@ def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir
             assert ranks[0]["files"] == ranks[1]["files"] and ranks[0]["files"]
         else:
             assert ranks[0]["error"] == ranks[1]["error"] and "bad.jsonl:2001: text is a number" in ranks[0]["error"]
+
+
+# -- the templates merge: a row becomes its per-turn examples in the cache and in the stream --------------------------
+
+def reasoning_chat(thoughts: list[str]) -> list[dict]:
+    """A conversation of one user question and reasoned answer per thought (Qwen3 drops the reasoning of the turns
+    before the last question: the row becomes one example per turn)."""
+    return [m for k, thought in enumerate(thoughts) for m in (
+        {"role": "user", "content": f"question {k}?"},
+        {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\nanswer {k}."})]
+
+
+def test_the_cache_and_the_stream_make_every_turns_example_keyed_on_train_turns(tmp_path, own_cache):
+    from hftrain.data import tokenize_examples
+    from hftrain.data.stream import stream_dataset
+
+    from .template_families import FAMILIES, tokenizer_for
+
+    tok = tokenizer_for(FAMILIES["qwen3"], str(tmp_path / "qwen3"))
+    rows = [{"messages": reasoning_chat(["look it up", "recall it"])}, {"messages": reasoning_chat(["just one"])}]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    for turns in ("all", "last"):  # the second build is not served from the first's cache
+        want = [ex["input_ids"] for r in rows for ex in tokenize_examples(r, tok, False, train_turns=turns)]
+        assert len(want) == (3 if turns == "all" else 2)
+        got = build_datasets(section(path, train_turns=turns), tok).train
+        assert got["input_ids"] == want
+        stream = stream_dataset(section(path, train_turns=turns, streaming=True, shuffle_buffer=8), tok, seed=0)
+        made = [ex["input_ids"] for ex, _ in zip(stream, range(len(want)))]
+        assert sorted(made) == sorted(want)  # one pass, shuffled
+
+
+def test_a_cut_the_template_would_write_differently_is_not_made(tmp_path, own_cache):
+    """Qwen3 drops an earlier turn's inline reasoning (the text before its </think>): cut before the </think>, the
+    reasoning would be written whole into the later example and push its question and answer out of max_length. The
+    row is tokenised uncut: the examples equal the uncut ones, truncated."""
+    from hftrain.data import tokenize_examples
+
+    from .template_families import FAMILIES, tokenizer_for
+
+    tok = tokenizer_for(FAMILIES["qwen3"], str(tmp_path / "qwen3"))
+    long = "step " * (char_bound(tok, 64) // 2)
+    row = {"messages": reasoning_chat([long, "short"])}
+    path = write_jsonl(tmp_path / "r.jsonl", [row])
+    got = build_datasets(section(path, max_length=64), tok).train
+    want = tokenize_examples(row, tok, False)
+    assert len(got) == len(want) == 2
+    assert got["input_ids"] == [ex["input_ids"][:64] for ex in want]
+    assert got["labels"] == [ex["labels"][:64] for ex in want]
+    assert "answer 0." in tok.decode(got["input_ids"][1])  # the second example writes the first turn's answer only
