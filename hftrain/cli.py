@@ -1,4 +1,4 @@
-"""The `hftrain` command: `check` a recipe, show its `data`, render its strategy `config`, `plan` memory, `launch`,
+"""The `hftrain` command: `check` a recipe, `prepare` or show its `data`, render its strategy `config`, `plan` memory, `launch`,
 `push`, `tiny-model`, `moe upcycle`."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import replace
 
 from . import lifetime
@@ -18,6 +19,7 @@ from .constants import RECIPE_MODULES, STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
+from .data.cache import cache_folder
 from .data.preview import preview
 from .data.prompts import preview_prompts
 from .launch import check_data, check_recipe, machines
@@ -46,6 +48,16 @@ def _check(ns) -> int:
         world = strategy.num_processes or STRATEGY_DEFAULTS["num_processes"]
         check_data(recipe, world // strategy.resolved_sequence_parallel())  # data-parallel ranks
     print(recipe.to_yaml(), end="")
+    return 0
+
+
+def _prepare(ns) -> int:
+    recipe, strategy = check_recipe(ns.recipe, ns.overrides)
+    start = time.monotonic()
+    check_data(recipe, strategy.num_processes or STRATEGY_DEFAULTS["num_processes"])
+    what = "eval sources (training rows stream)" if recipe.data.streaming else "data"
+    print(f"hftrain: {what} prepared in {time.monotonic() - start:.1f} s, cached under {cache_folder()} (the run "
+          "memory-maps it; HF_DATASETS_CACHE moves it)")
     return 0
 
 
@@ -188,9 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the data phase (tokenizer and every row of every source)")
     c.set_defaults(fn=_check)
 
+    pr = sub.add_parser("prepare", allow_abbrev=False,
+                        help="Read and tokenise the recipe's data into the datasets cache ahead of the job, with "
+                        "data.num_proc processes (default: the cores available); the run then only memory-maps it. "
+                        "On a shared filesystem the whole job reuses it.")
+    pr.add_argument("recipe", help="recipe YAML")
+    pr.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    pr.set_defaults(fn=_prepare)
+
     d = sub.add_parser("data", allow_abbrev=False,
                        help="Show what the recipe trains on: per source its layout, token counts, truncation and "
-                       "drops, and rendered examples with the trained tokens between [[ and ]].")
+                       "drops (from the prepared data, prepared first if need be; streaming: the first rows), and its "
+                       "first examples rendered with the trained tokens between [[ and ]].")
     d.add_argument("recipe", help="recipe YAML")
     d.add_argument("overrides", nargs="*", help="section.key=value overrides")
     d.add_argument("--examples", type=int, default=2, help="rendered examples per source (default 2)")
@@ -291,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "grpo", "plan"):
+    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "grpo", "plan", "prepare"):
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

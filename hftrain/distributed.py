@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,65 @@ def main_process_first():
         yield
     finally:
         barrier()
+
+
+def machine_index() -> int:
+    """This machine's rank among the machines (torchrun's GROUP_RANK; else from the global and local world)."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    return rank() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
+_ONCE_CALLS = [0]
+_ONCE_POLL_S = 0.2
+
+
+def once_per_node(fn):
+    """fn()'s result on every rank, fn run by the main process alone first, then by the first process of each other
+    machine, then by all the others: a fn that prepares files in a cache and returns them memory-mapped (the data
+    phase) thus does its work once per machine, or once per job when the machines share the cache's filesystem
+    (the later runs find the files), and the other ranks wait holding nothing.
+
+    The wait is on the process group's store, polled, not a collective: preparing may take longer than the
+    group's timeout (the heartbeat still ends the job if the preparing rank dies). An error of the first run is
+    raised on every rank that waited for it, without running fn again."""
+    if world_size() == 1:
+        return fn()
+    _ONCE_CALLS[0] += 1
+    tag = f"hftrain/once/{restart_count()}/{_ONCE_CALLS[0]}"
+    store = dist.distributed_c10d._get_default_store()  # private: no public accessor of the group's store
+    node, first = machine_index(), is_local_main_process()
+    if not is_main_process():
+        _wait_and_raise(store, f"{tag}/main")
+        if node != 0 and not first:
+            _wait_and_raise(store, f"{tag}/node{node}")
+    if is_main_process() or (first and node != 0):
+        post = f"{tag}/main" if is_main_process() else f"{tag}/node{node}"
+        try:
+            result = fn()
+        except BaseException as e:
+            store.set(post, b"error" + _pickled(e))
+            raise
+        store.set(post, b"ok")
+        return result
+    return fn()
+
+
+def _pickled(e: BaseException) -> bytes:
+    try:
+        data = pickle.dumps(e)
+        pickle.loads(data)
+        return data
+    except Exception:  # an exception that does not survive pickling: its type and message
+        return pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+def _wait_and_raise(store, key: str) -> None:
+    while not store.check([key]):
+        time.sleep(_ONCE_POLL_S)
+    value = store.get(key)
+    if value.startswith(b"error"):
+        raise pickle.loads(value[len(b"error"):])
 
 
 def all_gather_object(obj) -> list:

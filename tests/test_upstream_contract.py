@@ -35,6 +35,8 @@ CONTRACT = [
     ("transformers:Trainer", "_load_optimizer_and_scheduler", ["checkpoint"], "checkpointing: weights-only resume"),
     ("transformers:Trainer", "_load_rng_state", ["checkpoint"], "checkpointing: name a damaged RNG file"),
     ("transformers:Trainer", "_save_checkpoint", ["model", "trial"], "checkpointing: staged saves"),
+    ("transformers:Trainer", "_save_rng_state", ["output_dir"],
+     "stream_position: each rank's stream position beside its RNG state, in the folder being written"),
     # transformers.Trainer: read or replaced
     ("transformers:Trainer", "_get_output_dir", ["trial"], "patches.transformers: the staging folder"),
     ("transformers:Trainer", "_prepare_inputs", ["inputs"], "exact_loss.prediction_step"),

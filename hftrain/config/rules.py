@@ -10,35 +10,15 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import (
-    DDP_ONLY_COMPRESSION,
-    OFFLOADED,
-    REDUCE_DTYPES,
-    ROLE_TARGETS,
-    SEQUENCE_PARALLEL_ATTENTION,
-    SEQUENCE_PARALLEL_STRATEGIES,
-    STRATEGIES,
-    ZERO_STAGE,
-)
+from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, REDUCE_DTYPES, SEQUENCE_PARALLEL_ATTENTION,
+                         SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
+from .data_rules import Problems, data_problems
 from .fields import is_number
 from .grpo_rules import GRPO_STRATEGIES, grpo_problems
 from .preference_rules import PREFERENCE_STRATEGIES, preference_problems
-from .sections import (
-    COMPRESSION_OPTIONS,
-    STRATEGY_OPTIONS,
-    CompressionSection,
-    DataSource,
-    GrpoSection,
-    HubSection,
-    LoraSection,
-    MoeSection,
-    PreferenceSection,
-    Recipe,
-    StrategySection,
-    UpcycleSection,
-)
+from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, GrpoSection, HubSection,
+                       LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
 
-Problems = list[tuple[str, str]]
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
 
@@ -52,7 +32,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     out: Problems = []
     _training_ranges(recipe, out)
     _resume_weights_only(recipe, out)
-    has_eval = _data_problems(recipe, out)
+    has_eval = data_problems(recipe, out)
     if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match < 0:
@@ -248,51 +228,6 @@ def _training_ranges(recipe: Recipe, out: Problems) -> None:
     if _num(bad) and bad > 0 and t.get("fp16") is True:
         out.append(("training.max_bad_steps", "cannot be used with training.fp16: its grad scaler already skips "
                     "steps with non-finite gradients; use bf16, or set max_bad_steps to 0"))
-
-
-def _chat_template_problem(template) -> str | None:
-    """A chat_template value that is neither template text nor a .jinja file would be used as the template."""
-    if not isinstance(template, str) or template.endswith(".jinja") or "{{" in template or "{%" in template:
-        return None
-    return (f"{template!r} is neither a Jinja template (no {{{{ or {{%) nor a .jinja file: give the path of a .jinja "
-            "file, or the template text itself")
-
-
-def _data_problems(recipe: Recipe, out: Problems) -> bool:
-    """Rules of the data section; returns whether the recipe has held-out data."""
-    d = recipe.data
-    if d is None:
-        return False
-    if isinstance(d.sources, list) and len(d.sources) == 0:
-        out.append(("data.sources", "needs at least one source, e.g. [{path: data/train.jsonl}]"))
-    if _num(d.eval_fraction) and not 0.0 <= d.eval_fraction < 1.0:
-        out.append(("data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
-    if _num(d.eval_fraction) and d.eval_fraction > 0 and d.eval_sources:
-        out.append(("data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"))
-    problem = _chat_template_problem(d.chat_template)
-    if problem:
-        out.append(("data.chat_template", problem))
-    if d.train_turns == "last" and d.assistant_only_loss is False:
-        out.append(("data.train_turns", "'last' picks the assistant turn to train, and data.assistant_only_loss: "
-                    "false trains every token of the conversation: remove one of them"))
-    if _num(d.max_length) and d.max_length < 2:
-        out.append(("data.max_length", f"must be at least 2, got {d.max_length}"))
-    weights = []
-    for i, s in enumerate(d.sources if isinstance(d.sources, list) else []):
-        if isinstance(s, DataSource) and _num(s.weight) and not (math.isfinite(s.weight) and s.weight > 0):
-            out.append((f"data.sources.{i}.weight", f"must be a finite number > 0, got {s.weight}"))
-        elif isinstance(s, DataSource) and _num(s.weight):
-            weights.append(s.weight)
-    if len(weights) > 1 and not math.isfinite(sum(weights)):
-        out.append(("data.sources", f"the weights add up to more than a float holds ({', '.join(map(str, weights))}): "
-                    "they are relative, scale them down (e.g. to 1 and 2)"))
-    for group in ("sources", "eval_sources"):
-        for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
-            for theirs, ours in (s.roles.items() if isinstance(s, DataSource) and isinstance(s.roles, dict) else ()):
-                if ours not in ROLE_TARGETS:
-                    out.append((f"data.{group}.{i}.roles.{theirs}", f"unknown role '{ours}': map {theirs} to one of "
-                                f"{', '.join(ROLE_TARGETS)}"))
-    return (_num(d.eval_fraction) and d.eval_fraction > 0) or bool(d.eval_sources)
 
 
 def _compression_problems(c: CompressionSection, out: Problems) -> None:

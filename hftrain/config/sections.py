@@ -91,7 +91,14 @@ class DataSection:
     )
     completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
     skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
-    num_proc: int | None = _f(None, "Processes for tokenisation (datasets.map).")
+    num_proc: int | None = _f(None, "Processes that prepare (read and tokenise) the data, on the first process of "
+                              "each machine; default: the cores available, at most one per 5000 rows.")
+    streaming: bool = _f(False, "Train from a stream of the sources, each row read, tokenised (and packed) as "
+                         "training goes, for corpora larger than memory or disk: needs training.max_steps; each "
+                         "process reads its own share of the rows; a checkpoint records the stream's position.")
+    shuffle_buffer: int | None = _f(None, "streaming: rows shuffled together (each window of this many rows is "
+                                    "yielded in a random order; the order of files and blocks changes every pass); "
+                                    "default 10000.")
 
 
 @dataclass

@@ -177,6 +177,11 @@ def arguments_kwargs(recipe, accelerator: bool) -> dict:
         # The "before" eval loss must come from inside train(): a trainer.evaluate() before train() marks the model
         # prepared and train() then skips the DDP wrap (transformers 5.23, accelerate 1.15).
         kwargs["eval_on_start"] = True
+    if recipe.data.streaming is True:
+        # Each process reads its own share of the stream (data/stream.py): accelerate's default for an iterable
+        # dataset would have the main process read every batch and send the others theirs.
+        config = kwargs.get("accelerator_config")
+        kwargs["accelerator_config"] = {**(config if isinstance(config, dict) else {}), "dispatch_batches": False}
     for precision in ("bf16", "fp16"):
         # TRL's configs turn bf16 on when neither is set (trl's _BaseConfig.__post_init__): the recipe's value, or
         # TrainingArguments' default (off) that `training_value` reports, must be the one a TRL trainer runs with.

@@ -1,30 +1,41 @@
-"""Building the training and eval datasets of a recipe: every source read, rendered, checked, mixed."""
+"""Building the training and eval datasets of a recipe: every source read into Arrow (sources.py), tokenised by a
+cached datasets map (rows.py), checked, split, mixed.
+
+Memory stays flat in the corpus size: rows live in memory-mapped Arrow files of the datasets cache, and the only
+per-row arrays held are a few integer columns (lengths, trainable counts, row indices) while choosing the examples.
+The tokenised cache is named by a key of the rows' own key (the source files' identity), hftrain's pipeline code,
+the tokenizer and every setting that changes an example (data.train_turns among them: a row becomes one example, or
+one per assistant turn its template writes differently once later messages follow, and the `row` column names each
+example's row, so a held-out row takes all its examples to eval); a warm start finds it by name and memory-maps it. The
+preparation runs once per machine, or once per job on a shared filesystem (distributed.once_per_node): the main
+process tokenises with data.num_proc workers while the others wait holding no rows, then map the result.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
-import time
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import datasets
+import numpy as np
 from datasets.fingerprint import Hasher
 
 from ..config import DataSection, DataSource
-from ..distributed import main_process_first
+from ..distributed import once_per_node, print0
 from ..errors import DataError
-from ..fileio import free_bytes, is_no_space
+from ..fileio import atomic_write
+from .cache import cache_folder, code_version, digest, in_cache
 from .collate import make_collator
-from .layouts import content_text, read_canonical
-from .render import tokenize_examples, trainable_tokens
-from .split import held_out_split
+from .layouts import content_text
+from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
+from .sources import Rows, read_rows, read_rows_sample
+from .stream import stream_dataset
+from .templates import stop_ids
 
-# The columns of a source's canonical dataset: the example as JSON text (Arrow would merge the keys of every row's
-# tool arguments into one struct), and where it came from in the user's numbering (removed before training).
-CANON, WHERE = "canonical", "where"
+ROWS_PER_WORKER = 5_000  # below this, a worker process costs more than it saves
 
 
 @dataclass
@@ -35,112 +46,137 @@ class Datasets:
     eval_examples: list[dict]  # canonical held-out examples (prompt + reference) for generation metrics
 
 
-def train_on_prompt(fmt: str, cfg: DataSection, tokenizer, key: str) -> bool:
-    """Whether a layout trains on every token (else only on the assistant turns or the completion)."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if fmt in ("messages", "sharegpt") and not has_template:
-        raise DataError(
-            f"{key}: {'messages' if fmt == 'messages' else 'sharegpt conversations'} need a chat template and the "
-            "tokenizer has none; set data.chat_template "
-            "(a Jinja string or a .jinja file)"
-        )
-    return {
-        "messages": not cfg.assistant_only_loss,
-        "sharegpt": not cfg.assistant_only_loss,
-        "alpaca": not (cfg.assistant_only_loss if has_template else cfg.completion_only_loss),
-        "prompt_completion": not cfg.completion_only_loss,
-        "text": True,
-    }[fmt]
+@dataclass
+class Prepared:
+    """One source tokenised: every example of every row, with the STATS columns."""
+
+    key: str
+    src: DataSource
+    rows: Rows
+    layout: Layout
+    tokenised: datasets.Dataset
+    cache_file: str | None
+    counts: dict  # what choose() needs to know whether it must read the columns at all (summary())
+
+    def column(self, name: str) -> np.ndarray:
+        return self.tokenised.data.column(name).to_numpy()
+
+    def canonical(self, index: int) -> dict:
+        where, row = next(self.rows.iterate_at([index]))
+        return self.layout.canonical(row, where)
 
 
-def _tokenize_source(ds, fmt: str, tokenizer, cfg: DataSection, key: str, src: DataSource):
-    on_prompt = train_on_prompt(fmt, cfg, tokenizer, key)
-    max_length, drop = cfg.max_length, cfg.truncation == "drop"
+def workers(cfg: DataSection, rows: int) -> int | None:
+    """data.num_proc, or the cores this process may use (at most one per ROWS_PER_WORKER rows); None: no pool."""
+    n = cfg.num_proc if cfg.num_proc is not None else min(len(os.sched_getaffinity(0)), rows // ROWS_PER_WORKER)
+    return n if n and n > 1 else None
 
-    def fn(batch):
-        """A batch of canonical rows -> their examples: tokenize_examples gives one row's (one, or several when the
-        template rewrites earlier turns), each keeping its row's WHERE. A template's refusal names the key and the
-        file's own row: 'data.sources.0 (train.jsonl:12)'."""
-        out = {"input_ids": [], "labels": [], WHERE: [], "too_long": [], "n_trainable": []}
-        for canon, where in zip(batch[CANON], batch[WHERE]):
-            for ex in tokenize_examples(json.loads(canon), tokenizer, on_prompt, cfg.chat_template_kwargs,
-                                        f"{key} ({where})", cfg.train_turns):
-                n = len(ex["input_ids"])
-                if not drop:
-                    ex = {k: v[:max_length] for k, v in ex.items()}
-                out["input_ids"].append(ex["input_ids"])
-                out["labels"].append(ex["labels"])
-                out[WHERE].append(where)
-                out["too_long"].append(n > max_length)
-                out["n_trainable"].append(trainable_tokens(ex["labels"]))
-        return out
 
-    # The canonical dataset lives in memory, where datasets caches nothing: name the cache file by the data's content
-    # fingerprint and the function (tokenizer and settings), so the main process tokenises and the others read it.
-    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain",
-                         f"tokenised-{Hasher.hash((ds._fingerprint, fn))}.arrow")
-    folder = os.path.dirname(cache)
-    with main_process_first():
+def batch_rows(max_length: int) -> int:
+    """Rows per map batch, which is also an Arrow record batch of the cache: as many as ~2M tokens allow (a worker
+    holds a batch as Python lists), at least datasets' 1000. Fewer batches, less mapped on a warm start: a reader
+    touches every batch's header and the kernel maps its neighbours with it."""
+    return max(1000, min(10_000, 2_000_000 // max_length))
+
+
+def summary(tok: datasets.Dataset, max_length: int) -> dict:
+    """The counts choose() decides by, read once from the columns when the examples are made."""
+    n_tokens = tok.data.column("n_tokens").to_numpy()
+    trainable = tok.data.column("n_trainable").to_numpy()
+    return {"examples": len(tok), "too_long": int((n_tokens > max_length).sum()),
+            "untrainable": int((trainable == 0).sum()),
+            "untrainable_not_too_long": int(((trainable == 0) & (n_tokens <= max_length)).sum())}
+
+
+def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, tokenizer_key: str | None = None
+                   ) -> Prepared:
+    """One source read and tokenised into the cache (or found there), every row checked: a bad row stops with a
+    DataError naming the key, the file and the row. `tokens-<name>.json`, written last, lists the cache's files
+    and counts: a warm start reads it and maps those files, nothing else."""
+    rows = read_rows(src, key)
+    layout = layout_of(rows, src, key, tokenizer)
+    fn = row_examples(layout, tokenizer, cfg)
+    name = digest(["tokens", rows.key, code_version(), tokenizer_key or Hasher.hash(tokenizer), layout.fmt,
+                   layout.rename, layout.fields, layout.has_template, layout.roles, fn.on_prompt,
+                   cfg.chat_template_kwargs, cfg.train_turns, cfg.max_length, cfg.truncation,
+                   # generation_config.json's eos: the token that ends a turn
+                   None if tokenizer is None else sorted(stop_ids(tokenizer)[0])])
+    folder = cache_folder()
+    cache, meta_path = os.path.join(folder, f"tokens-{name}.arrow"), os.path.join(folder, f"tokens-{name}.json")
+    meta = None
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+        if not all(os.path.exists(os.path.join(folder, f)) for f in meta["files"]):
+            meta = None
+    if meta is not None:
+        parts = [datasets.Dataset.from_file(os.path.join(folder, f)) for f in meta["files"]]
+        tok = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    else:
         os.makedirs(folder, exist_ok=True)
-        tok = in_cache(folder, key, ds, lambda: ds.map(fn, batched=True, remove_columns=[CANON, WHERE],
-                                                        num_proc=cfg.num_proc, cache_file_name=cache,
-                                                        desc=f"Tokenising {src.path}"))
-    if drop:
-        tok = in_cache(folder, key, ds, lambda: tok.filter(lambda r: not r, input_columns="too_long"))
-        if len(tok) == 0:
-            raise DataError(f"{key}: every example of {src.path} is longer than data.max_length={max_length}; "
+        n = batch_rows(cfg.max_length)
+        need = 4 * rows.dataset.data.nbytes  # token ids, labels and counts: a few times the rows' own size
+        tok = in_cache(folder, key, need, lambda: rows.dataset.map(
+            fn, batched=True, with_indices=True, remove_columns=rows.dataset.column_names, features=TOKENISED,
+            batch_size=n, writer_batch_size=n, num_proc=workers(cfg, rows.count), cache_file_name=cache,
+            new_fingerprint=name, desc=f"Tokenising {src.path}"))
+        meta = {"files": [os.path.basename(f["filename"]) for f in tok.cache_files],
+                "counts": summary(tok, cfg.max_length)}
+        atomic_write(meta_path, json.dumps(meta))
+    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
+    print0(f"hftrain: {key} ({src.path}): layout {layout.fmt}, {rows.count} rows", file=sys.stderr)
+    return Prepared(key, src, rows, layout, tok, cache, meta["counts"])
+
+
+def prepare_sample(src: DataSource, key: str, tokenizer, cfg: DataSection, n: int) -> Prepared:
+    """The first n rows of a source tokenised in memory (a streaming source is never prepared whole)."""
+    rows = read_rows_sample(src, key, n)
+    layout = layout_of(rows, src, key, tokenizer)
+    tok = rows.dataset.map(row_examples(layout, tokenizer, cfg), batched=True, with_indices=True,
+                           remove_columns=rows.dataset.column_names, features=TOKENISED, keep_in_memory=True)
+    return Prepared(key, src, rows, layout, tok, None, summary(tok, cfg.max_length))
+
+
+def held_out_rows(n: int, fraction: float, seed: int, key: str, path: str) -> np.ndarray:
+    """Rows held out of one source for evaluation (a seeded permutation's first ceil(fraction x n))."""
+    n_test = int(np.ceil(fraction * n))
+    if n_test == 0 or n_test == n:
+        raise DataError(f"data.eval_fraction: {fraction} of the {n} rows of {key} ({path}) leaves "
+                        f"{'no row to hold out' if n_test == 0 else 'no row to train on'}; change "
+                        "data.eval_fraction or add rows")
+    return np.random.default_rng(seed).permutation(n)[:n_test]
+
+
+def choose(p: Prepared, cfg: DataSection, rows_mask: np.ndarray | None = None) -> datasets.Dataset:
+    """The examples of a prepared source that train (of the rows in `rows_mask`): too long ones dropped with
+    data.truncation: drop, untrainable ones refused by name, or dropped with data.skip_untrainable."""
+    untrainable = p.counts["untrainable_not_too_long" if cfg.truncation == "drop" else "untrainable"]
+    if rows_mask is None and untrainable == 0 and (cfg.truncation != "drop" or p.counts["too_long"] == 0):
+        return p.tokenised.remove_columns(list(STATS))  # every example trains: no column read
+    n_tokens, trainable, row = p.column("n_tokens"), p.column("n_trainable"), p.column("row")
+    keep = np.ones(len(row), dtype=bool) if rows_mask is None else rows_mask[row]
+    if cfg.truncation == "drop":
+        keep &= n_tokens <= cfg.max_length
+        if not keep.any():
+            raise DataError(f"{p.key}: every example of {p.src.path} is longer than data.max_length={cfg.max_length}; "
                             "raise data.max_length, or set data.truncation: right to cut them")
-    bad = [r for r, n in zip(tok[WHERE], tok["n_trainable"]) if n == 0]
-    if bad:
+    bad = np.flatnonzero(keep & (trainable == 0))
+    if len(bad):
         if not cfg.skip_untrainable:
-            shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
-            raise DataError(
-                f"{key}: {len(bad)} of {len(tok)} examples of {src.path} have no trainable token ({shown}) "
-                f"after masking and truncation to data.max_length={max_length}. Raise data.max_length, "
-                "fix those rows, or set data.skip_untrainable: true to drop them"
-            )
-        tok = in_cache(folder, key, ds, lambda: tok.filter(lambda n: n > 0, input_columns="n_trainable"))
-        if len(tok) == 0:
-            raise DataError(f"{key}: no example of {src.path} has a trainable token")
-    return tok.remove_columns(["too_long", "n_trainable", WHERE])
+            names = [p.rows.where(int(row[i])) for i in bad[:6]]
+            raise untrainable_error(p.key, p.src.path, names, len(bad), int(keep.sum()), cfg.max_length)
+        keep[bad] = False
+        if not keep.any():
+            raise DataError(f"{p.key}: no example of {p.src.path} has a trainable token")
+    ds = p.tokenised if keep.all() else p.tokenised.select(np.flatnonzero(keep))
+    return ds.remove_columns(list(STATS))
 
 
-def in_cache(folder: str, key: str, ds, work: Callable):
-    """work() (a datasets map or filter writing its cache under `folder`), with a full disk told clearly: the
-    temporary files datasets leaves (it writes `tmp*` beside the cache file and renames it when done; on an error
-    the partial file stays) are removed, and the error names the folder, the free space, a rough need and where
-    else to put the cache. Not a context manager: its __exit__ would keep the failed writer (and its open file)
-    alive while the files are removed, and a deleted open file keeps its space."""
-    start, free = time.time() - 1, None
-    try:
-        return work()
-    except Exception as e:
-        free = free_bytes(folder)
-        if not is_no_space(e, free):
-            raise
-    gc.collect()  # the failed writer's frames, released with the exception: closes its file
-    with contextlib.suppress(OSError):
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
-                os.remove(path)
-    need = 4 * ds.data.nbytes  # token ids, labels and masks of every row: a few times the rows' own size
-    raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
-                    f"tokenised data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
-                    "HF_DATASETS_CACHE at a larger disk")
-
-
-def canonical_source(src: DataSource, key: str, has_template: bool):
-    """(dataset of CANON and WHERE, layout) of one source, every row checked (errors name the file and row)."""
-    fmt, rows = read_canonical(src, key, has_template)
-    return datasets.Dataset.from_dict({CANON: [json.dumps(c) for _, c in rows], WHERE: [w for w, _ in rows]}), fmt
-
-
-def _canonical_eval(ds, n: int) -> list[dict]:
+def _eval_examples(p: Prepared, rows: np.ndarray, n: int) -> list[dict]:
     """Held-out examples split into what the model sees and the reference answer."""
     out = []
-    for ex in ds.select(range(min(n, len(ds)))):
-        canon = json.loads(ex[CANON])
+    for index in sorted(int(i) for i in rows)[:max(n, 0)]:
+        canon = p.canonical(index)
         if "messages" in canon and canon["messages"] and canon["messages"][-1]["role"] == "assistant":
             out.append({"messages": canon["messages"][:-1],
                         "reference": content_text(canon["messages"][-1]["content"])})
@@ -149,24 +185,40 @@ def _canonical_eval(ds, n: int) -> list[dict]:
     return out
 
 
+def prepare_all(cfg: DataSection, tokenizer) -> tuple[list[Prepared], list[Prepared]]:
+    """Every training and eval source prepared (streaming: the eval sources only); on every rank, the work done once
+    per machine (see the module docstring)."""
+    def work():
+        tokenizer_key = Hasher.hash(tokenizer)
+        train = [] if cfg.streaming else [prepare_source(s, f"data.sources.{i}", tokenizer, cfg, tokenizer_key)
+                                          for i, s in enumerate(cfg.sources)]
+        held = [prepare_source(s, f"data.eval_sources.{i}", tokenizer, cfg, tokenizer_key)
+                for i, s in enumerate(cfg.eval_sources)]
+        return train, held
+
+    return once_per_node(work)
+
+
 def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int = 0) -> Datasets:
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    train_parts, eval_parts, weights, eval_examples = [], [], [], []
-    for i, src in enumerate(cfg.sources):
-        key = f"data.sources.{i}"
-        ds, fmt = canonical_source(src, key, has_template)
+    train_sources, eval_sources = prepare_all(cfg, tokenizer)
+    train_parts, eval_parts, eval_examples = [], [], []
+    for p in train_sources:
         if cfg.eval_fraction > 0:
-            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
-            eval_parts.append(_tokenize_source(held, fmt, tokenizer, cfg, key, src))
-            eval_examples += _canonical_eval(held, exact_match)
-        train_parts.append(_tokenize_source(ds, fmt, tokenizer, cfg, key, src))
-        weights.append(src.weight)
-    for i, src in enumerate(cfg.eval_sources):
-        key = f"data.eval_sources.{i}"
-        ds, fmt = canonical_source(src, key, has_template)
-        eval_parts.append(_tokenize_source(ds, fmt, tokenizer, cfg, key, src))
-        eval_examples += _canonical_eval(ds, exact_match - len(eval_examples))
-    train = mix(train_parts, weights, seed)
+            held = held_out_rows(p.rows.count, cfg.eval_fraction, seed, p.key, p.src.path)
+            mask = np.zeros(p.rows.count, dtype=bool)
+            mask[held] = True
+            eval_parts.append(choose(p, cfg, mask))
+            eval_examples += _eval_examples(p, held, exact_match - len(eval_examples))
+            train_parts.append(choose(p, cfg, ~mask))
+        else:
+            train_parts.append(choose(p, cfg))
+    for p in eval_sources:
+        eval_parts.append(choose(p, cfg))
+        eval_examples += _eval_examples(p, np.arange(p.rows.count), exact_match - len(eval_examples))
+    if cfg.streaming:
+        train = stream_dataset(cfg, tokenizer, seed)
+    else:
+        train = mix(train_parts, [s.weight for s in cfg.sources], seed)
     evald = datasets.concatenate_datasets(eval_parts) if eval_parts else None
     return Datasets(train, evald, make_collator(tokenizer, cfg.packing), eval_examples[:exact_match])
 
@@ -180,5 +232,3 @@ def mix(parts: list, weights: list[float], seed: int):
     return datasets.interleave_datasets(
         parts, probabilities=[w / total for w in weights], seed=seed, stopping_strategy="all_exhausted"
     )
-
-

@@ -19,6 +19,7 @@ file's own numbering (see sources.py), what is wrong and the fix.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -40,8 +41,9 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input_block}### Response:\n
 
 
 def detect_format(columns) -> str | None:
+    columns = set(columns)
     for fmt, needed in LAYOUT_COLUMNS.items():
-        if all(c in columns for c in needed):
+        if columns.issuperset(needed):
             return fmt
     return None
 
@@ -57,12 +59,30 @@ def read_canonical(src: DataSource, key: str, has_template: bool) -> tuple[str, 
 
 
 def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> tuple[str, list[tuple[str, dict]]]:
-    """read_canonical for rows already read."""
+    """read_canonical for rows already read (into a list: for small sources, the tiny model's tokenizer, tests)."""
+    fmt, rename, fields = source_layout(rows, src, key)
+    out = [(where, canonical_row(row, fmt, rename, has_template, src.roles, key, where, fields))
+           for where, row in rows.iterate()]
+    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
+    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
+    return fmt, out
+
+
+def source_layout(rows: Rows, src: DataSource, key: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(the layout of a source's rows, the rename map of its `columns:`, the message fields `columns:` renames
+    (hftrain's name -> the data's)): the layout detected from the columns of all its rows (a folder or glob whose
+    files hold different layouts is refused naming them), or the one `format:` names."""
     fields = {ours: theirs for ours, theirs in src.columns.items() if ours in MESSAGE_FIELDS}
     rename = column_map(rows, replace(src, columns={k: v for k, v in src.columns.items() if k not in fields}), key)
     columns = [rename.get(c, c) for c in rows.columns]
     fmt = src.format
     if fmt == "auto":
+        per_file = {name: detect_format([rename.get(c, c) for c in cols]) for name, cols in rows.part_columns}
+        kinds = {f for f in per_file.values() if f is not None}
+        if len(kinds) > 1:
+            shown = ", ".join(f"{os.path.basename(name)} is {f}" for name, f in per_file.items() if f is not None)
+            raise DataError(f"{key}.path: {src.path} mixes layouts ({shown}); put each layout in a source of its "
+                            "own, or rewrite the files to one layout")
         fmt = detect_format(columns)
         if fmt is None:
             raise DataError(
@@ -79,22 +99,38 @@ def canonicalise(rows: Rows, src: DataSource, key: str, has_template: bool) -> t
             )
     if rows.count == 0:
         raise DataError(f"{key}.path: {src.path} has no examples")
-    out, seen = [], set()
-    for where, row in rows.iterate():
-        row = {rename.get(k, k): v for k, v in row.items()}
-        try:
-            _check_layout(row, fmt)
-            out.append((where, to_messages_or_text(row, fmt, has_template, src.roles, key, fields, seen)))
-        except DataError as e:
-            raise DataError(f"{key}: {where}: {e}") from None
-    unused = {ours: theirs for ours, theirs in fields.items() if theirs not in seen}
-    if unused and fmt in ("messages", "sharegpt"):
-        raise DataError(f"{key}.columns: no message of {src.path} has the field(s) "
-                        f"{sorted(unused.values())} ({', '.join(f'{o}: {t}' for o, t in unused.items())}); "
-                        "fix the spelling or remove the entry")
-    # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
-    print0(f"hftrain: {key} ({src.path}): layout {fmt}, {len(out)} rows", file=sys.stderr)
-    return fmt, out
+    if fields and fmt in ("messages", "sharegpt"):
+        _check_fields(rows, rename, LAYOUT_COLUMNS[fmt][0], fields, src, key)
+    return fmt, rename, fields
+
+
+def _check_fields(rows: Rows, rename: dict[str, str], col: str, fields: dict[str, str], src: DataSource,
+                  key: str) -> None:
+    """A `columns:` entry for a message field that no message of the source has is refused. The rows are read only
+    until every named field is met (the first row, as a rule): a million-row source is read whole only to refuse."""
+    unused = dict(fields)
+    for _, row in rows.iterate():
+        msgs = {rename.get(k, k): v for k, v in row.items()}.get(col)
+        for m in msgs if isinstance(msgs, list) else []:
+            if isinstance(m, dict):
+                unused = {ours: theirs for ours, theirs in unused.items() if m.get(theirs) is None}
+        if not unused:
+            return
+    raise DataError(f"{key}.columns: no message of {src.path} has the field(s) "
+                    f"{sorted(unused.values())} ({', '.join(f'{o}: {t}' for o, t in unused.items())}); "
+                    "fix the spelling or remove the entry")
+
+
+def canonical_row(row: dict, fmt: str, rename: dict[str, str], has_template: bool, roles: dict[str, str], key: str,
+                  where: str, fields: dict[str, str] | None = None) -> dict:
+    """The canonical form of one row as read; a problem is a DataError naming the key and the row. `fields`: the
+    message fields `columns:` renames (source_layout)."""
+    row = {rename.get(k, k): v for k, v in row.items()} if rename else row
+    try:
+        _check_layout(row, fmt)
+        return to_messages_or_text(row, fmt, has_template, roles, key, fields)
+    except DataError as e:
+        raise DataError(f"{key}: {where}: {e}") from None
 
 
 def _check_layout(row: dict, fmt: str) -> None:

@@ -1,15 +1,19 @@
-"""What a recipe trains on, shown: rendered examples with the trained tokens marked, and per-source counts
-(`hftrain data RECIPE`). It runs the training pipeline's own functions on every row; nothing here trains."""
+"""What a recipe trains on, shown: per-source statistics from the prepared data (every example, read from the
+cache's columns, so a million rows answer in seconds once prepared) and the first examples rendered with the trained
+tokens marked (`hftrain data RECIPE`); a row that became several examples (its template rewrites earlier turns) is
+shown as each of them, with why. A streaming recipe is never prepared whole: its statistics are those of the
+first rows of each source, and the report says so. Nothing here trains."""
 
 from __future__ import annotations
 
-import json
-import statistics
+import numpy as np
 
 from ..config import DataSection
 from ..constants import IGNORE_INDEX
-from .build import CANON, WHERE, canonical_source, train_on_prompt
-from .render import render_examples, tokenize_examples, trainable_tokens
+from .build import Prepared, prepare_all, prepare_sample
+from .render import render_examples
+from .rows import train_on_prompt
+from .stream import CHECK_ROWS
 
 OPEN, CLOSE = "[[", "]]"  # around each run of trained tokens
 
@@ -41,53 +45,53 @@ def _why(canon: dict, tokenizer, on_prompt: bool, cfg: DataSection, source: str)
     return why, [ex.turns for ex in exs]
 
 
-def source_report(ds, fmt: str, tokenizer, cfg: DataSection, key: str, path: str, examples: int) -> list[str]:
-    """Lines about one source: its layout, how many examples its rows became and why, token statistics, what
-    truncation does to it, and the examples of its first `examples` rows."""
-    on_prompt = train_on_prompt(fmt, cfg, tokenizer, key)
-    lengths, trained, cut, untrainable, shown, rows, split = [], [], 0, 0, [], 0, 0
-    for row in ds:
-        canon, source = json.loads(row[CANON]), f"{key} ({row[WHERE]})"
-        outs = tokenize_examples(canon, tokenizer, on_prompt, cfg.chat_template_kwargs, source, cfg.train_turns)
-        rows, split = rows + 1, split + (len(outs) > 1)
-        why, turns = _why(canon, tokenizer, on_prompt, cfg, source) if len(outs) > 1 else ("", [])
-        marks = []
-        for k, out in enumerate(outs):
-            n = len(out["input_ids"])
-            kept = {name: v[: cfg.max_length] for name, v in out.items()}
-            lengths.append(n)
-            trained.append(trainable_tokens(kept["labels"]))
-            cut += n > cfg.max_length
-            untrainable += trained[-1] == 0
-            what = f"example {k + 1} of {len(outs)}, trains message(s) {turns[k]}: " if turns else ""
-            marks.append((f"{what}{n} tokens, {trained[-1]} trained",
-                          marked(tokenizer, kept["input_ids"], kept["labels"])))
-        if len(shown) < examples:
-            shown.append((row[WHERE], f"{len(outs)} examples: {why}" if len(outs) > 1 else "", marks))
+def _shown(p: Prepared, tokenizer, cfg: DataSection, rows: int) -> list[str]:
+    """The examples of the first `rows` rows as they train; a row that became several says why."""
+    lines, on_prompt = [], None
+    row_of = p.column("row")  # ascending: the map keeps the rows' order, and every row gives an example
+    for row in range(min(rows, p.rows.count)):
+        first, last = np.searchsorted(row_of, row), np.searchsorted(row_of, row, side="right")
+        where = p.rows.where(row)
+        turns = []
+        if last - first > 1:
+            on_prompt = train_on_prompt(p.layout.fmt, cfg, tokenizer, p.key) if on_prompt is None else on_prompt
+            why, turns = _why(p.canonical(row), tokenizer, on_prompt, cfg, f"{p.key} ({where})")
+            lines.append(f"  --- {where}: {last - first} examples: {why}")
+        for k in range(first, last):
+            ex = p.tokenised[int(k)]
+            ids, labels = ex["input_ids"][:cfg.max_length], ex["labels"][:cfg.max_length]
+            what = f"example {k - first + 1} of {last - first}, trains message(s) {turns[k - first]}: " if turns else ""
+            lines += [f"  --- {where}: {what}{ex['n_tokens']} tokens, {ex['n_trainable']} trained "
+                      f"({OPEN}trained{CLOSE})", marked(tokenizer, ids, labels)]
+    return lines
+
+
+def source_report(p: Prepared, tokenizer, cfg: DataSection, examples: int) -> list[str]:
+    """Lines about one prepared source: its layout, how many examples its rows became and why, token statistics,
+    what truncation does to it, and the examples of its first `examples` rows as they train."""
+    lengths, trained = p.column("n_tokens"), p.column("n_trainable")
+    too_long = lengths > cfg.max_length
+    untrainable = (trained == 0) & ~too_long if cfg.truncation == "drop" else trained == 0
     over = "dropped" if cfg.truncation == "drop" else f"cut at {cfg.max_length}"
+    split = int((np.bincount(p.column("row")) > 1).sum())
+    counted = (f"all {len(lengths)} examples (prepared: {p.cache_file})" if p.cache_file
+               else f"the {len(lengths)} examples of the first {p.rows.count} rows (streaming: never prepared whole)")
     became = (f" -> {len(lengths)} examples ({split} rows split: their template rewrites earlier turns; "
               "data.train_turns: last trains the final turn only)") if split else ""
-    lines = [f"{key} ({path}): layout {fmt}, {rows} rows{became}",
-             f"  tokens per example: min {min(lengths)}, median {statistics.median(lengths):g}, "
-             f"mean {statistics.fmean(lengths):.1f}, max {max(lengths)}; trained tokens per example: mean "
-             f"{statistics.fmean(trained):.1f}, total {sum(trained)}",
-             f"  longer than data.max_length={cfg.max_length}: {cut} ({over}); left with no trained token: "
-             f"{untrainable}" + (" (dropped: data.skip_untrainable)" if cfg.skip_untrainable else "")]
-    for where, why, marks in shown:
-        if why:
-            lines.append(f"  --- {where}: {why}")
-        for head, text in marks:
-            lines += [f"  --- {where}: {head} ({OPEN}trained{CLOSE})", text]
-    return lines
+    lines = [f"{p.key} ({p.src.path}): layout {p.layout.fmt}, {p.rows.count} rows{became}",
+             f"  statistics of {counted}",
+             f"  tokens per example: min {lengths.min()}, median {np.median(lengths):g}, mean {lengths.mean():.1f}, "
+             f"max {lengths.max()}; trained tokens per example: mean {trained.mean():.1f}, total {int(trained.sum())}",
+             f"  longer than data.max_length={cfg.max_length}: {int(too_long.sum())} ({over}); left with no trained "
+             f"token: {int(untrainable.sum())}" + (" (dropped: data.skip_untrainable)" if cfg.skip_untrainable else "")]
+    return lines + _shown(p, tokenizer, cfg, examples)
 
 
 def preview(cfg: DataSection, tokenizer, examples: int = 2) -> str:
     """The report of every training and eval source of a data section."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    lines = []
-    for prefix, sources in (("data.sources", cfg.sources), ("data.eval_sources", cfg.eval_sources)):
-        for i, src in enumerate(sources):
-            key = f"{prefix}.{i}"
-            ds, fmt = canonical_source(src, key, has_template)
-            lines += source_report(ds, fmt, tokenizer, cfg, key, src.path, examples)
-    return "\n".join(lines)
+    if cfg.streaming:
+        train = [prepare_sample(s, f"data.sources.{i}", tokenizer, cfg, CHECK_ROWS) for i, s in enumerate(cfg.sources)]
+        held = prepare_all(cfg, tokenizer)[1]
+    else:
+        train, held = prepare_all(cfg, tokenizer)
+    return "\n".join(line for p in train + held for line in source_report(p, tokenizer, cfg, examples))

@@ -350,8 +350,10 @@ def batch_problem(world: int, per_device: int, accumulation: int, drop_last: boo
 
 
 def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
-    """(tokenizer, Datasets): every row read, rendered and tokenised (errors name the file and row), and one
-    optimizer step's worth of examples present. `hftrain check` and the run share this phase."""
+    """(tokenizer, Datasets): every row read, rendered and tokenised into the datasets cache, or found there (errors
+    name the file and row), and one optimizer step's worth of examples present. `hftrain check`, `hftrain prepare`
+    and the run share this phase, so a check or a prepare leaves the run a warm cache. With data.streaming the
+    training rows are read as training goes: the first rows of each source are checked."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     seed = recipe.training_value("seed") if seed is None else seed
     if recipe.grpo is not None:
@@ -365,6 +367,10 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
             data = build_preference_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
     else:
         data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+    if recipe.data.streaming:  # a stream has no length; its first rows were checked (data/stream.py)
+        print0("hftrain: training examples streamed" + (f", {len(data.eval)} held out" if data.eval is not None
+                                                         else ""))
+        return tokenizer, data
     problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
                             recipe.training_value("gradient_accumulation_steps"),
                             recipe.training_value("dataloader_drop_last"), len(data.train))

@@ -7,6 +7,7 @@
     SequenceParallelMixin  sequence_parallel.py  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
+    StreamPositionMixin    stream_position.py a streaming run's position in its checkpoints, resumed exactly
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
@@ -22,14 +23,15 @@ from .exact_loss import ExactLossMixin
 from .sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin
 from .stop_request import StopRequestMixin
+from .stream_position import StreamPositionMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).
 RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)
 
 
-class SFTTrainer(*RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
+class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
     """Supervised fine-tuning: transformers' Trainer with every hftrain concern."""
 
 
 __all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
-           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin"]
+           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin"]

@@ -1,0 +1,66 @@
+"""Where prepared data lives (the datasets cache, under hftrain/) and how its files are named: by a key of
+everything that decides their content, so that a warm start finds them by name and reads nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import hashlib
+import json
+import os
+import time
+from typing import Callable
+
+import datasets
+
+from ..errors import DataError
+from ..fileio import free_bytes, is_no_space
+
+# The modules whose code decides what a prepared example holds: their text is part of every key, so a change of
+# hftrain's reading, layouts or rendering is never served from an older cache.
+PIPELINE_MODULES = ("jsonrows.py", "sources.py", "layouts.py", "render.py", "templates.py", "turns.py", "forms.py",
+                    "offsets.py", "cut.py", "rows.py")
+
+
+def cache_folder() -> str:
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain")
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def code_version() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in PIPELINE_MODULES:
+        with open(os.path.join(here, name), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def in_cache(folder: str, key: str, need: int, work: Callable):
+    """work() (writing files under `folder`: datasets' map, the JSON reader), with a full disk told clearly: the
+    temporary files left (datasets writes `tmp*` beside the cache file and renames it when done, as the JSON reader
+    does; on an error the partial file stays) are removed, and the error names the folder, the free space, a rough
+    need (`need`: bytes of the rows read) and where else to put the cache. Not a context manager: its __exit__
+    would keep the failed writer (and its open file) alive while the files are removed, and a deleted open file
+    keeps its space."""
+    start, free = time.time() - 1, None
+    try:
+        return work()
+    except Exception as e:
+        free = free_bytes(folder)
+        if not is_no_space(e, free):
+            raise
+    gc.collect()  # the failed writer's frames, released with the exception: closes its file
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
+                os.remove(path)
+    raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
+                    f"prepared data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
+                    "HF_DATASETS_CACHE at a larger disk")
