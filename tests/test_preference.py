@@ -160,7 +160,7 @@ def test_short_run_saves_a_model_that_reloads_and_resumes(tmp_path, tiny_model_d
                             per_device_train_batch_size=8, eval_strategy="steps", eval_steps=2, learning_rate=1e-3)
     r = run([PY, "recipes/dpo.py", str(rec)], timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "held-out rewards/accuracies: before" in r.stdout
+    assert "hftrain: eval_rewards/accuracies: before" in r.stdout
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert model.num_parameters() > 0
     for f in ("recipe.yaml", "run_info.json", "curves.png", "trainer_state.json", "checkpoint-4"):
