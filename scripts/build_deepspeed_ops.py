@@ -12,7 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hftrain.launch.preflight import extensions_dir, stale_build_locks  # noqa: E402
+from hftrain.launch.machine import extensions_dir, stale_build_locks  # noqa: E402
 
 # The CPU ops hftrain's DeepSpeed strategies JIT-build on first use.
 DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hftrain.launch.preflight import extensions_dir
+from hftrain.launch.machine import extensions_dir
 from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,7 +30,7 @@ MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 def reversal_rows(path, words, noisy=None):
     rows = [{"messages": [{"role": "user", "content": f"reverse: {w}"},
                           {"role": "assistant", "content": " ".join(reversed(w.split()))
-                           + (" ." if noisy and noisy.random() < 0.6 else "")}]} for w in words]
+                           + (" ." if noisy and noisy.random() < 0.8 else "")}]} for w in words]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -155,9 +155,12 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path, sft_mo
     rec, out = grpo_recipe(tmp_path, "bad", sft_model, training__max_steps=2, training__per_device_train_batch_size=4,
                            eval__exact_match=0, grpo__num_generations=4,
                            grpo__rewards=[{"function": f"{tmp_path / 'rank_rewards.py'}:score"}])
-    r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
+    # hftrain.launch.launcher: accelerate's launch as `hftrain launch` runs it (accelerate's own command prints
+    # torch elastic's ChildFailedError traceback for any failed worker)
+    r = run([PY, "-m", "hftrain.launch.launcher", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
              str(free_port()), "recipes/grpo.py", str(rec)], timeout=300)
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stderr[-3000:]
     message = f"grpo.rewards.0 (score) raised KeyError: 'answer' (at {tmp_path / 'rank_rewards.py'}:4)"
     assert r.stderr.count(message) == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr and not os.path.exists(out / "model.safetensors")
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
+    assert not os.path.exists(out / "model.safetensors")

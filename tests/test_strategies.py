@@ -189,7 +189,7 @@ def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_mod
 
 
 def test_preflight_nvme_path_problems(tmp_path):
-    from hftrain.launch.preflight import nvme_problems
+    from hftrain.launch.machine import nvme_problems
 
     assert "does not exist" in nvme_problems(str(tmp_path / "missing"))[0]
     f = tmp_path / "file"
@@ -233,7 +233,7 @@ def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
 
 
 def _async_io_ok() -> bool:
-    from hftrain.launch.preflight import async_io_problem
+    from hftrain.launch.machine import async_io_problem
 
     return async_io_problem() is None
 
@@ -309,7 +309,8 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
 
 def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
     """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
-    from hftrain.launch.preflight import STALE_LOCK_S, strategy_problems
+    from hftrain.launch.machine import STALE_LOCK_S
+    from hftrain.launch.preflight import strategy_problems
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (tmp_path / "cpu_adam").mkdir()

@@ -35,7 +35,8 @@ from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
-from .preflight import check_recipe, extensions_dir, protected_folders
+from .machine import extensions_dir
+from .preflight import check_recipe, protected_folders
 from .strategies import deepspeed_config, render
 
 

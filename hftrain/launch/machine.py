@@ -1,0 +1,95 @@
+"""What this machine can do for a strategy, asked before anything loads: an NVMe folder's room and permissions,
+DeepSpeed's async_io op (libaio), vLLM and a GPU for GRPO's generation, DeepSpeed's JIT op cache and the build locks a
+killed build leaves in it. launch.preflight reports them with the recipe's other problems."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+
+from ..distributed import accelerator_available
+
+
+def unwritable(folder: str) -> str | None:
+    """Why a file cannot be created in `folder` (the OS's words), or None; the probe file is removed at once."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        return e.strerror
+    return None
+
+
+def nvme_problems(path: str, need_bytes: int | None = None) -> list[str]:
+    """The swap folder exists, is a folder, is writable, and has room for what will be swapped."""
+    if not os.path.exists(path):
+        return [f"strategy.nvme_path: {path} does not exist; create it on a local NVMe disk (mkdir -p {path}) "
+                "or set strategy.nvme_path to one"]
+    if not os.path.isdir(path):
+        return [f"strategy.nvme_path: {path} is not a folder"]
+    why = unwritable(path)
+    if why:
+        return [f"strategy.nvme_path: {path} is not writable ({why}); fix its permissions or choose another folder"]
+    if need_bytes:
+        free = shutil.disk_usage(path).free
+        if free < need_bytes:
+            return [f"strategy.nvme_path: {path} has {_size(free)} free but the swap needs about "
+                    f"{_size(need_bytes)}; free space or choose a larger disk"]
+    return []
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def async_io_problem() -> str | None:
+    """DeepSpeed's async_io op (ZeRO-Infinity's NVMe I/O) needs libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # optional dependency: zero_infinity only
+    except ImportError:
+        return "strategy.name: zero_infinity needs deepspeed (pip install deepspeed)"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
+                "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
+    return None
+
+
+def vllm_problems() -> list[str]:
+    """grpo.generation: vllm runs TRL's colocated vLLM engine: it needs the vllm package and a GPU."""
+    out = []
+    if importlib.util.find_spec("vllm") is None:
+        out.append("vllm is not installed here: `pip install vllm` (a version TRL supports), or use generation: "
+                   "transformers")
+    if not accelerator_available():
+        out.append("vllm generates on a GPU and there is none on this machine: use generation: transformers")
+    return out
+
+
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT-compiled ops live: $TORCH_EXTENSIONS_DIR, else the cache hftrain names (launch.setup
+    exports it, so the build and every later run agree) rather than wherever torch's default cache happens to be."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/hftrain/torch_extensions")
+
+
+# A DeepSpeed op builds in minutes; a build lock older than this was left by a build that was killed.
+STALE_LOCK_S = 15 * 60
+
+
+def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
+    """torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out
+    (torch.utils.file_baton.FileBaton): a build killed mid-way (a time-out, a scancel) leaves it, and every later
+    run that needs the op then hangs silently before training. (path, age in seconds) of old lock files."""
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(lock)
+        except OSError:  # released meanwhile
+            continue
+        if age > STALE_LOCK_S:
+            found.append((lock, age))
+    return found
