@@ -3,8 +3,8 @@ world size and accumulation (1 rank x GA4 = 2 ranks x GA2) under DDP, FSDP2, ZeR
 per-micro-batch token means (TRL's bnpo) is not; a reward function that fails on one rank stops every rank.
 
 The model (made here, about a minute): a small Llama fine-tuned by `recipes/sft.py` on reversing three of five
-letters from noisy demonstrations: 60% of its answers end with a stray " .", so its greedy answers carry the mark and
-almost never match; sampled answers sometimes do not. GRPO, rewarded by exact match with the clean reference, learns
+letters from noisy demonstrations: 80% of its answers end with a stray " .", so its greedy answers carry the mark and
+almost never match (at 60% the greedy choice was a near tie that flipped with unrelated changes); sampled answers sometimes do not. GRPO, rewarded by exact match with the clean reference, learns
 within ten steps what the demonstrations got wrong (the docs' demo shows the shipped task from a partly trained
 model, which takes longer). Its completions end at different lengths and are sometimes right, so rewards and
 advantages vary within groups, as the exactness runs need."""
@@ -79,7 +79,7 @@ def grpo_recipe(tmp_path, name, sft_model, **over):
 @pytest.mark.slow
 def test_grpo_raises_held_out_exact_match(tmp_path, sft_model):
     """The demo's claim on a tiny budget (10 steps of 4 prompts x 8 completions): exact match with the reference is
-    the only reward. Measured: 0.04 -> 0.76, 1.00 and 0.80 with seeds 0, 1 and 2."""
+    the only reward (asserted: +0.3 or more)."""
     rec, out = grpo_recipe(tmp_path, "learn", sft_model, training__max_steps=10)
     r = run([PY, "recipes/grpo.py", str(rec)], timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
