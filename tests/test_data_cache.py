@@ -5,7 +5,6 @@ cut before tokenisation (issue #33 point 7); BOM, blank files and folders mixing
 import json
 import os
 import subprocess
-import sys
 
 import datasets
 import pytest
