@@ -167,7 +167,8 @@ def table(results: list[dict]) -> str:
         for p in (1, 2):
             if not any(k[2] == n and k[3] == p for k in last):
                 continue
-            pair = lambda mode, cache, key: f"{cell('hftrain', mode, n, p, cache, key)} / {cell('trl', mode, n, p, cache, key)}"  # noqa: E731
+            def pair(mode, cache, key):
+                return f"{cell('hftrain', mode, n, p, cache, key)} / {cell('trl', mode, n, p, cache, key)}"
             lines.append(f"| {n:,} | {p} | {pair('prepared', 'cold', 'first_step_s')} | "
                          f"{pair('prepared', 'warm', 'first_step_s')} | {pair('prepared', 'warm', 'cpu_s')} | "
                          f"{pair('prepared', 'warm', 'peak_rss_gb')} | "

@@ -44,7 +44,8 @@ def alpaca_to_chat(row: dict) -> dict:
     """What hftrain makes of an alpaca row with a chat template (data/layouts.py), as TRL's conversational
     prompt-completion: the answer alone is trained, as in hftrain."""
     user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    return {"prompt": [{"role": "user", "content": user}], "completion": [{"role": "assistant", "content": row["output"]}]}
+    return {"prompt": [{"role": "user", "content": user}],
+            "completion": [{"role": "assistant", "content": row["output"]}]}
 
 
 def run_hftrain(mode: str, model: str, data: str, out: str, num_proc: str | None) -> None:

@@ -45,8 +45,8 @@ def main() -> None:
                     default=["ddp", "fsdp", "zero2", "zero3", "zero3_offload", "zero_infinity"])
     ns = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hftrain-mem-")
-    model_dir = build_tiny_model(os.path.join(tmp, "base"), texts_of_jsonl([os.path.join(REPO, "data/demo/train.jsonl")]),
-                                 config=MODEL)
+    model_dir = build_tiny_model(os.path.join(tmp, "base"),
+                                 texts_of_jsonl([os.path.join(REPO, "data/demo/train.jsonl")]), config=MODEL)
     facts = model_facts(model_dir)
     print(f"model: {facts.params / 1e6:.1f}M parameters (fp32), 2 ranks, {ns.steps} steps", flush=True)
     rows = {r.strategy: r for r in plan(facts, gpus_per_node=2, nodes=1, micro_batch=2, seq=64,

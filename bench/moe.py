@@ -107,7 +107,8 @@ def _ep_worker(ns) -> None:
         for p in block.parameters():
             p.normal_(0, 0.02)
     x = torch.randn(1, ns.tokens, ns.hidden, generator=torch.Generator().manual_seed(rank))
-    layers = {"local (all experts per rank)": block, "expert-parallel (all_to_all)": ExpertParallelMoE(block, dist.group.WORLD)}
+    layers = {"local (all experts per rank)": block,
+              "expert-parallel (all_to_all)": ExpertParallelMoE(block, dist.group.WORLD)}
     res = {}
     for name, layer in layers.items():
         times = []
@@ -122,7 +123,8 @@ def _ep_worker(ns) -> None:
         res[name] = statistics.median(times[3:]) * 1e3
     n_local = sum(p.numel() for p in layers["expert-parallel (all_to_all)"].experts.parameters())
     if rank == 0:
-        print(f"2 ranks (gloo, CPU), {ns.tokens} tokens/rank, H={ns.hidden}, I={ns.intermediate}, E={ns.num_experts}, top-2")
+        print(f"2 ranks (gloo, CPU), {ns.tokens} tokens/rank, H={ns.hidden}, I={ns.intermediate}, "
+              f"E={ns.num_experts}, top-2")
         for name, ms in res.items():
             print(f"  {name:<32} {ms:8.1f} ms / forward+backward")
         print(f"  expert parameters per rank: local {sum(p.numel() for p in block.experts.parameters()) / 1e6:.2f}M, "

@@ -66,7 +66,7 @@ def worker(variant: str, model_dir: str, data: str, out: str, steps: int) -> Non
     """One variant in this process; writes OUT/mem.json."""
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     report: dict = {"rss_before": rss()}
-    common = [f"data.max_length=64", f"training.output_dir={out}", f"training.max_steps={steps}",
+    common = ["data.max_length=64", f"training.output_dir={out}", f"training.max_steps={steps}",
               "training.per_device_train_batch_size=4", "training.save_strategy=no", "training.report_to=none",
               "training.disable_tqdm=true", "training.logging_steps=1", "training.learning_rate=1e-5",
               "training.warmup_steps=0", "training.eval_strategy=no"]

@@ -245,7 +245,8 @@ def _layout_problem(path: str) -> str | None:
 def needs_universal(path: str | None, now: dict) -> bool:
     """A ZeRO checkpoint resumed by another number of ranks: its optimizer partitions must be resharded."""
     was = read_layout(path) if path else None
-    return was is not None and was["strategy"] == now["strategy"] in UNIVERSAL and was["world_size"] != now["world_size"]
+    return (was is not None and was["strategy"] == now["strategy"] in UNIVERSAL
+            and was["world_size"] != now["world_size"])
 
 
 def check_layout(path: str | None, now: dict) -> None:
@@ -324,7 +325,8 @@ def to_universal(path: str) -> str:
     except Exception as e:
         shutil.rmtree(staged, ignore_errors=True)
         raise CheckpointError(f"converting {os.path.join(path, tag)} to a universal checkpoint failed ({e}); resume "
-                              f"with the world size that wrote it. DeepSpeed's output:\n{log.getvalue()[-2000:]}") from e
+                              f"with the world size that wrote it. DeepSpeed's output:\n"
+                              f"{log.getvalue()[-2000:]}") from e
     fsync_tree(staged)
     if os.path.isdir(target):
         shutil.rmtree(target)

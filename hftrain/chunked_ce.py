@@ -240,8 +240,8 @@ class Captured:
 
 class _Placeholder(torch.autograd.Function):
     """lm_head's output instead of logits: zeros of width 1 in the autograd graph (ZeRO-3's hooks on lm_head's
-    output and input pair up in backward only if a gradient passes its output: SFTTrainer._ce (ChunkedLossMixin) adds 0 * its sum),
-    passing no gradient to the hidden states."""
+    output and input pair up in backward only if a gradient passes its output: SFTTrainer._ce (ChunkedLossMixin)
+    adds 0 * its sum), passing no gradient to the hidden states."""
 
     @staticmethod
     def forward(ctx, h):

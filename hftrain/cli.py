@@ -1,5 +1,5 @@
-"""The `hftrain` command: `check` a recipe, `prepare` or show its `data`, render its strategy `config`, `plan` memory, `launch`,
-`push`, `tiny-model`, `moe upcycle`."""
+"""The `hftrain` command: `check` a recipe, `prepare` or show its `data`, render its strategy `config`, `plan` memory,
+`launch`, `push`, `tiny-model`, `moe upcycle`."""
 
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def _launch(ns) -> int:
     if s.num_machines > 1 and strategy.machine_rank is None:
         raise LaunchError(f"{ns.recipe}: strategy.num_machines is {s.num_machines} but this machine's rank is unset: "
                           "left out, every machine would take rank 0. Run `hftrain launch ... --machine-rank K` on "
-                          f"machine K (0 on the machine at {s.main_process_ip}, 1 .. {s.num_machines - 1} on the others)")
+                          f"machine K (0 on the machine at {s.main_process_ip}, "
+                          f"1 .. {s.num_machines - 1} on the others)")
     if s.num_machines > 1 and not ns.dry_run:  # every machine checks in with machine 0: a wrong rank fails here
         check_in(s.main_process_ip, s.main_process_port, s.machine_rank, s.num_machines,
                  s.rank_timeout or machines.DEFAULT_TIMEOUT, say=lambda m: print(m, flush=True))
@@ -177,7 +178,8 @@ def _push(ns) -> int:
     hub, recipe = settings_for_run(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
                                   revision=ns.revision, commit_message=ns.commit_message,
                                   merge_lora=ns.merge_lora or None, license=ns.license)
-    push(ns.output_dir, hub, dry_run=ns.dry_run, stage_dir=ns.stage_dir, trust_remote_code=recipe.model.trust_remote_code)
+    push(ns.output_dir, hub, dry_run=ns.dry_run, stage_dir=ns.stage_dir,
+         trust_remote_code=recipe.model.trust_remote_code)
     return 0
 
 
@@ -219,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "config", allow_abbrev=False,
-        help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, or for --strategy NAME / --all.",
+        help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, "
+             "or for --strategy NAME / --all.",
     )
     g.add_argument("recipe", nargs="?", help="recipe YAML (optional)")
     g.add_argument("overrides", nargs="*", help="section.key=value overrides")

@@ -350,7 +350,8 @@ def ddp_kwargs_with_hook(ddp_kwargs, cfg, on_register):
 
 class CommMetricsCallback(TrainerCallback):
     """comm/bytes_raw, comm/bytes_sent, comm/compression_ratio, and under DDP comm/time_share, comm/seconds and
-    comm/hidden_share (CommMeter), per optimizer step, averaged over the logging window. CommHookMixin.log merges `pop_logs()` into the Trainer's logs (trainer_state.json, TensorBoard).
+    comm/hidden_share (CommMeter), per optimizer step, averaged over the logging window. CommHookMixin.log merges
+    `pop_logs()` into the Trainer's logs (trainer_state.json, TensorBoard).
 
     DDP: measured by the hook (bytes of the collectives it issued, time any of them was in flight). FSDP and ZeRO:
     the bytes their reduction is configured to send (reduce dtype vs the gradients' dtype); no time share."""

@@ -1,8 +1,8 @@
 """The manifest of a checkpoint: the size and sha256 of every file in it (subfolders included: DeepSpeed's
 global_stepN/, FSDP's optimizer_0/ ...), written last and atomically by the main process once every rank has written
-its part, before the rename that publishes the checkpoint (StagedCheckpointMixin._save_checkpoint). At resume, a file missing,
-of another size, of another sha256, or added after the save is named; a checkpoint without a manifest (plain Trainer,
-older hftrain) is unverified.
+its part, before the rename that publishes the checkpoint (StagedCheckpointMixin._save_checkpoint). At resume, a file
+missing, of another size, of another sha256, or added after the save is named; a checkpoint without a manifest (plain
+Trainer, older hftrain) is unverified.
 Beside it, the defensive reads of what the Trainer loads unchecked at resume (trainer_state.json, rng_state*.pth)
 and the presence of the optimizer and scheduler state, which the Trainer would silently re-initialise.
 

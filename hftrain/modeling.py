@@ -131,7 +131,8 @@ def resolved_name_or_path(name_or_path: str) -> str:
 
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
-    _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"))
+    _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path
+                            else "model.name_or_path"))
     _raise_if(_chat_template_problem(chat_template))
     warn_remote_code(cfg, name)
     key = "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"
@@ -141,7 +142,8 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
         raise ModelError(f"{key}: cannot load a tokenizer from {name} ({type(e).__name__}: {str(e)[:300]}); "
                          "check its tokenizer files (tokenizer.json, tokenizer_config.json) or save it again") from None
     if not getattr(tok, "is_fast", False):
-        raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks need offsets")
+        raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks "
+                         "need offsets")
     if chat_template:
         if chat_template.endswith(".jinja"):
             with open(chat_template, encoding="utf-8") as fh:

@@ -31,7 +31,8 @@ def counting(fn, name):
         # the rank's own contribution
         t = (args[1] if len(args) > 1 else kwargs.get("input_tensor")) if name == "all_gather_single" else (
             args[0] if args else kwargs.get("tensor"))
-        if t is not None and t.numel() >= 64 and t.dtype != torch.int64:  # gradient payloads, not the Trainer's token counts
+        # gradient payloads, not the Trainer's token counts
+        if t is not None and t.numel() >= 64 and t.dtype != torch.int64:
             COUNTED["bytes"] += t.numel() * t.element_size()
         return fn(*args, **kwargs)
 

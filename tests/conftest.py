@@ -18,7 +18,8 @@ DEMO_EVAL = os.path.join(REPO, "data", "demo", "eval.jsonl")
 PY = sys.executable
 # `accelerate launch` of the interpreter running the tests (the venv need not be on PATH).
 ACCELERATE_LAUNCH = [PY, "-m", "accelerate.commands.launch"]
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1}
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,8 @@ for cf in (None, 1.0, 0.5):
     with torch.no_grad():
         fresh.experts.down_proj.zero_()
     fresh.load_state_dict({k: v.clone() for k, v in sd.items()})
-    report[str(cf)]["loaded_slice"] = bool(torch.equal(fresh.experts.down_proj, block.experts.down_proj.detach()[lo:hi]))
+    report[str(cf)]["loaded_slice"] = bool(torch.equal(fresh.experts.down_proj,
+                                                       block.experts.down_proj.detach()[lo:hi]))
 
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
     json.dump(report, fh)

@@ -191,7 +191,8 @@ def _start_munge(tmp: str) -> tuple[subprocess.Popen, str]:
     end = time.monotonic() + 30
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError(f"munged did not start: {proc.stderr.read().decode() if proc.poll() is not None else ''}")
+            raise RuntimeError("munged did not start: "
+                               f"{proc.stderr.read().decode() if proc.poll() is not None else ''}")
         time.sleep(0.1)
     return proc, sock
 

@@ -25,7 +25,8 @@ def main(model_dir: str, path: str, out: str) -> None:
         data_collator=data.collator)
     texts = []
     for batch, _ in zip(trainer.get_train_dataloader(), range(5)):
-        texts += [tokenizer.decode([t for t in row if t != tokenizer.pad_token_id]) for row in batch["input_ids"].tolist()]
+        texts += [tokenizer.decode([t for t in row if t != tokenizer.pad_token_id])
+                  for row in batch["input_ids"].tolist()]
     with open(os.path.join(out, f"rank{run.args.process_index}.json"), "w") as fh:
         json.dump({"texts": texts, "dispatch": trainer.accelerator.dataloader_config.dispatch_batches}, fh)
     trainer.train()  # and it trains: 3 steps over the two shares

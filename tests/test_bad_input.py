@@ -168,8 +168,10 @@ CASES = [
     ("recipe_missing", lambda w: [os.path.join(w.tmp, "nope.yaml")], ["nope.yaml: recipe file not found"]),
     ("yaml_syntax", lambda w: [w.recipe(text="model:\n  name_or_path: m\ndata: [\n  - a: b\n  c\n")],
      ["recipe.yaml:4:3: YAML syntax error: expected the node content, but found '-'"]),
-    ("yaml_tab_indent", lambda w: [w.recipe(text="model:\n\tname_or_path: m\n")], ["recipe.yaml:2:1: YAML syntax error"]),
-    ("recipe_not_utf8", lambda w: [w.file("r.yaml", b"model:\n  name_or_path: \xff\xfe\n")], ["r.yaml:2: not UTF-8 text", "save it as UTF-8"]),
+    ("yaml_tab_indent", lambda w: [w.recipe(text="model:\n\tname_or_path: m\n")],
+     ["recipe.yaml:2:1: YAML syntax error"]),
+    ("recipe_not_utf8", lambda w: [w.file("r.yaml", b"model:\n  name_or_path: \xff\xfe\n")],
+     ["r.yaml:2: not UTF-8 text", "save it as UTF-8"]),
     ("recipe_is_a_list", lambda w: [w.recipe(text="- model\n- data\n")], ["a recipe is a mapping of sections"]),
     ("unknown_section", lambda w: [w.recipe(lambda t: t.update(trainig=t.pop("training")))],
      ["trainig: unknown key; did you mean 'training'?"]),
@@ -194,7 +196,8 @@ CASES = [
      ["training.deepspeed", "set strategy.name"]),
     ("lora_rank_zero", lambda w: [w.recipe(set_("model.lora", {"r": 0}))], ["model.lora.r: must be > 0"]),
     ("max_length_below_2", lambda w: [w.recipe(set_("data.max_length", 1))], ["data.max_length: must be at least 2"]),
-    ("duplicate_yaml_key", lambda w: [w.recipe(text=yaml.safe_dump(w.tree(), sort_keys=False) + "model: {dtype: auto}\n")],
+    ("duplicate_yaml_key", lambda w: [w.recipe(text=yaml.safe_dump(w.tree(), sort_keys=False)
+                                               + "model: {dtype: auto}\n")],
      ["recipe.yaml:", "key 'model' appears twice in one mapping (lines 1 and", "keep one"]),
     ("yaml_alias_bomb", lambda w: [w.recipe(text="a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")))],
@@ -222,13 +225,15 @@ CASES = [
     ("override_unknown_key", lambda w: [w.recipe(), "training.max_step=3"],
      ["command line: training.max_step: unknown key; did you mean 'training.max_steps'?"]),
     # -- incompatible combinations and the launcher ------------------------------------------------------------
-    ("option_of_another_strategy", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+    ("option_of_another_strategy", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true",
+                                                           ACCELERATE_DEEPSPEED_CONFIG_FILE=
                                                            os.path.join(REPO, "accelerate_configs", "zero2.json")),
                                               [w.recipe(both(set_("strategy.name", "zero2"),
                                                              set_("strategy.fsdp_offload_params", True)))])[1],
      ["strategy.fsdp_offload_params: does not apply to strategy 'zero2' (it applies to fsdp)"]),
-    ("loss_impl_chunked_lora_head", lambda w: [w.recipe(both(set_("model.lora", {"r": 4, "target_modules": ["lm_head"]}),
-                                                              set_("training.loss_impl", "chunked")))],
+    ("loss_impl_chunked_lora_head",
+     lambda w: [w.recipe(both(set_("model.lora", {"r": 4, "target_modules": ["lm_head"]}),
+                              set_("training.loss_impl", "chunked")))],
      ["model.lora.target_modules: holds lm_head, which training.loss_impl: chunked cannot compute through"]),
     ("loss_impl_unknown", lambda w: [w.recipe(set_("training.loss_impl", "fused"))],
      ["training.loss_impl", "'fused'", "'chunked'"]),
@@ -248,7 +253,8 @@ CASES = [
                                                                  set_("training.ddp_find_unused_parameters", True)))],
      ["training.ddp_find_unused_parameters: must be false with compression.method powersgd"]),
     ("training_arguments_own_rule", lambda w: [w.recipe(set_("training.load_best_model_at_end", True))],
-     ["training: TrainingArguments refuses these values: --load_best_model_at_end requires the save and eval strategy"]),
+     ["training: TrainingArguments refuses these values: --load_best_model_at_end requires the save and eval "
+      "strategy"]),
     ("nvme_path_missing", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
                                                   os.path.join(REPO, "accelerate_configs", "zero_infinity.json")),
                                      [w.recipe(set_("strategy.nvme_path", os.path.join(w.tmp, "nvme")))])[1],
@@ -294,7 +300,8 @@ CASES = [
     # -- the data ----------------------------------------------------------------------------------------------
     ("data_missing", lambda w: [w.recipe(set_("data.sources", [{"path": "./no/train.jsonl"}]))],
      ["data.sources.0.path: ./no/train.jsonl does not exist"]),
-    ("data_empty", lambda w: [w.data("empty.jsonl", "")], ["data.sources.0.path:", "empty.jsonl is empty; fill it or remove this source"]),
+    ("data_empty", lambda w: [w.data("empty.jsonl", "")],
+     ["data.sources.0.path:", "empty.jsonl is empty; fill it or remove this source"]),
     ("data_malformed_line", lambda w: [w.data("bad.jsonl", GOOD_LINE + "\n" + GOOD_LINE + "\n{\"messages\": [\n")],
      ["data.sources.0.path:", "bad.jsonl:3: malformed JSON"]),
     ("data_not_utf8", lambda w: [w.data("latin1.jsonl", GOOD_LINE.encode() + b"\n" + '{"text": "caf\xe9"}\n'.encode(
@@ -331,7 +338,8 @@ CASES = [
     ("model_tokenizer_garbage", lambda w: [w.recipe(set_("model.name_or_path", w.broken_model("tokenizer.json",
                                                                                                b"garbage")))],
      ["model.name_or_path: cannot load a tokenizer from", "check its tokenizer files"]),
-    ("output_dir_under_a_file", lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.file("f", "x"), "out")))],
+    ("output_dir_under_a_file",
+     lambda w: [w.recipe(set_("training.output_dir", os.path.join(w.file("f", "x"), "out")))],
      ["training.output_dir:", "cannot be created:", "is not a folder; choose another path"]),
     ("output_dir_is_the_base_model", lambda w: [w.recipe(set_("training.output_dir", w.model))],
      ["training.output_dir:", "is model.name_or_path's folder", "the final save would overwrite it"]),
@@ -356,7 +364,8 @@ CASES = [
                                                               w.checkpoint(unverified(truncate_weights))))],
      ["training.resume_from_checkpoint: cannot resume from", "model.safetensors: truncated"]),
     ("resume_true_only_corrupt", resume_true(unverified(truncate_weights)),
-     ["holds no complete checkpoint-N folder (skipping incomplete checkpoint", "checkpoint-1/model.safetensors: truncated"]),
+     ["holds no complete checkpoint-N folder (skipping incomplete checkpoint",
+      "checkpoint-1/model.safetensors: truncated"]),
     ("resume_half_written", resume_true(unverified(remove("trainer_state.json"))),
      ["checkpoint-1 has no trainer_state.json (the save did not finish)"]),
     # -- verified checkpoints (hftrain_manifest.json): damage after the save is refused by name, never skipped --
@@ -394,7 +403,8 @@ CASES = [
      ["training.max_bad_steps: must be >= 0", "got -1"]),
     ("max_bad_steps_not_int", lambda w: [w.recipe(set_("training.max_bad_steps", "many"))],
      ["training.max_bad_steps", "'many'"]),
-    ("max_bad_steps_under_zero2", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=
+    ("max_bad_steps_under_zero2", lambda w: (w.env.update(ACCELERATE_USE_DEEPSPEED="true",
+                                                          ACCELERATE_DEEPSPEED_CONFIG_FILE=
                                                           os.path.join(REPO, "accelerate_configs", "zero2.json")),
                                              [w.recipe(set_("training.max_bad_steps", 2))])[1],
      ["training.max_bad_steps: cannot skip steps under 'zero2'", "set it to 0"]),
@@ -455,7 +465,8 @@ def test_bad_input_is_refused_with_one_clear_message(case, tmp_path, tiny_model_
 
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path, tiny_model_dir, monkeypatch, capsys):
     w = W(str(tmp_path), tiny_model_dir)
-    hold = "import sys, time\nfrom hftrain import outdir\noutdir.claim(sys.argv[1], False, False)\nprint('held', flush=True)\ntime.sleep(60)"
+    hold = ("import sys, time\nfrom hftrain import outdir\noutdir.claim(sys.argv[1], False, False)\n"
+            "print('held', flush=True)\ntime.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", hold, w.out], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "held"

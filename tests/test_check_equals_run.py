@@ -18,7 +18,8 @@ from .conftest import SMALL
 from .support import free_port
 from .test_bad_input import W, both, run_check, run_main, set_, snapshot
 
-PAIR = {"prompt": [{"role": "user", "content": "reverse: a b c"}], "chosen": [{"role": "assistant", "content": "c b a"}],
+PAIR = {"prompt": [{"role": "user", "content": "reverse: a b c"}],
+        "chosen": [{"role": "assistant", "content": "c b a"}],
         "rejected": [{"role": "assistant", "content": "a b c"}]}
 
 
@@ -268,7 +269,8 @@ def test_pairs_whose_prompts_fill_max_length_are_counted_before_the_model_loads(
     assert code == 2, err[-3000:]
     checked = err[err.index("hftrain: error:"):]
     assert (f"data.sources.0: every one of the 6 pairs of {w.tmp}/pairs.jsonl has a prompt of data.max_length="
-            f"{min(lengths)} tokens or more" in checked and f"raise data.max_length above {min(lengths)}" in checked), checked
+            f"{min(lengths)} tokens or more" in checked
+            and f"raise data.max_length above {min(lengths)}" in checked), checked
     code = run_dpo(argv, monkeypatch)
     err = capsys.readouterr().err
     assert code == 2 and err[err.index("hftrain: error:"):] == checked and not loaded

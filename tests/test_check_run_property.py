@@ -88,7 +88,8 @@ VALUES = {
 }
 overrides = st.lists(st.sampled_from(sorted(VALUES)), max_size=3, unique=True).flatmap(
     lambda keys: st.fixed_dictionaries({k: VALUES[k] for k in keys}))
-rows = st.lists(st.tuples(st.text(alphabet="abc xyz", max_size=30), st.text(alphabet="abc xyz", min_size=1, max_size=30)),
+rows = st.lists(st.tuples(st.text(alphabet="abc xyz", max_size=30),
+                          st.text(alphabet="abc xyz", min_size=1, max_size=30)),
                 min_size=1, max_size=10)  # (prompt, completion) rows of the data file
 
 

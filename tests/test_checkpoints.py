@@ -221,7 +221,8 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
     (out / "checkpoint-2" / LAYOUT).write_text(json.dumps(layout(2, 2, 1, "ddp")))
     write_manifest(str(out / "checkpoint-2"))  # as if a 2-rank run had saved it
     rec = tmp_path / "r.yaml"
-    rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": DEMO_TRAIN}]},
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir},
+                                   "data": {"sources": [{"path": DEMO_TRAIN}]},
                                    "training": {"output_dir": str(out), "per_device_train_batch_size": 2,
                                                 "resume_from_checkpoint": True}}))
     assert main(["launch", str(rec), "--dry-run"]) == 0
@@ -249,7 +250,8 @@ def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir,
                                         "training": {"output_dir": str(out)}})
         with pytest.raises(CheckpointError) as e:
             save_final(t, recipe, recipe.strategy, t.processing_class, {})
-        assert f"into {out / checkpoints.STAGING / 'final'} failed: no space left on the device of {out}" in str(e.value)
+        assert (f"into {out / checkpoints.STAGING / 'final'} failed: no space left on the device of {out}"
+                in str(e.value))
         assert not os.path.exists(out / "model.safetensors") and not os.path.exists(out / checkpoints.STAGING)
     finally:
         if subprocess.run(["umount", str(small)], capture_output=True).returncode != 0:
@@ -370,8 +372,8 @@ def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(
     lines = []
     assert resolve_resume(True, str(two_checkpoints), warn=lines.append) == str(ck)
     assert lines == [f"hftrain: {ck} has no {MANIFEST}: it was written by hftrain (it holds hftrain_checkpoint.json), "
-                     "either by a version older than the manifest (before 2026-11-23) or the manifest was deleted after "
-                     "the save; its files cannot be verified (only checked complete and readable)"]
+                     "either by a version older than the manifest (before 2026-11-23) or the manifest was deleted "
+                     "after the save; its files cannot be verified (only checked complete and readable)"]
     # An RNG file torch refuses to load safely: named, and torch's advice (weights_only=False) is not passed on.
     torch.save({"python": object}, ck / "rng_state.pth")
     with pytest.raises(CheckpointError) as e:

@@ -330,8 +330,9 @@ def test_loss_impl_key():
 
 
 def test_placeholder_is_in_the_graph_but_passes_no_gradient():
-    """ZeRO-3 pairs lm_head's backward hooks only when a gradient passes lm_head's output (SFTTrainer._ce (ChunkedLossMixin) adds
-    0 * its sum): the placeholder must require grad, let a gradient through and add nothing to the hidden states."""
+    """ZeRO-3 pairs lm_head's backward hooks only when a gradient passes lm_head's output (SFTTrainer._ce
+    (ChunkedLossMixin) adds 0 * its sum): the placeholder must require grad, let a gradient through and add nothing
+    to the hidden states."""
     head = torch.nn.Linear(4, 7)
     h = torch.randn(2, 3, 4, requires_grad=True)
     with capture_hidden(head) as captured:

@@ -104,7 +104,8 @@ def test_a_run_into_tilde_keeps_everything_in_one_folder(home, tmp_path, tiny_mo
     assert code in (0, None), capsys.readouterr().err[-3000:]
     out = home / "run"
     names = set(os.listdir(out))
-    assert {"model.safetensors", "run_info.json", "recipe.yaml", ".hftrain.lock", "checkpoint-1", "checkpoint-2"} <= names
+    assert {"model.safetensors", "run_info.json", "recipe.yaml", ".hftrain.lock", "checkpoint-1",
+            "checkpoint-2"} <= names
     assert yaml.safe_load((out / "recipe.yaml").read_text())["training"]["output_dir"] == str(out)
     assert os.listdir(tmp_path / "cwd") == []
     outdir.release(str(out))

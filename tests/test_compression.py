@@ -237,7 +237,8 @@ def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
         assert h["comm/compression_ratio"] == pytest.approx(h["comm/bytes_raw"] / h["comm/bytes_sent"])
         assert 0 <= h["comm/time_share"] <= 1 and 0 <= h["comm/hidden_share"] <= 1 and h["comm/seconds"] > 0
     ratio = logs[-1]["comm/compression_ratio"]
-    expected = {"none": (1, 1), "fp16": (2, 2), "bf16": (2, 2), "powersgd": (4, 100), "int8": (3.9, 4), "topk": (13.2, 13.34)}[method]
+    expected = {"none": (1, 1), "fp16": (2, 2), "bf16": (2, 2), "powersgd": (4, 100), "int8": (3.9, 4),
+                "topk": (13.2, 13.34)}[method]
     assert expected[0] <= ratio <= expected[1], ratio
     if method == "powersgd":  # vanilla all-reduce for the first start_step (2) steps
         assert logs[0]["comm/compression_ratio"] == 1 and logs[2]["comm/compression_ratio"] > 4

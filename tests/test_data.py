@@ -43,7 +43,8 @@ def test_messages_golden_assistant_only(tokenizer):
     # The mask is one contiguous block at the end: prompt tokens -100, then every token of the answer.
     n_masked = out["labels"].index(next(x for x in out["labels"] if x != IGNORE_INDEX))
     assert out["labels"] == [IGNORE_INDEX] * n_masked + out["input_ids"][n_masked:]
-    assert tokenizer.decode(out["input_ids"][:n_masked]) == "<|im_start|>user\nreverse: a b c<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(out["input_ids"][:n_masked]) == ("<|im_start|>user\nreverse: a b c<|im_end|>\n"
+                                                             "<|im_start|>assistant\n")
 
 
 def test_messages_multi_turn_masks_every_assistant_turn(tokenizer):
@@ -121,7 +122,8 @@ def test_all_masked_examples_are_an_error_naming_them(tmp_path, tokenizer):
     long_prompt = {"prompt": "a " * 40, "completion": "b"}
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "completion": "c"}, long_prompt, long_prompt])
     cfg = section(sources=[{"path": path}], max_length=16)
-    with pytest.raises(DataError, match=r"2 of 3 examples .* no trainable token \(\S*d.jsonl:2, \S*d.jsonl:3\).*max_length=16"):
+    with pytest.raises(DataError, match=r"2 of 3 examples .* no trainable token "
+                                        r"\(\S*d.jsonl:2, \S*d.jsonl:3\).*max_length=16"):
         build_datasets(cfg, tokenizer)
     cfg.skip_untrainable = True
     assert len(build_datasets(cfg, tokenizer).train) == 1
@@ -229,7 +231,8 @@ def test_flash_attention_sees_packed_rows_as_one_row(tiny_model_dir, tokenizer):
     from hftrain.modeling import join_packed_rows, load_model, reads_packing_from_one_row
     from hftrain.config import ModelSection
 
-    assert reads_packing_from_one_row("flash_attention_2") and reads_packing_from_one_row("kernels-community/flash-attn3")
+    assert (reads_packing_from_one_row("flash_attention_2")
+            and reads_packing_from_one_row("kernels-community/flash-attn3"))
     assert not any(map(reads_packing_from_one_row, ("sdpa", "eager", "flex_attention", None)))
     model = load_model(ModelSection(name_or_path=tiny_model_dir, attn_implementation="sdpa"), packing=True).eval()
     batch = make_collator(tokenizer, packing=True)([tokenize_example({"text": t}, tokenizer, True) for t in PACK_TEXTS])

@@ -167,7 +167,8 @@ def bad_rewards(tmp_path):
         "def text(prompts, completions, **kw):\n    return ['1.0' for _ in completions]\n"
         "def nan(prompts, completions, **kw):\n    return [float('nan') for _ in completions]\n"
         "def scalar(prompts, completions, **kw):\n    return 1.0\n"
-        "def good(prompts, completions, reference, **kw):\n    return [float(len(c[0]['content'])) for c in completions]\n")
+        "def good(prompts, completions, reference, **kw):\n"
+        "    return [float(len(c[0]['content'])) for c in completions]\n")
     return tmp_path / "my_rewards.py"
 
 

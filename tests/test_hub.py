@@ -1,9 +1,9 @@
 """Hub push end to end over HTTP: a Hub-compatible server on 127.0.0.1, the real huggingface_hub client, real runs.
 
 The server implements only what `HfApi.create_repo`, `create_branch` and `upload_folder` call: /api/repos/create,
-.../branch/{rev}, .../preupload/{rev}, the NDJSON .../commit/{rev} and /api/validate-yaml (the card's metadata). It answers "regular" upload mode for every
-file, so contents arrive base64 in the commit (an "lfs" answer would send weights through the Xet storage protocol,
-which hf_xet speaks and this server does not).
+.../branch/{rev}, .../preupload/{rev}, the NDJSON .../commit/{rev} and /api/validate-yaml (the card's metadata). It
+answers "regular" upload mode for every file, so contents arrive base64 in the commit (an "lfs" answer would send
+weights through the Xet storage protocol, which hf_xet speaks and this server does not).
 """
 
 import base64
@@ -180,7 +180,8 @@ def probe_equal(folder, info):
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -85,5 +85,6 @@ def test_launch_refuses_a_multi_machine_recipe_without_this_machines_rank(tmp_pa
               "strategy.main_process_ip=10.0.0.1", "--dry-run"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
-    assert "strategy.num_machines is 2 but this machine's rank is unset: left out, every machine would take rank 0" in err
+    assert ("strategy.num_machines is 2 but this machine's rank is unset: left out, every machine would take rank 0"
+            in err)
     assert not os.path.exists(w.out)

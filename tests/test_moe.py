@@ -271,7 +271,8 @@ def max_rel(a: dict, b: dict) -> float:
 def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
     base, other = aux_runs["1x_ga4"], aux_runs["2x_ga2"]
     for name, r in aux_runs.items():
-        print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4", max_rel(r["final"], base["final"]))
+        print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4",
+              max_rel(r["final"], base["final"]))
     assert len(base["losses"]) == 3 and min(base["aux"]) > 1.0  # the aux term is a sizeable part of the loss
     assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert max_rel(other["final"], base["final"]) <= 1e-5
@@ -352,7 +353,8 @@ def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
             assert e["grad_router"] <= 2e-5, (rank, cf, e)
             assert max(e["grad_gate_up"], e["grad_down"]) <= 1e-6 * e["grad_scale"], (rank, cf, e)
             assert e["dropped"] == e["ref_dropped"] and e["saved_full"] and e["loaded_slice"]
-        assert rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"]
+        assert (rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0
+                and rep["0.5"]["dropped"] > rep["1.0"]["dropped"])
 
 
 def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_dir, tmp_path):

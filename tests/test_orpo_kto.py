@@ -175,7 +175,8 @@ def test_hftrain_data_shows_unpaired_examples_and_check_refuses_a_bad_label(tmp_
 # -- the losses, against their formulas ---------------------------------------------------------------------------
 def uneven_pairs(path, n, seed=0):
     rng = random.Random(seed)
-    word = lambda k: " ".join(rng.choice("abcdefghij") for _ in range(k))
+    def word(k):
+        return " ".join(rng.choice("abcdefghij") for _ in range(k))
     return write(path, [pair(f"reverse: {word(3)}", word(rng.choice([1, 2, 8, 12])), word(rng.choice([1, 3, 12])))
                         for _ in range(n)])
 

@@ -74,7 +74,8 @@ def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir):
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump(tree))
     r = run([PY, "recipes/dpo.py", str(rec)], timeout=120)
-    assert r.returncode == 2 and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in r.stderr, r.stderr[-2000:]
+    assert (r.returncode == 2
+            and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in r.stderr), r.stderr[-2000:]
 
 
 # -- data: every bad row refused by file and line ----------------------------------------------------------------
@@ -101,7 +102,8 @@ def test_bad_rows_are_refused_naming_file_and_line(tmp_path, bad, message):
 
 
 def test_whole_conversations_share_their_prompt_and_columns_are_renamed(tmp_path):
-    conv = lambda answer: [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": answer}]
+    def conv(answer):
+        return [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": answer}]
     path = tmp_path / "conv.jsonl"
     path.write_text(json.dumps({"good": conv("b a"), "bad": conv("a b")}) + "\n")
     pairs, conversational = read_pairs(DataSource(path=str(path), columns={"chosen": "good", "rejected": "bad"}),
@@ -193,7 +195,8 @@ def uneven_pairs(path, n, seed=0):
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        word = lambda k: " ".join(rng.choice("abcdefghij") for _ in range(k))
+        def word(k):
+            return " ".join(rng.choice("abcdefghij") for _ in range(k))
         rows.append(pair(f"reverse: {word(3)}", word(rng.choice([1, 2, 8, 12])), word(rng.choice([1, 3, 12]))))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -260,7 +263,8 @@ def uneven_unpaired(path, n, seed=0, desirable=0.75):
     """KTO's rows (prompt, completion, label) with answers of 1 to 12 letters, about 3 in 4 desirable: the policy then
     raises the completions' log-probs under other prompts too, and the KL reference point leaves 0 from step 3."""
     rng = random.Random(seed)
-    word = lambda k: " ".join(rng.choice("abcdefghij") for _ in range(k))
+    def word(k):
+        return " ".join(rng.choice("abcdefghij") for _ in range(k))
     rows = [{"prompt": [{"role": "user", "content": f"reverse: {word(3)}"}], "label": rng.random() < desirable,
              "completion": [{"role": "assistant", "content": word(rng.choice([1, 2, 8, 12]))}]} for _ in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

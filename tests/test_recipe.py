@@ -47,7 +47,8 @@ def test_unknown_keys_all_listed_with_suggestions(tmp_path):
     with pytest.raises(RecipeError) as e:
         load_recipe(path, ["training.max_step=3"])
     msg = str(e.value)
-    for wrong, right in [("model.name_or_pth", "model.name_or_path"), ("data.sources.0.weigth", "data.sources.0.weight"),
+    for wrong, right in [("model.name_or_pth", "model.name_or_path"),
+                         ("data.sources.0.weigth", "data.sources.0.weight"),
                          ("data.max_lenght", "data.max_length"), ("training.learning_rat", "training.learning_rate"),
                          ("trainig", "training")]:
         assert f"{path}: {wrong}: unknown key; did you mean '{right}'?" in msg
@@ -110,7 +111,8 @@ def test_token_and_owned_fields_refused():
 
 def test_loss_averaging_key():
     assert load_recipe(None, [], raw=dict(BASE)).training["loss_averaging"] == "token"
-    assert load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)).training["loss_averaging"] == "sequence"
+    assert (load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)).training["loss_averaging"]
+            == "sequence")
     with pytest.raises(RecipeError, match="training.loss_averaging: expected one of 'token', 'sequence', got 'tokens'"):
         load_recipe(None, ["training.loss_averaging=tokens"], raw=dict(BASE))
     args = training_arguments(load_recipe(None, ["training.loss_averaging=sequence"], raw=dict(BASE)))

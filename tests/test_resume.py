@@ -65,7 +65,8 @@ def wait_for(path, proc, timeout=300):
     t0 = time.time()
     while not os.path.isdir(path):
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended (status {proc.returncode}) before {path}:\n{proc.stdout.read()[-4000:]}")
+            raise AssertionError(f"the run ended (status {proc.returncode}) before {path}:\n"
+                                 f"{proc.stdout.read()[-4000:]}")
         if time.time() - t0 > timeout:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"no {path} after {timeout} s")
@@ -209,7 +210,8 @@ def test_zero_checkpoint_resumes_on_another_world_size_through_a_universal_check
     else:
         ref = tmp_path / "ref"
         r = run(launch(strategy, "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, ref, name="ref.yaml"),
-                                                    "training.per_device_train_batch_size=4"], processes=1), timeout=600)
+                                                    "training.per_device_train_batch_size=4"], processes=1),
+                timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
     shutil.copytree(ref / "checkpoint-4", out / "checkpoint-4")
@@ -261,7 +263,8 @@ def test_fsdp_damaged_optimizer_shard_is_refused_then_resumed_weights_only(tmp_p
     with open(shard, "r+b") as fh:
         fh.seek(-3, os.SEEK_END)
         fh.write(b"\x00\x01\x02")
-    cmd = launch("fsdp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out), "training.resume_from_checkpoint=true",
+    cmd = launch("fsdp", "recipes/sft.py", [recipe(tmp_path, tiny_model_dir, out),
+                                            "training.resume_from_checkpoint=true",
                                             "training.per_device_train_batch_size=4"], processes=1)
     r = run(cmd, timeout=600)
     assert r.returncode != 0, r.stdout[-3000:] + r.stderr[-3000:]  # the worker exits 2, the launcher 1

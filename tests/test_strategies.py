@@ -27,7 +27,8 @@ def test_shipped_configs_equal_the_generator_output(tmp_path):
     generated = sorted(os.listdir(tmp_path))
     assert generated == sorted(f for f in os.listdir(SHIPPED) if f.endswith((".yaml", ".json")))
     _, mismatch, errors = filecmp.cmpfiles(tmp_path, SHIPPED, generated, shallow=False)
-    assert not mismatch and not errors, f"regenerate with `hftrain config --all --output accelerate_configs`: {mismatch}"
+    assert not mismatch and not errors, (f"regenerate with `hftrain config --all --output accelerate_configs`: "
+                                         f"{mismatch}")
 
 
 def test_deepspeed_values_owned_by_training_arguments_are_auto():

@@ -52,7 +52,8 @@ def two_sources(tmp_path_factory):
     import datasets
 
     d = tmp_path_factory.mktemp("streams")
-    pc = datasets.Dataset.from_list([{"prompt": f"count to {i}:", "completion": " " + " ".join("abcdefghij"[:i % 9 + 1])}
+    pc = datasets.Dataset.from_list([{"prompt": f"count to {i}:",
+                                      "completion": " " + " ".join("abcdefghij"[:i % 9 + 1])}
                                      for i in range(40)])
     pc.to_parquet(str(d / "pc.parquet"))
     return [{"path": DEMO_TRAIN, "weight": 2.0}, {"path": str(d / "pc.parquet"), "weight": 1.0}]

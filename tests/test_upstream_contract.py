@@ -230,7 +230,8 @@ def contract_problems(resolve=resolve) -> list[str]:
         for fragment in fragments:
             found = src.find(fragment, at)
             if found < 0:
-                problems.append(f"{owner}.{method}: '{fragment}' no longer follows {fragments[:fragments.index(fragment)]}"
+                problems.append(f"{owner}.{method}: '{fragment}' no longer follows "
+                                f"{fragments[:fragments.index(fragment)]}"
                                 f"; hftrain relies on: {why}")
                 break
             at = found + len(fragment)

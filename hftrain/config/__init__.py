@@ -39,7 +39,8 @@ from .training import (
 __all__ = [
     "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
     "recipe_problems", "strategy_problems", "CompressionSection", "DataSection", "DataSource", "EvalSection",
-    "GrpoSection", "RewardSpec", "HubSection", "LoraSection", "ModelSection", "MoeSection", "PreferenceSection", "Recipe", "StrategySection", "UpcycleSection",
+    "GrpoSection", "RewardSpec", "HubSection", "LoraSection", "ModelSection", "MoeSection", "PreferenceSection",
+    "Recipe", "StrategySection", "UpcycleSection",
     "resolved_strategy", "strategy_of_deepspeed_config", "TRAINING_DEFAULTS", "arguments_kwargs",
     "arguments_problem", "HFTrainingArguments", "HFTrainOptions",
 ]

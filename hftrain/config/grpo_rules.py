@@ -59,7 +59,8 @@ def grpo_problems(recipe: Recipe) -> Problems:
         if isinstance(r, RewardSpec):
             out += _reward_problems(r, f"grpo.rewards.{i}")
     d = recipe.data
-    if d is not None and _num(d.max_length) and _num(g.max_completion_length) and d.max_length <= g.max_completion_length:
+    if (d is not None and _num(d.max_length) and _num(g.max_completion_length)
+            and d.max_length <= g.max_completion_length):
         out.append(("data.max_length", f"bounds prompt + completion and must exceed grpo.max_completion_length "
                     f"({g.max_completion_length}), got {d.max_length}"))
     for key, unset in (_SFT_ONLY_DATA.items() if d is not None else ()):

@@ -129,7 +129,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         elif "=" in a:
             key, raw = a.split("=", 1)
         else:
-            problems.append(f"command line: '{a}' is not an override; write section.key=value (e.g. training.max_steps=10)")
+            problems.append(f"command line: '{a}' is not an override; write section.key=value "
+                            "(e.g. training.max_steps=10)")
             i += 1
             continue
         try:
@@ -169,7 +170,8 @@ def read_yaml(path: str) -> dict:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError([f"{path}: a recipe is a mapping of sections (model:, data:, training:, ...), got {type(raw).__name__}"])
+        raise RecipeError([f"{path}: a recipe is a mapping of sections (model:, data:, training:, ...), "
+                           f"got {type(raw).__name__}"])
     return raw
 
 
@@ -190,7 +192,8 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         if name not in SECTIONS:
             unknown(str(name), str(name), list(SECTIONS), ctx)
             continue
-        if value is None and name in ("moe", "preference", "grpo"):  # an optional section, written as `moe: null` by to_yaml
+        # an optional section, written as `moe: null` by to_yaml
+        if value is None and name in ("moe", "preference", "grpo"):
             continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")

@@ -120,15 +120,21 @@ class StrategySection:
         "NCCL_SOCKET_IFNAME to every rank, and the SLURM script takes the main address from it; default: what the "
         "hostname resolves to."
     )
-    fsdp_reshard_after_forward: bool | None = _f(None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true.")
+    fsdp_reshard_after_forward: bool | None = _f(
+        None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true."
+    )
     fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
-    fsdp_wrap_class: str | None = _f(None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer.")
+    fsdp_wrap_class: str | None = _f(
+        None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer."
+    )
     pin_memory: bool | None = _f(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
     nvme_path: str | None = _f(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
     aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
     aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
     buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
-    buffer_size: int | None = _f(None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter.")
+    buffer_size: int | None = _f(
+        None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter."
+    )
     sub_group_size: int | None = _f(
         None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
         "one); default: 4x the largest parameter."
@@ -198,7 +204,8 @@ def strategy_of_deepspeed_config(cfg: dict) -> str:
 @dataclass
 class EvalSection:
     exact_match: int = _f(
-        0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after training."
+        0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after "
+        "training."
     )
     max_new_tokens: int = _f(32, "Generation length for exact_match.")
 
@@ -285,7 +292,9 @@ class MoeSection:
         None, "Turn the dense model into its native MoE counterpart (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE) "
         "before training; outputs are unchanged at step 0."
     )
-    aux_loss_coef: float = _f(0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation.")
+    aux_loss_coef: float = _f(
+        0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation."
+    )
     router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
     router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
     expert_parallel_size: int = _f(

@@ -153,7 +153,8 @@ def data_files(src: DataSource, key: str) -> tuple[str, list[str]]:
             raise DataError(f"{key}.split: '{src.split}' not in {path} (splits: {', '.join(map(str, by_split))})")
         files = sorted(by_split[src.split])
     elif looks_local:
-        raise DataError(f"{key}.path: {path} does not exist (a local path; check the spelling or the working directory)")
+        raise DataError(f"{key}.path: {path} does not exist (a local path; check the spelling or the working "
+                        "directory)")
     else:
         return "hub", []
     if not files:

@@ -308,7 +308,8 @@ class TrainStream:
                            f"{[m for m, _ in list(self.history)[:1] + list(self.history)[-1:]]})")
 
     def resume(self, state: dict) -> None:
-        if state["world_size"] != self.world or state["rank"] != self.rank or len(state["positions"]) != len(self.sources):
+        if (state["world_size"] != self.world or state["rank"] != self.rank
+                or len(state["positions"]) != len(self.sources)):
             raise DataError(f"the checkpoint's stream position was written by process {state['rank']} of "
                             f"{state['world_size']} over {len(state['positions'])} sources; this is process {self.rank}"
                             f" of {self.world} over {len(self.sources)}: resume a streaming run with the same "

@@ -137,9 +137,9 @@ def eos_problem(tokenizer, kwargs: dict) -> str | None:
     token = tokenizer.convert_ids_to_tokens(eot)
     return (f"hftrain: warning: the chat template ends each assistant turn with {token!r} (id {eot}), which is "
             f"trained, but generation stops at {said}: the fine-tuned model will write {token!r} and then go on "
-            f"instead of stopping. hftrain adds {eot} to eos_token_id in the fine-tuned model's generation_config.json; "
-            f"for the base model add it to its generation_config.json too, or set the tokenizer's eos_token to "
-            f"{token!r}, or use a chat template that ends turns with the eos_token")
+            f"instead of stopping. hftrain adds {eot} to eos_token_id in the fine-tuned model's "
+            "generation_config.json; for the base model add it to its generation_config.json too, or set the "
+            f"tokenizer's eos_token to {token!r}, or use a chat template that ends turns with the eos_token")
 
 
 def warn_eos_once(tokenizer, kwargs: dict) -> None:

@@ -51,7 +51,8 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     base = model.get("name_or_path")
     lora = model.get("lora")
     adapter = bool(lora) and not merged
-    sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or []) if isinstance(s, dict)]
+    sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or [])
+               if isinstance(s, dict)]
     strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
     pref = recipe.get("preference")  # a preference stage (recipes/dpo.py) on top of its base model
     grpo = recipe.get("grpo")  # online RL with verifiable rewards (recipes/grpo.py)

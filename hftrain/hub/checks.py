@@ -114,7 +114,8 @@ def _load_and_generate(path: str, trust_remote_code: bool) -> list[str]:
     model.eval()
     text = "Hello"
     if tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                       add_generation_prompt=True)
     enc = tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template)
     with torch.no_grad():
         logits = model(**enc).logits

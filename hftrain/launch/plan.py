@@ -99,7 +99,8 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
 
 def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, act_bytes: int = 2) -> float:
     per_layer = 34 * seq * micro_batch * f.hidden * act_bytes / 2
-    layers = (2 * seq * micro_batch * f.hidden * act_bytes / 2) * f.layers + per_layer if checkpointing else per_layer * f.layers
+    layers = ((2 * seq * micro_batch * f.hidden * act_bytes / 2) * f.layers + per_layer if checkpointing
+              else per_layer * f.layers)
     logits = 2 * 4 * micro_batch * seq * f.vocab
     return layers + logits
 
@@ -114,21 +115,21 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
     rows = []
     for s in STRATEGIES:
         act = split if s in SEQUENCE_PARALLEL_STRATEGIES else full
-        P, G, O = state_bytes(s, f, mixed)
+        P, G, Opt = state_bytes(s, f, mixed)  # the docstring's P, G, O
         cpu = nvme = 0.0
         if s == "ddp":
-            gpu = (P, G, O)
+            gpu = (P, G, Opt)
         elif s == "zero1":
-            gpu = (P, G, O / n)
+            gpu = (P, G, Opt / n)
         elif s == "zero2":
-            gpu = (P, G / n, O / n)
+            gpu = (P, G / n, Opt / n)
         elif s in ("zero3", "fsdp"):
-            gpu = (P / n + layer, G / n, O / n)
+            gpu = (P / n + layer, G / n, Opt / n)
         elif s == "zero3_offload":
-            gpu, cpu = (layer, 0.0, 0.0), (P + G + O) / nodes
+            gpu, cpu = (layer, 0.0, 0.0), (P + G + Opt) / nodes
         else:  # zero_infinity
             swap = swap_buffer_bytes(f.largest_tensor, n) * gpus_per_node
-            gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes + swap, (P + O) / nodes
+            gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes + swap, (P + Opt) / nodes
         rows.append(Row(s, *gpu, act, cpu, nvme))
     return rows
 
@@ -165,7 +166,8 @@ def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:
 
 
 def format_plan(rows: list[Row], gpu_memory: float | None, sequence_parallel: int = 1) -> str:
-    head = f"{'strategy':<14}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'GPU total':>11}{'CPU/node':>10}{'NVMe/node':>11}  fits"
+    head = (f"{'strategy':<14}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'GPU total':>11}{'CPU/node':>10}"
+            f"{'NVMe/node':>11}  fits")
     lines = [head, "-" * len(head)]
     for r in rows:
         fits = "-" if gpu_memory is None else ("yes" if r.gpu_total <= gpu_memory else "no")

@@ -103,11 +103,14 @@ def _shape_problems(path: str, theirs: dict, ours: dict, optional: set[str], wha
         return []
     parts = []
     if differ:
-        parts.append(f"{len(differ)} tensor(s) of other shapes ({'; '.join(differ[:3])}{' ...' if len(differ) > 3 else ''})")
+        parts.append(f"{len(differ)} tensor(s) of other shapes "
+                     f"({'; '.join(differ[:3])}{' ...' if len(differ) > 3 else ''})")
     if extra:
-        parts.append(f"{len(extra)} tensor(s) this run has no place for ({', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''})")
+        parts.append(f"{len(extra)} tensor(s) this run has no place for "
+                     f"({', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''})")
     if missing:
-        parts.append(f"{len(missing)} tensor(s) of this run missing ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+        parts.append(f"{len(missing)} tensor(s) of this run missing "
+                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
     return [f"{path} holds {what} than this recipe builds: " + "; ".join(parts)]
 
 
@@ -120,7 +123,8 @@ def _adapter_settings(path: str, recipe: Recipe) -> list[str]:
         return []
     lora = recipe.model.lora
     if isinstance(saved, dict) and saved.get("lora_alpha") not in (None, lora.alpha):
-        return [f"{path}'s LoRA adapter has lora_alpha {saved['lora_alpha']}, this recipe model.lora.alpha {lora.alpha}: "
+        return [f"{path}'s LoRA adapter has lora_alpha {saved['lora_alpha']}, "
+                f"this recipe model.lora.alpha {lora.alpha}: "
                 "its updates would be scaled differently from how they were trained"]
     return []
 

@@ -176,7 +176,8 @@ def _check_launcher_sequence_parallel(strategy: StrategySection) -> None:
 
 def write_strategy_configs(recipe: Recipe, strategy: StrategySection) -> list[str]:
     """The accelerate config (and DeepSpeed JSON) of this run, rendered from the recipe, in output_dir."""
-    return render(strategy, recipe.output_dir, recipe.training, communication_data_type=recipe.compression.reduce_dtype())
+    return render(strategy, recipe.output_dir, recipe.training,
+                  communication_data_type=recipe.compression.reduce_dtype())
 
 
 def claim_output_dir(recipe: Recipe) -> None:

@@ -100,8 +100,8 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
         "# Submit it from any folder; key=value arguments are recipe overrides, sbatch's own options go before it and",
         "# override the lines below:",
         f"#   sbatch [--time=4:00:00 --partition=P] {os.path.abspath(path)} [key=value ...]",
-        f"# SIGUSR1 comes {STOP_SIGNAL_LEAD} s before the time limit: the ranks save a checkpoint and stop, this script "
-        "requeues the",
+        f"# SIGUSR1 comes {STOP_SIGNAL_LEAD} s before the time limit: the ranks save a checkpoint and stop, "
+        "this script requeues the",
         "# job, and it resumes from that checkpoint. Change strategy.num_machines / num_processes in the recipe, then",
         "# render again, rather than the node count here.",
         f"#SBATCH --job-name={_q('hftrain-' + os.path.basename(out))}",
@@ -126,7 +126,8 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
         f'  echo "hftrain: this script runs {s.num_machines} node(s) but the job has $SLURM_NNODES: set '
         'strategy.num_machines in the recipe and render it again" >&2; exit 2',
         "fi",
-        "# This runs on the allocation's first node, which hosts global rank 0: its address that the other nodes reach.",
+        "# This runs on the allocation's first node, which hosts global rank 0: its address that the other nodes "
+        "reach.",
         f'MAIN_ADDR=$("$PY" -m hftrain.hostaddr{" " + _q(s.socket_ifname) if s.socket_ifname else ""})',
         "export MAIN_ADDR",
         'echo "hftrain: job $SLURM_JOB_ID (requeued ${SLURM_RESTART_COUNT:-0} times) on $SLURM_JOB_NODELIST, main '

@@ -11,7 +11,8 @@
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
-first and call `super()` through to it. preference.py, orpo.py, kto.py (and grpo) compose RUN_MIXINS onto TRL's trainers.
+first and call `super()` through to it. preference.py, orpo.py, kto.py (and grpo) compose RUN_MIXINS onto TRL's
+trainers.
 """
 
 from transformers import Trainer
