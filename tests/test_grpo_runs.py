@@ -4,7 +4,8 @@ per-micro-batch token means (TRL's bnpo) is not; a reward function that fails on
 
 The model (made here, about a minute): a small Llama fine-tuned by `recipes/sft.py` on reversing three of five
 letters from noisy demonstrations: 80% of its answers end with a stray " .", so its greedy answers carry the mark and
-almost never match (at 60% the greedy choice was a near tie that flipped with unrelated changes); sampled answers sometimes do not. GRPO, rewarded by exact match with the clean reference, learns
+almost never match (at 60% the greedy choice was a near tie that flipped with unrelated changes); sampled answers
+sometimes do not. GRPO, rewarded by exact match with the clean reference, learns
 within ten steps what the demonstrations got wrong (the docs' demo shows the shipped task from a partly trained
 model, which takes longer). Its completions end at different lengths and are sometimes right, so rewards and
 advantages vary within groups, as the exactness runs need."""
