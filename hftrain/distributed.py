@@ -71,10 +71,15 @@ def main_process_first():
 
 
 def machine_index() -> int:
-    """This machine's rank among the machines (torchrun's GROUP_RANK; else from the global and local world)."""
-    if "GROUP_RANK" in os.environ:
-        return int(os.environ["GROUP_RANK"])
-    return rank() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    """This machine's rank among the machines: torchrun's (and accelerate's) GROUP_RANK, DeepSpeed's node launcher's
+    CROSS_RANK, else from the global rank and LOCAL_WORLD_SIZE; a launcher that says none of them runs one machine
+    (DeepSpeed's launcher sets no LOCAL_WORLD_SIZE: reading it as 1 put every rank on a machine of its own, and the
+    ranks waited for data preparations that no process would run)."""
+    for name in ("GROUP_RANK", "CROSS_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or world_size()
+    return rank() // max(int(local), 1)
 
 
 _ONCE_CALLS = [0]

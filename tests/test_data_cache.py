@@ -238,6 +238,24 @@ def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir
             assert ranks[0]["error"] == ranks[1]["error"] and "bad.jsonl:2001: text is a number" in ranks[0]["error"]
 
 
+@pytest.mark.parametrize("env,machine", [
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CROSS_RANK": "0"}, 0),  # DeepSpeed's launcher: no LOCAL_WORLD_SIZE
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 1),  # torchrun
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1),
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 0),  # no launcher said: one machine
+], ids=["deepspeed", "torchrun", "local_world", "unsaid"])
+def test_the_machine_of_a_rank_is_what_its_launcher_says(monkeypatch, env, machine):
+    """once_per_node waits for the first process of the rank's machine: a rank put on a machine of its own waits for
+    a preparation no process runs (DeepSpeed's launcher sets CROSS_RANK, no LOCAL_WORLD_SIZE: the job hung)."""
+    from hftrain import distributed
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "CROSS_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.machine_index() == machine
+
+
 # -- the templates merge: a row becomes its per-turn examples in the cache and in the stream --------------------------
 
 def reasoning_chat(thoughts: list[str]) -> list[dict]:
