@@ -239,7 +239,7 @@ def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir
 
 
 @pytest.mark.parametrize("env,machine", [
-    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CROSS_RANK": "0"}, 0),  # DeepSpeed's launcher: no LOCAL_WORLD_SIZE
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "CROSS_RANK": "0"}, 0),  # DeepSpeed: no LOCAL_WORLD_SIZE
     ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 1),  # torchrun
     ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, 1),
     ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 0),  # no launcher said: one machine
