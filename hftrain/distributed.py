@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
-import pickle
 import sys
 import time
 
@@ -86,7 +86,7 @@ _ONCE_CALLS = [0]
 _ONCE_POLL_S = 0.2
 
 
-def once_per_node(fn):
+def once_per_node(fn, errors: tuple[type[BaseException], ...] = ()):
     """fn()'s result on every rank, fn run by the main process alone first, then by the first process of each other
     machine, then by all the others: a fn that prepares files in a cache and returns them memory-mapped (the data
     phase) thus does its work once per machine, or once per job when the machines share the cache's filesystem
@@ -94,7 +94,9 @@ def once_per_node(fn):
 
     The wait is on the process group's store, polled, not a collective: preparing may take longer than the
     group's timeout (the heartbeat still ends the job if the preparing rank dies). An error of the first run is
-    raised on every rank that waited for it, without running fn again."""
+    raised on every rank that waited for it, without running fn again: as the same class when it is one of `errors`
+    (built from its message), else as a RuntimeError naming its class. It travels as JSON (type name and message),
+    never pickled: the store is a network service, and hftrain unpickles nothing."""
     if world_size() == 1:
         return fn()
     _ONCE_CALLS[0] += 1
@@ -102,36 +104,29 @@ def once_per_node(fn):
     store = dist.distributed_c10d._get_default_store()  # private: no public accessor of the group's store
     node, first = machine_index(), is_local_main_process()
     if not is_main_process():
-        _wait_and_raise(store, f"{tag}/main")
+        _wait_and_raise(store, f"{tag}/main", errors)
         if node != 0 and not first:
-            _wait_and_raise(store, f"{tag}/node{node}")
+            _wait_and_raise(store, f"{tag}/node{node}", errors)
     if is_main_process() or (first and node != 0):
         post = f"{tag}/main" if is_main_process() else f"{tag}/node{node}"
         try:
             result = fn()
         except BaseException as e:
-            store.set(post, b"error" + _pickled(e))
+            store.set(post, b"error" + json.dumps({"type": type(e).__name__, "message": str(e)}).encode())
             raise
         store.set(post, b"ok")
         return result
     return fn()
 
 
-def _pickled(e: BaseException) -> bytes:
-    try:
-        data = pickle.dumps(e)
-        pickle.loads(data)
-        return data
-    except Exception:  # an exception that does not survive pickling: its type and message
-        return pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
-
-
-def _wait_and_raise(store, key: str) -> None:
+def _wait_and_raise(store, key: str, errors: tuple[type[BaseException], ...] = ()) -> None:
     while not store.check([key]):
         time.sleep(_ONCE_POLL_S)
     value = store.get(key)
     if value.startswith(b"error"):
-        raise pickle.loads(value[len(b"error"):])
+        sent = json.loads(value[len(b"error"):])
+        cls = next((c for c in errors if c.__name__ == sent["type"]), None)
+        raise cls(sent["message"]) if cls is not None else RuntimeError(f"{sent['type']}: {sent['message']}")
 
 
 def all_gather_object(obj) -> list:

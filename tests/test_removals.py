@@ -52,6 +52,17 @@ REMOVALS = {
     ("hftrain/fileio.py", "save_figure", "os.remove"): (
         1, "a failed figure: its own temporary file (created O_EXCL under a random name)",
         ["tests/test_removals.py::test_save_figure_removes_only_its_own_temporary_file"]),
+    ("hftrain/data/cache.py", "in_cache", "os.remove"): (
+        1, "a full datasets cache: the tmp* files that appeared in the cache folder during this preparation (absent "
+           "before it, written since it began: datasets' and the JSON reader's partial files); a job writing into the "
+           "same cache folder at that moment is the one case it cannot tell apart",
+        ["tests/test_bad_input.py::test_a_full_datasets_cache_is_named_and_left_clean"]),
+    ("hftrain/data/sources.py", "_write_json_rows", "os.replace"): (
+        1, "the rows file of this cache key, replaced by its complete version (written as tmp-<pid>-<name> beside it)",
+        ["tests/test_data_cache.py::test_an_unchanged_file_is_not_read_again_a_changed_one_is"]),
+    ("hftrain/data/sources.py", "_write_json_rows", "os.remove"): (
+        1, "a failed read: its own tmp-<pid>-<name> file",
+        ["tests/test_data_cache.py::test_every_format_refuses_a_row_over_the_cap_naming_it"]),
     ("hftrain/checkpoints.py", "to_universal", "shutil.rmtree"): (
         3, "inside a checkpoint hftrain wrote (its hftrain_checkpoint.json says ZeRO on another world size): the "
            "staging folder _<tag>_universal.partial (hftrain's name) before and after a failed conversion, and a "
@@ -111,10 +122,6 @@ REMOVALS = {
         1, "the folder made (mkdtemp) to hold an earlier stage of hftrain's, checked just before",
         ["tests/test_hub.py::test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not",
          "tests/test_hub.py::test_a_dry_run_never_deletes_a_folder_it_did_not_stage"]),
-    ("hftrain/data/build.py", "in_cache", "os.remove"): (
-        1, "a full datasets cache: datasets' tmp* files in hftrain's cache folder written since this call started "
-           "(limit: another process tokenising into the same cache folder at that moment is not told apart)",
-        ["tests/test_bad_input.py::test_a_full_datasets_cache_is_named_and_left_clean"]),
 }
 
 

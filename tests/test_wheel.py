@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def sh(cmd, cwd, timeout=600, env=None):
+    # without PYTHONPATH: a checkout on it (the suite run from a worktree) would shadow the wheel's hftrain
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})})
+                       env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **(env or {})})
     assert r.returncode == 0, (cmd, r.stdout[-3000:], r.stderr[-5000:])
     return r
 

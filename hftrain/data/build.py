@@ -196,7 +196,7 @@ def prepare_all(cfg: DataSection, tokenizer) -> tuple[list[Prepared], list[Prepa
                 for i, s in enumerate(cfg.eval_sources)]
         return train, held
 
-    return once_per_node(work)
+    return once_per_node(work, errors=(DataError,))
 
 
 def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int = 0) -> Datasets:

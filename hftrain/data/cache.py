@@ -49,6 +49,7 @@ def in_cache(folder: str, key: str, need: int, work: Callable):
     would keep the failed writer (and its open file) alive while the files are removed, and a deleted open file
     keeps its space."""
     start, free = time.time() - 1, None
+    before = _temporaries(folder)
     try:
         return work()
     except Exception as e:
@@ -57,10 +58,18 @@ def in_cache(folder: str, key: str, need: int, work: Callable):
             raise
     gc.collect()  # the failed writer's frames, released with the exception: closes its file
     with contextlib.suppress(OSError):
-        for name in os.listdir(folder):
+        for name in _temporaries(folder) - before:  # the ones this call's writers made (new, and written since)
             path = os.path.join(folder, name)
-            if name.startswith("tmp") and os.path.isfile(path) and os.path.getmtime(path) >= start:
+            if os.path.isfile(path) and os.path.getmtime(path) >= start:
                 os.remove(path)
     raise DataError(f"{key}: no space left in the datasets cache {folder} ({(free or 0) >> 10} KiB free; the "
                     f"prepared data needs roughly {max(need >> 20, 1)} MiB): free space there, or point "
                     "HF_DATASETS_CACHE at a larger disk")
+
+
+def _temporaries(folder: str) -> set[str]:
+    """The names of the temporary files in the cache folder (datasets' `tmp*`, the JSON reader's `tmp-<pid>-*`)."""
+    try:
+        return {name for name in os.listdir(folder) if name.startswith("tmp")}
+    except OSError:
+        return set()
