@@ -82,6 +82,16 @@ def test_feature_row_names_what_exists(row):
     assert not problems, f"{feature}: {problems}"
 
 
+def test_no_page_holds_a_placeholder():
+    """A figure still to be measured is not left as a marker line (MEASURED_BENCH, <!-- FIGURES -->) in a page."""
+    found = []
+    for page in sorted(os.listdir(os.path.join(REPO, "docs"))) + ["../README.md"]:
+        with open(os.path.join(REPO, "docs", page), encoding="utf-8") as fh:
+            found += [f"{page}:{i}: {ln.strip()}" for i, ln in enumerate(fh, 1)
+                      if re.fullmatch(r"[A-Z][A-Z_]{5,}|<!--.*-->", ln.strip())]
+    assert not found, found
+
+
 def test_the_check_sees_a_missing_name(monkeypatch):
     """The row check is not vacuous: a renamed test, module or key in a row is reported."""
     row = ["x", "`data.packng`", "`hftrain/nope.py`", "`tests/test_loss.py::test_renamed`"]
