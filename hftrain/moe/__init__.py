@@ -21,7 +21,9 @@ def attach(trainer, cfg=None) -> dict:
     model = unwrap(trainer.model)
     done: dict = {}
     if is_deepspeed_zero3_enabled():
-        done["zero3_leaf_modules"] = register_zero3_leaf_modules(model)
+        leaves = register_zero3_leaf_modules(model)
+        if leaves:  # a dense model has none: nothing to say
+            done["zero3_leaf_modules"] = leaves
     if cfg is not None:
         _attach_section(trainer, model, cfg, done)
     if done:
