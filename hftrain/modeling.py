@@ -8,7 +8,7 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import ModelSection
 from .distributed import print0
@@ -127,6 +127,16 @@ def resolved_name_or_path(name_or_path: str) -> str:
     adapter's base_model_name_or_path (adapter_config.json), and a relative one would not load from elsewhere."""
     local = os.path.expanduser(name_or_path)
     return os.path.abspath(local) if os.path.isdir(local) else name_or_path
+
+
+def local_config(cfg: ModelSection):
+    """The model's config from local files only (a folder, or the Hub cache), or None when it cannot be read here:
+    path_problems or the loader then says why. For checks that build the model on the meta device."""
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision,
+                                          trust_remote_code=cfg.trust_remote_code, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any reason: the checks that need it are skipped, the others report it
+        return None
 
 
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):

@@ -39,7 +39,7 @@ from ..config import HFTrainingArguments, LoraSection, Recipe, StrategySection, 
 from ..config.sections import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
-from ..modeling import lora_config
+from ..modeling import local_config, lora_config
 from .resume import meta_model
 from .strategies import render
 
@@ -248,15 +248,11 @@ def _try_lora(model_section, config) -> str | None:
 def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, problem) for what peft refuses of model.lora on this model (a target module it does not have, a dropout
     torch refuses, ...): peft's get_peft_model on the model built from its config on the meta device (no weights)."""
-    from transformers import AutoConfig
-
     m = recipe.model
     if not isinstance(m.lora, LoraSection):
         return []
-    try:
-        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
-                                            local_files_only=True)
-    except Exception:  # noqa: BLE001 - a model that cannot be read here: path_problems or the loader reports it
+    config = local_config(m)
+    if config is None:
         return []
     why = _try_lora(m, config)
     if why is None:

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from ..config import Recipe
-from ..modeling import lora_config
+from ..modeling import local_config, lora_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_FILES = ("adapter_model.safetensors",)
@@ -162,10 +162,8 @@ def compatibility_problems(path: str, recipe: Recipe, load_tokenizer=None) -> li
     m = recipe.model
     if recipe.moe is not None and getattr(recipe.moe, "upcycle", None) is not None:
         return []
-    try:
-        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code,
-                                            local_files_only=True)
-    except Exception:  # noqa: BLE001 - a model that cannot be read here: path_problems or the loader reports it
+    config = local_config(m)
+    if config is None:
         return []
     fix = ("Resume with the recipe that wrote it (model.name_or_path, model.lora), or start from scratch: set "
            "training.resume_from_checkpoint to false")
