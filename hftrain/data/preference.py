@@ -171,6 +171,18 @@ def check_lengths(ds, places: list[str], tokenizer, max_length: int, key: str, p
     return ds.select(kept) if dropped else ds
 
 
+def check_kind(kinds: dict, key: str, conversational: bool, has_template: bool, what: str) -> None:
+    """One kind of row in a run (conversations or text: TRL's trainers take one), and a chat template for
+    conversations. `kinds` maps each kind seen to the first source holding it (updated here)."""
+    kinds.setdefault(conversational, key)
+    if len(kinds) > 1:
+        raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} {what} but "
+                        f"{kinds[not conversational]} holds the other kind; use one kind in a run")
+    if conversational and not has_template:
+        raise DataError(f"{key}: conversation {what} need a chat template and the tokenizer has none; set "
+                        "data.chat_template (a Jinja string or a .jinja file)")
+
+
 def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, tokenizer=None) -> PreferenceData:
     """Every source read and checked, held-out pairs split off (data.eval_fraction) or read (data.eval_sources),
     the training sources mixed by weight. With the run's `tokenizer`, each source's pairs are also measured as TRL
@@ -181,13 +193,7 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, 
     for group, src, i in groups:
         key = f"data.{group}.{i}"
         pairs, conversational, places = read_pairs(src, key, with_rows=True)
-        kinds.setdefault(conversational, key)
-        if len(kinds) > 1:
-            raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} pairs but "
-                            f"{kinds[not conversational]} holds the other kind; use one kind in a run")
-        if conversational and not has_template:
-            raise DataError(f"{key}: conversation pairs need a chat template and the tokenizer has none; set "
-                            "data.chat_template (a Jinja string or a .jinja file)")
+        check_kind(kinds, key, conversational, has_template, "pairs")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             pairs = [{**p, "chat_template_kwargs": cfg.chat_template_kwargs} for p in pairs]
         ds = datasets.Dataset.from_list(pairs)

@@ -24,7 +24,7 @@ from ..config import DataSection, DataSource
 from ..distributed import print0
 from ..errors import DataError
 from .build import mix
-from .preference import PreferenceData, is_empty, messages_of, pair_of_row
+from .preference import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
 from .sources import column_map, read_rows
 from .split import held_out_split
 
@@ -119,13 +119,7 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) ->
     for group, src, i in groups:
         key = f"data.{group}.{i}"
         ds, paired, conversational = read_unpaired(src, key)
-        kinds.setdefault(conversational, key)
-        if len(kinds) > 1:
-            raise DataError(f"{key}: holds {'conversations' if conversational else 'text'} examples but "
-                            f"{kinds[not conversational]} holds the other kind; use one kind in a run")
-        if conversational and not has_template:
-            raise DataError(f"{key}: conversations need a chat template and the tokenizer has none; set "
-                            "data.chat_template (a Jinja string or a .jinja file)")
+        check_kind(kinds, key, conversational, has_template, "examples")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             ds = ds.add_column("chat_template_kwargs", [cfg.chat_template_kwargs] * len(ds))
         if group == "eval_sources":
