@@ -1,16 +1,32 @@
-import contextlib
-import json
 import os
-import random
-import signal
-import subprocess
-import sys
-import time
 
-import pytest
+# Two pytest workers (pytest-xdist) and the processes they launch share the machine's cores: one thread each (set
+# before torch is first imported; `torch.distributed.run` sets the same for its ranks).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from hftrain.launch.machine import extensions_dir
-from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from hftrain.launch.machine import extensions_dir  # noqa: E402
+from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
+from tests.support import free_port  # noqa: E402
+from tests.launch_log import (pytest_configure, pytest_runtest_setup,  # noqa: F401  (hooks: the suite's launch log)
+                              pytest_terminal_summary)
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules per worker, the heaviest first, the cluster modules on one worker (tests/scheduling.py)."""
+    from tests.scheduling import make_scheduler
+
+    return make_scheduler(config, log)
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")
@@ -29,6 +45,54 @@ def tiny_model_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "base")
     build_tiny_model(out, texts_of_jsonl([DEMO_TRAIN]), config=SMALL, vocab_size=300, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory, request):
+    """One 2-rank run per strategy for the session, shared by the modules and the xdist workers (tests/references.py):
+    reference_runs(strategy) -> its output folder; reference_runs.model_dir the tiny model they trained."""
+    from filelock import FileLock
+
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+    from tests.references import ReferenceRuns, reference_recipe
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has a base folder of its own: share their parent
+        root = root.parent
+    root = root / "references"
+    root.mkdir(exist_ok=True)
+    model_dir = root / "base"
+    with FileLock(str(root / "base.lock")):
+        if not (model_dir / "done").exists():
+            build_tiny_model(str(model_dir), texts_of_jsonl([DEMO_TRAIN]), config=SMALL, vocab_size=300, seed=0)
+            (model_dir / "done").touch()
+
+    def launch(strategy, folder, out):
+        if strategy.startswith("zero"):
+            request.getfixturevalue("deepspeed_ops")
+        rec = reference_recipe(folder, model_dir, out, DEMO_TRAIN, DEMO_EVAL)
+        return run([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
+                    str(free_port()), "recipes/sft.py", rec, f"strategy.name={strategy}"], timeout=600)
+
+    return ReferenceRuns(str(root), str(model_dir), launch)
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """For a recipe script's or the CLI's main(argv) run in the pytest process (a case whose process is not under
+    test): the signal handlers and environment variables a run's set-up installs (setup_run) are put back afterwards,
+    and the process's tear-down (distributed.shutdown: it would destroy a process group the test module holds) is
+    left out."""
+    from hftrain import distributed
+
+    monkeypatch.setattr(distributed, "shutdown", lambda wait=True: None)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+    environ = dict(os.environ)
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def uneven_data(path, n=24, seed=0):
@@ -113,6 +177,56 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subproce
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _section(text: str, name: str) -> str:
+    """What the launch printed while variant `name` ran (after the worker's line naming it, until the next)."""
+    parts = text.split("hftrain-matrix: variant ")
+    return "".join(p.split("\n", 1)[-1] for p in parts[1:] if p.split("\n", 1)[0] == name)
+
+
+class VariantResult:
+    """One variant of a matrix launch (tests/matrix_worker.py): its status on every rank and its part of the launch's
+    standard output. `check()` fails the calling test under the variant's own name."""
+
+    def __init__(self, name: str, statuses: list[dict | None], launch: subprocess.CompletedProcess):
+        self.name, self.statuses, self.launch = name, statuses, launch
+        self.stdout, self.stderr = (_section(text, name) for text in (launch.stdout, launch.stderr))
+
+    @property
+    def ok(self) -> bool:
+        return all(s is not None and s["ok"] for s in self.statuses)
+
+    def check(self) -> None:
+        if self.ok:
+            return
+        not_run = "not run (an earlier variant of the launch failed, or the launch died)"
+        errors = [f"rank {r}: " + (not_run if s is None else s["error"])
+                  for r, s in enumerate(self.statuses) if not (s or {}).get("ok")]
+        raise AssertionError(f"variant {self.name} of the matrix launch failed (exit {self.launch.returncode}):\n"
+                             + "\n".join(errors) + "\n--- launch stdout ---\n" + self.launch.stdout[-3000:]
+                             + "\n--- launch stderr ---\n" + self.launch.stderr[-4000:])
+
+
+def run_matrix(launch: list[str], variants: dict[str, tuple[str, list[str]]], folder, ranks: int = 1,
+               timeout: int = 600) -> dict[str, VariantResult]:
+    """Run every variant {name: (module, argv)} in one launch: `launch` is the command before the script ([PY], or
+    accelerate's launch with its config and port), `ranks` the processes it starts. Returns {name: VariantResult}."""
+    os.makedirs(folder, exist_ok=True)
+    plan = [{"name": name, "module": module, "argv": [str(a) for a in argv],
+             "status": os.path.join(str(folder), f"{name}.status")} for name, (module, argv) in variants.items()]
+    plan_path = os.path.join(str(folder), "matrix_plan.json")
+    with open(plan_path, "w") as fh:
+        json.dump(plan, fh, indent=1)
+    r = run([*launch, "tests/matrix_worker.py", plan_path], timeout=timeout)
+    out = {}
+    for v in plan:
+        statuses = []
+        for rank in range(ranks):
+            path = f"{v['status']}.rank{rank}.json"
+            statuses.append(json.load(open(path)) if os.path.exists(path) else None)
+        out[v["name"]] = VariantResult(v["name"], statuses, r)
+    return out
 
 
 def processes_mentioning(marker: str) -> dict[int, str]:

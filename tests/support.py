@@ -3,11 +3,46 @@ repository root (benchmarks put it on sys.path)."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
 import socket
+
+# Under pytest-xdist each worker takes its ports from a range of its own, below Linux's ephemeral range (32768 and
+# up, where the kernel picks the ports of outgoing connections and of gloo's pairs): a port found free by one worker
+# cannot be handed to the other worker's launch before it binds it.
+PORTS_PER_WORKER = 2000
+FIRST_WORKER_PORT = 12000
+_worker_ports = None
+
+
+def _xdist_worker_index() -> int | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
     """A TCP port free on this machine now, for a local launch's rendezvous (tests and benchmarks start many)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _worker_ports
+    index = _xdist_worker_index()
+    if index is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    if _worker_ports is None:  # each worker walks its own range from a random start, never handing a port out twice
+        first = FIRST_WORKER_PORT + index * PORTS_PER_WORKER
+        start = random.randrange(PORTS_PER_WORKER)
+        _worker_ports = (first + (start + k) % PORTS_PER_WORKER for k in itertools.count())
+    for port in itertools.islice(_worker_ports, PORTS_PER_WORKER):
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port left in pytest worker {index}'s range")

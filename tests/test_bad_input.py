@@ -463,6 +463,7 @@ def test_bad_input_is_refused_with_one_clear_message(case, tmp_path, tiny_model_
     assert snapshot(w.out) == before, f"output_dir changed: {snapshot(w.out)} vs {before}"
 
 
+@pytest.mark.launches
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path, tiny_model_dir, monkeypatch, capsys):
     w = W(str(tmp_path), tiny_model_dir)
     hold = ("import sys, time\nfrom hftrain import outdir\noutdir.claim(sys.argv[1], False, False)\n"
@@ -481,6 +482,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path,
         p.wait()
 
 
+@pytest.mark.launches
 def test_unwritable_output_dir_on_a_read_only_filesystem(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """Permissions do not stop root; a read-only mount does."""
     ro = tmp_path / "ro"
@@ -503,6 +505,7 @@ def mount_tmpfs(path, options: str):
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
 
 
+@pytest.mark.launches
 def test_a_full_datasets_cache_is_named_and_left_clean(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """The disk of the datasets cache fills while tokenising: one clear error naming the folder, no temporary file
     left there, nothing written to output_dir."""
@@ -525,6 +528,7 @@ def test_a_full_datasets_cache_is_named_and_left_clean(tmp_path, tiny_model_dir,
         subprocess.run(["umount", str(cache)], check=False)
 
 
+@pytest.mark.launches
 def test_nvme_path_too_small_is_refused_before_loading(tmp_path, tiny_model_dir, monkeypatch, capsys):
     """ZeRO-Infinity swaps ~20 bytes per parameter: a 64 KiB disk cannot hold the tiny model's ~1 MiB."""
     nvme = tmp_path / "nvme"

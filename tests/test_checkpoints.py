@@ -160,6 +160,7 @@ def tiny_fs(tmp_path, reference):
             subprocess.run(["umount", "-l", str(mnt)], check=False)  # a file object still referenced by a traceback
 
 
+@pytest.mark.launches
 def test_disk_full_during_save_fails_cleanly(tiny_fs, tiny_model_dir, reference):
     """output_dir on a filesystem with room for one checkpoint only: the second save fails with a clear error,
     checkpoint-2 stays intact and resumable, and nothing half-written is picked on resume."""
@@ -231,6 +232,7 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
     assert e.value.code == 2 and "trained with 4 examples per step" in capsys.readouterr().err
 
 
+@pytest.mark.launches
 def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir, reference):
     """The final model is written aside and moved in file by file: a disk too small for model.safetensors fails
     the save with the no-space message, and output_dir holds no partial weights."""
@@ -434,6 +436,7 @@ def tree_digest(path) -> dict:
             for d, _, fs in os.walk(path) for f in fs}
 
 
+@pytest.mark.launches
 def test_flipped_optimizer_byte_stops_the_resume_then_weights_only_trains_on(tmp_path, tiny_model_dir):
     """End to end, `python recipes/sft.py`: a byte flipped in checkpoint-4/optimizer.pt makes the resume exit 2 naming
     the file, writing nothing; with training.resume_weights_only it trains on from checkpoint-4's weights with a fresh

@@ -94,7 +94,7 @@ def test_an_unset_variable_in_a_path_is_refused():
                            "training.output_dir=$HFTRAIN_NO_SUCH_VAR/run"])
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_run_into_tilde_keeps_everything_in_one_folder(home, tmp_path, tiny_model_dir, monkeypatch, capsys):
     """The whole run, checkpoints included, lands in $HOME/run under the lock; nothing in a literal ./~ folder."""
     w = W(str(tmp_path), tiny_model_dir)

@@ -214,7 +214,7 @@ def test_a_folder_mixing_layouts_names_its_files(tmp_path, tokenizer, own_cache)
 
 # -- one process prepares, the others wait and map it ---------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": f"row {i}"} for i in range(3000)])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": f"row {i}"} for i in range(2000)] + [{"text": 5}])

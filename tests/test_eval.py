@@ -145,7 +145,7 @@ def eval_runs(tmp_path_factory, spiky_model_dir, matched_eval, deepspeed_ops):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("name", list(PROCS))
 def test_eval_loss_and_exact_match_equal_on_1_and_2_processes(eval_runs, matched_eval, name):
     _, share, ref = matched_eval

@@ -13,7 +13,7 @@ import yaml
 
 from .conftest import DEMO_TRAIN, PY, REPO, run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launches
 
 
 def _recipe(tmp, model_dir, **training) -> str:

@@ -77,7 +77,7 @@ def grpo_recipe(tmp_path, name, sft_model, **over):
     return rec, tmp_path / name
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_grpo_raises_held_out_exact_match(tmp_path, sft_model):
     """The demo's claim on a tiny budget (10 steps of 4 prompts x 8 completions): exact match with the reference is
     the only reward (asserted: +0.3 or more)."""
@@ -127,7 +127,7 @@ def one_rank(tmp_path_factory, sft_model):
     return layout_runs(tmp_path_factory.mktemp("grpo_1x"), sft_model, 1, "ddp", VARIANTS + ["bnpo"])
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, sft_model, one_rank, strategy, request):
     """Each loss variant: 2 ranks x GA2 train the weights 1 rank x GA4 does (fp32, rel 1e-5), with the KL to a frozen
@@ -145,7 +145,7 @@ def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, sft_model, one_rank, strateg
             assert_close_rel(two["bnpo"], one_rank["bnpo"], rel=1e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path, sft_model):
     (tmp_path / "rank_rewards.py").write_text(
         "import os\n"

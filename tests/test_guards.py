@@ -109,7 +109,7 @@ def test_one_bad_step_more_than_allowed_stops(tmp_path, tiny_model_dir, capsys, 
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_model_dir):
     exits = tmp_path / "exits"
@@ -130,7 +130,7 @@ def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_mode
     print(f"2-rank {strategy} NaN run ended in {elapsed:.0f} s (start-up included)")
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_nan_on_one_rank_is_skipped_alike_by_both_ranks(tmp_path, tiny_model_dir):
     """max_bad_steps under DDP with rank 1's loss NaN: both ranks skip the step (the verdict is gathered), train on,
     and end with equal weights (save_final's per-rank digest check) that the skipped step did not change."""
@@ -149,7 +149,7 @@ def test_a_nan_on_one_rank_is_skipped_alike_by_both_ranks(tmp_path, tiny_model_d
     assert [h["bad_steps"] for h in state["log_history"] if "loss" in h] == [0, 1, 1, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_under_zero2_a_nan_loss_stops_before_the_engine_steps(tmp_path, tiny_model_dir, deepspeed_ops):
     """DeepSpeed steps inside backward: the loss is judged before the backward of the step's last micro-batch."""
     exits = tmp_path / "exits"
@@ -312,7 +312,7 @@ def test_hftrain_check_refuses_use_cpu_with_a_deepspeed_strategy(tmp_path, tiny_
     assert e.value.code == 2 and "strategy.name: 'zero2' cannot run with ACCELERATE_USE_CPU=true" in err, err
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("early", [True, False], ids=["preflight", "after_wrap"])
 def test_use_cpu_launch_of_zero2_is_stopped(early, tmp_path, tiny_model_dir, deepspeed_ops):
     """The real launch the issue describes: ACCELERATE_USE_CPU=true with a ZeRO-2 accelerate config. Preflight

@@ -196,6 +196,7 @@ def pushed_run(tmp_path_factory, tiny_model_dir, hub):
     return out, r
 
 
+@pytest.mark.launches
 def test_run_pushes_exactly_the_validated_folder(pushed_run, hub, tmp_path):
     from huggingface_hub import ModelCard
 
@@ -234,7 +235,7 @@ def test_run_pushes_exactly_the_validated_folder(pushed_run, hub, tmp_path):
     assert hub.repos["me/tiny-sft"]["private"] is False
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_preference_run_pushes_itself_with_its_stage_on_the_card(tiny_model_dir, hub, tmp_path):
     """recipes/dpo.py with hub.push: the token checked before training, the folder validated and uploaded after; the
     card says the model was preference-tuned from its base."""
@@ -258,6 +259,7 @@ def test_a_preference_run_pushes_itself_with_its_stage_on_the_card(tiny_model_di
     assert TOKEN not in card
 
 
+@pytest.mark.launches
 def test_cli_dry_run_needs_no_token_and_a_push_without_one_stages_nothing(pushed_run, hub, tmp_path):
     out, _ = pushed_run
     env = hub_env(hub, tmp_path, token="")
@@ -275,6 +277,7 @@ def test_cli_dry_run_needs_no_token_and_a_push_without_one_stages_nothing(pushed
     assert not stage2.exists() and len(hub.requests) == n  # refused before staging, nothing sent
 
 
+@pytest.mark.launches
 def test_cli_push_to_a_private_branch(pushed_run, hub, tmp_path):
     out, _ = pushed_run
     cmd = [PY, "-m", "hftrain.cli", "push", str(out), "--repo-id", "me/branchy", "--private", "--revision", "dev",
@@ -287,6 +290,7 @@ def test_cli_push_to_a_private_branch(pushed_run, hub, tmp_path):
     assert_received_equals_staged(hub.files("me/branchy", "dev"), out / STAGE_DIR)
 
 
+@pytest.mark.launches
 def test_server_error_mid_upload_retries_then_fails_clearly_and_a_rerun_succeeds(pushed_run, hub, monkeypatch, capsys):
     out, _ = pushed_run
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -315,6 +319,7 @@ def test_server_error_mid_upload_retries_then_fails_clearly_and_a_rerun_succeeds
     assert TOKEN not in captured.out + captured.err + msg
 
 
+@pytest.mark.launches
 def test_a_refused_token_is_not_retried(pushed_run, hub, monkeypatch):
     out, _ = pushed_run
     monkeypatch.setenv("HF_TOKEN", "hf_WrongTokenAbcdefghijklmnopqrstuvwxyz")
@@ -324,6 +329,7 @@ def test_a_refused_token_is_not_retried(pushed_run, hub, monkeypatch):
     assert [r[1] for r in hub.requests[n:]] == ["/api/repos/create"]  # one try, then the clear error
 
 
+@pytest.mark.launches
 def test_unreachable_hub_fails_after_bounded_retries(pushed_run, monkeypatch):
     out, _ = pushed_run
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -340,6 +346,7 @@ def copy_run(src, dst):
     return dst
 
 
+@pytest.mark.launches
 def test_validation_refuses_an_empty_shard_and_nothing_is_uploaded(pushed_run, hub, tmp_path, monkeypatch):
     out = copy_run(pushed_run[0], tmp_path / "run")
     assert validate_folder(str(out)) == []  # the real run is fit to push
@@ -354,6 +361,7 @@ def test_validation_refuses_an_empty_shard_and_nothing_is_uploaded(pushed_run, h
     assert not (out / STAGE_DIR).exists()
 
 
+@pytest.mark.launches
 def test_validation_refuses_shape_mismatches(pushed_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -368,6 +376,7 @@ def test_validation_refuses_shape_mismatches(pushed_run, tmp_path):
     assert "unconsolidated" in problems[1] and len(problems) == 2
 
 
+@pytest.mark.launches
 def test_validation_refuses_missing_tokenizer_chat_template_and_eos(pushed_run, tmp_path):
     out = copy_run(pushed_run[0], tmp_path / "run")
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -385,6 +394,7 @@ def test_validation_refuses_missing_tokenizer_chat_template_and_eos(pushed_run, 
     assert any("has no chat template" in p for p in problems), problems
 
 
+@pytest.mark.launches
 def test_a_pasted_token_is_refused(pushed_run, hub, tmp_path, monkeypatch):
     out = copy_run(pushed_run[0], tmp_path / "run")
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -395,6 +405,7 @@ def test_a_pasted_token_is_refused(pushed_run, hub, tmp_path, monkeypatch):
         push(str(out), HubSection(repo_id="me/leak"), dry_run=True)
 
 
+@pytest.mark.launches
 def test_only_what_a_model_repository_needs_is_staged(pushed_run, tmp_path, monkeypatch):
     """An allow-list, not a list of suffixes: credentials, keys and stray files in output_dir stay local."""
     out = copy_run(pushed_run[0], tmp_path / "run")
@@ -413,6 +424,7 @@ def test_only_what_a_model_repository_needs_is_staged(pushed_run, tmp_path, monk
     ("aws_access_key_id = AKIAIOSFODNN7EXAMPLE\n", "an AWS access key"),
     ("token: ghp_abcdefghijklmnopqrstuvwxyz0123456789AB\n", "a GitHub token"),
 ])
+@pytest.mark.launches
 def test_secrets_of_other_kinds_are_refused(pushed_run, tmp_path, monkeypatch, secret, what):
     out = copy_run(pushed_run[0], tmp_path / "run")
     monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -422,6 +434,7 @@ def test_secrets_of_other_kinds_are_refused(pushed_run, tmp_path, monkeypatch, s
         push(str(out), HubSection(repo_id="me/leak"), dry_run=True)
 
 
+@pytest.mark.launches
 def test_a_symlink_is_never_followed(pushed_run, tmp_path, monkeypatch):
     out = copy_run(pushed_run[0], tmp_path / "run")
     monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
@@ -447,6 +460,7 @@ def test_zero_lora_adapter_is_refused(tiny_model_dir, tmp_path):
     assert len(problems) == 1 and "is all zeros (lora_B everywhere)" in problems[0]
 
 
+@pytest.mark.launches
 def test_lora_adapter_and_merged_pushes(tiny_model_dir, hub, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
@@ -500,6 +514,7 @@ def test_recipe_hub_section_rules():
         load_recipe(None, ["hub.repo_id=me/a/b"], raw=dict(BASE))
 
 
+@pytest.mark.launches
 def test_a_run_that_will_push_without_a_token_stops_before_training(tiny_model_dir, tmp_path):
     rec = recipe_file(tmp_path, tiny_model_dir, tmp_path / "out", hub={"push": True, "repo_id": "me/m"})
     r = run([PY, "recipes/sft.py", rec], env={"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf_home")})
@@ -511,7 +526,7 @@ def test_a_run_that_will_push_without_a_token_stops_before_training(tiny_model_d
 # ZeRO-3 on 2 ranks
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_zero3_two_ranks_pushes_full_weights_that_reload_with_equal_logits(tiny_model_dir, hub, tmp_path,
                                                                            deepspeed_ops):
     from safetensors import safe_open
@@ -557,6 +572,7 @@ def _cli_dry_run(out, stage, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.launches
 def test_a_dry_run_never_deletes_a_folder_it_did_not_stage(pushed_run, tmp_path, capsys):
     """--stage-dir pointed at the run itself, at its parent, at a checkpoint-like folder or at a folder of the user's:
     refused with exit 2 before anything is written; every file there is as it was."""
@@ -572,6 +588,7 @@ def test_a_dry_run_never_deletes_a_folder_it_did_not_stage(pushed_run, tmp_path,
         assert tree_digest(out.parent) == before and (mine / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.launches
 def test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not(pushed_run, tmp_path, capsys):
     out, _ = pushed_run
     stage = tmp_path / "stage"
@@ -590,6 +607,7 @@ def test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not(push
     assert (stage / "my-notes.md").read_text() == "added by hand"
 
 
+@pytest.mark.launches
 def test_a_stage_that_fails_validation_leaves_the_previous_stage(pushed_run, tmp_path, monkeypatch):
     out, _ = pushed_run
     stage = tmp_path / "stage"

@@ -22,7 +22,7 @@ from .conftest import DEMO_TRAIN, PY, REPO
 from tests import netns
 from hftrain.checkpoints import verify
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.launches, pytest.mark.cluster]
 
 IP = ("10.98.0.1", "10.98.0.2")
 TIMEOUT = 240  # seconds a whole launch may take on the loaded 2-core machine (they take 45-90 s)

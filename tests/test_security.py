@@ -19,7 +19,7 @@ TOKEN = "hf_secretTOKEN0123456789abcdefghijklmnopq"
 PACKAGE = pathlib.Path(REPO) / "hftrain"
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_token_in_the_environment_is_written_nowhere(tmp_path, tiny_model_dir):
     """A full single-process run (checkpoints, TensorBoard, eval, curves, final save) with HF_TOKEN set: no file
     under output_dir and neither stdout nor stderr holds the token, in text or in bytes."""

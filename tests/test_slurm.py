@@ -138,7 +138,8 @@ def _run(argv, env=None, timeout=300):
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
 
-@pytest.mark.slow
+@pytest.mark.launches
+@pytest.mark.cluster
 def test_sigusr1_saves_a_checkpoint_stops_and_the_resumed_run_ends_as_one_never_stopped(tmp_path, tiny_model_dir):
     """One process, SIGUSR1 mid-run: checkpoint-N published and verified, exit 0, no final save; the run resumed from
     it ends with the losses and weights of a run never stopped."""
@@ -169,7 +170,8 @@ def test_sigusr1_saves_a_checkpoint_stops_and_the_resumed_run_ends_as_one_never_
     assert close(losses(out), losses(tmp_path / "ref")), (losses(out), losses(tmp_path / "ref"))
 
 
-@pytest.mark.slow
+@pytest.mark.launches
+@pytest.mark.cluster
 def test_a_request_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, tiny_model_dir):
     """2 processes (accelerate launch), SIGUSR1 to rank 1 only (as when the nodes' signals come at different steps):
     both ranks stop after the same step, which is saved whole (both ranks' RNG states, verified), and exit 0."""
@@ -257,7 +259,8 @@ def one_node(cluster, tiny_model_dir, tmp_path_factory) -> list[float]:
     return losses(out)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
+@pytest.mark.cluster
 def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_result(cluster, one_node,
                                                                                       tiny_model_dir, tmp_path):
     """2 nodes x 1 process, the script as rendered. Once training runs, the job's time limit is brought near (as a
@@ -293,7 +296,8 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_r
     print(f"stopped after step {stopped}; job done in {time.monotonic() - t0:.0f} s")
 
 
-@pytest.mark.slow
+@pytest.mark.launches
+@pytest.mark.cluster
 def test_scancel_mid_run_leaves_no_process_and_a_folder_the_next_run_accepts(cluster, tiny_model_dir, tmp_path,
                                                                              deepspeed_ops):
     """Rendered in DeepSpeed's launcher form (a hostfile from the allocation, `--no_ssh --node_rank`), ZeRO-2 on 2

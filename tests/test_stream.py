@@ -186,7 +186,7 @@ def test_position_is_a_pure_function_of_the_examples_made(tokenizer, tmp_path):
     assert Position().pass_no == 0
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_two_processes_train_on_their_own_rows(tmp_path, tiny_model_dir):
     """Under `accelerate launch` with 2 processes, the Trainer's dataloaders (accelerate's sharding of the stream,
     dispatch_batches off) give each process rows the other never sees, and the run trains."""

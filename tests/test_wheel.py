@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.launches, pytest.mark.cluster]
 
 
 def sh(cmd, cwd, timeout=600, env=None):

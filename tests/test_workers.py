@@ -168,7 +168,7 @@ def worker_pids(marker) -> dict[int, int]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("launcher,sig", [("accelerate", signal.SIGKILL), ("accelerate", signal.SIGINT),
                                           ("hftrain", signal.SIGKILL), ("hftrain", signal.SIGINT),
                                           ("hftrain", signal.SIGTERM), ("deepspeed", signal.SIGKILL)],
@@ -206,7 +206,7 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("stopped", [1, 0])
 def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(stopped, tmp_path, tiny_model_dir):
     """Rank 0 watches the others, the others watch rank 0. The job ends about rank_timeout + 30 s after the stop:

@@ -1,0 +1,126 @@
+"""The suite's cost, kept visible: every process a test launches is recorded as one JSON line (test id, argv,
+seconds) in LAUNCH_LOG, and the end of the session prints a summary of it beside pytest's own durations (the
+most expensive launches, launches and seconds per file, the total).
+
+A pytest plugin (conftest.py registers it): `subprocess.Popen` is replaced, in the pytest process(es) running tests
+(not in xdist's controller, whose processes are the workers), by a
+subclass that writes its line when the process is first seen ended (wait, poll, communicate and subprocess.run all
+go through `wait` or `poll`). Launches made by the launched processes themselves are part of their parent's time.
+Under pytest-xdist every worker appends to the same file (one short write per line, O_APPEND); the controller
+empties it at the start and reads it at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections import defaultdict
+
+LAUNCH_LOG_ENV = "HFTRAIN_LAUNCH_LOG"
+TOP = 15
+TIER_MARKERS = ("launches", "cluster")  # the fast tier is `-m "not launches and not cluster"`
+UNMARKED_LIMIT_S = 2.0  # a launch longer than this by an unmarked test is named in the summary (it slows that tier)
+_current = {"marked": True}  # whether the running test carries one of TIER_MARKERS
+
+
+def _current_test() -> str:
+    # PYTEST_CURRENT_TEST is "tests/test_x.py::test_y[param] (call)"; set-up counts for the test that needs it.
+    return os.environ.get("PYTEST_CURRENT_TEST", "(outside a test)").rsplit(" (", 1)[0]
+
+
+def _argv(args) -> list[str]:
+    if isinstance(args, (str, bytes, os.PathLike)):
+        return [os.fsdecode(args)]
+    return [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in args]
+
+
+class RecordedPopen(subprocess.Popen):
+    log_path: str | None = None
+
+    def __init__(self, args, *rest, **kwargs):
+        self._launch = {"test": _current_test(), "argv": _argv(args), "start": time.monotonic(),
+                        "marked": _current["marked"]}
+        super().__init__(args, *rest, **kwargs)
+
+    def _record_end(self) -> None:
+        launch, self._launch = getattr(self, "_launch", None), None
+        if launch is None or self.returncode is None or not self.log_path:
+            return
+        line = {"test": launch["test"], "argv": launch["argv"], "rc": self.returncode, "marked": launch["marked"],
+                "seconds": round(time.monotonic() - launch["start"], 3)}
+        with open(self.log_path, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    def wait(self, timeout=None):
+        rc = super().wait(timeout)
+        self._record_end()
+        return rc
+
+    def poll(self):
+        rc = super().poll()
+        if rc is not None:
+            self._record_end()
+        return rc
+
+
+def read_launches(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def short_argv(argv: list[str], width: int = 110) -> str:
+    text = " ".join(os.path.basename(a) if os.path.isabs(a) else a for a in argv)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def summary_lines(launches: list[dict]) -> list[str]:
+    """The summary CI prints: the TOP most expensive launches, launches and seconds per file, the total."""
+    if not launches:
+        return ["no process was launched"]
+    total = sum(x["seconds"] for x in launches)
+    lines = [f"{len(launches)} launches, {total:.0f} s of launch time in all (wall time per launch, summed)",
+             f"the {min(TOP, len(launches))} most expensive:"]
+    for x in sorted(launches, key=lambda x: -x["seconds"])[:TOP]:
+        lines.append(f"  {x['seconds']:7.1f} s  {x['test']}  ::  {short_argv(x['argv'])}")
+    per_file: dict[str, list[float]] = defaultdict(list)
+    for x in launches:
+        per_file[x["test"].split("::")[0]].append(x["seconds"])
+    lines.append("per file (launches, seconds):")
+    for name, secs in sorted(per_file.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {len(secs):4d} {sum(secs):8.1f} s  {name}")
+    unmarked = sorted({x["test"] for x in launches if not x.get("marked", True) and x["seconds"] > UNMARKED_LIMIT_S})
+    if unmarked:
+        lines.append(f"tests that launch processes of over {UNMARKED_LIMIT_S:.0f} s without a marker of "
+                     f"{' or '.join(TIER_MARKERS)} (they slow the fast tier: mark them):")
+        lines.extend(f"  {t}" for t in unmarked)
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pytest hooks
+
+
+def pytest_configure(config):
+    path = os.environ.get(LAUNCH_LOG_ENV) or os.path.join(str(config.rootpath), ".pytest_launches.jsonl")
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) starts the log afresh
+        os.environ[LAUNCH_LOG_ENV] = path  # inherited by xdist's workers
+        with open(path, "w"):
+            pass
+    RecordedPopen.log_path = path
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        subprocess.Popen = RecordedPopen  # not in xdist's controller: the processes it starts are the workers
+
+
+def pytest_runtest_setup(item):
+    _current["marked"] = any(item.get_closest_marker(m) for m in TIER_MARKERS)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):
+        return
+    terminalreporter.section(f"launched processes ({RecordedPopen.log_path})")
+    for line in summary_lines(read_launches(RecordedPopen.log_path)):
+        terminalreporter.write_line(line)

@@ -1,0 +1,57 @@
+"""How the suite's tests are spread over pytest-xdist's workers (`-n 2`, README's test command): whole modules, the
+heaviest first, and the cluster modules on one worker.
+
+- A module is one unit of work (as `--dist loadfile`): its module-scoped fixtures (reference runs, matrix
+  launches) are made once, by the worker that runs it; split over workers they would be made twice.
+- The cluster modules (network namespaces with fixed addresses, SLURM's daemons) are one unit: they never run at
+  the same time.
+- The heaviest units start first (longest processing time first), so the last unit to finish is a short one. The
+  weights are the seconds each took in a measured run of the suite (`.pytest_launches.jsonl` and pytest's durations);
+  a module missing from the table counts as light.
+
+xdist's own `--dist loadgroup` would group by `xdist_group` marks, but xdist 3.8 marks a test's group by rewriting
+`item._nodeid`, which pytest 9 no longer reads: the groups are silently ignored. A scheduler of our own (xdist's
+`pytest_xdist_make_scheduler` hook) decides the units from the node ids instead.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+CLUSTER_MODULES = ("test_multinode", "test_slurm")
+
+# Measured seconds of launches per unit (launch log, both workers busy, after the merges); the order matters, not
+# the values' precision.
+WEIGHTS_S = {
+    "test_resume": 730, "cluster": 450, "test_grpo_runs": 350, "test_preference": 340, "test_workers": 300,
+    "test_strategies": 290, "test_moe": 290, "test_sequence_parallel_runs": 250, "test_hub": 250, "test_guards": 240,
+    "test_eval": 150, "test_loss": 150, "test_e2e": 130, "test_compression": 90, "test_data_cache": 75,
+    "test_exit_codes": 70, "test_wheel": 60, "test_stream": 60, "test_checkpoints": 45, "test_bad_input": 10,
+}
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work of a test: its module's name, or "cluster"."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "cluster" if module in CLUSTER_MODULES else module
+
+
+def make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with our units, handed out heaviest first."""
+
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the queue is complete when the first unit is handed out
+                self.workqueue = OrderedDict(sorted(self.workqueue.items(),
+                                                    key=lambda unit: -WEIGHTS_S.get(unit[0], 0)))
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
