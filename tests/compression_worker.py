@@ -4,6 +4,8 @@ whether every rank holds the same weights and how many gradient bytes the collec
     python -m accelerate.commands.launch --config_file accelerate_configs/ddp.yaml tests/compression_worker.py \
         RECIPE OUT.json [key=value ...]
 
+or as one variant of a matrix launch (tests/matrix_worker.py: `main(argv)`, several methods in one launch).
+
 The bytes are counted by wrapping torch.distributed's all_reduce / all_gather_single, so the test compares
 the callback's logged comm/bytes_sent with what was actually handed to the collectives (not with its own maths).
 """
@@ -57,7 +59,8 @@ class EveryStep(TrainerCallback):
         COUNTED["bytes"] = 0
 
 
-def main(recipe_path, out, overrides):
+def main(argv: list[str]) -> None:
+    recipe_path, out, *overrides = argv
     run = setup_run([recipe_path, *overrides])
     recipe, strategy, args = run.recipe, run.strategy, run.args
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
@@ -77,4 +80,4 @@ def main(recipe_path, out, overrides):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    main(sys.argv[1:])

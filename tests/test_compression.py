@@ -12,7 +12,7 @@ from hftrain import compression as comp
 from hftrain.config import RecipeError, load_recipe
 from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, REPO, run_matrix
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 
@@ -180,12 +180,15 @@ def test_options_that_do_not_apply_are_errors():
     ("none", "fsdp", ["compression.profile=true"], "compression.profile: times DDP's gradient all-reduce"),
 ])
 def test_impossible_combinations_are_refused_before_launch(tmp_path, tiny_model_dir, method, strategy, overrides,
-                                                           message):
-    r = run([PY, "-m", "hftrain.cli", "launch", os.path.join(REPO, "recipes/demo/sft.yaml"), "--dry-run",
-             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}",
-             f"compression.method={method}", f"strategy.name={strategy}", *overrides])
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert message in r.stderr
+                                                           message, capsys, in_process):
+    from hftrain.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["launch", os.path.join(REPO, "recipes/demo/sft.yaml"), "--dry-run",
+              f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}",
+              f"compression.method={method}", f"strategy.name={strategy}", *overrides])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_zero_and_fsdp_get_the_reduction_dtype():
@@ -202,30 +205,52 @@ def test_zero_and_fsdp_get_the_reduction_dtype():
 # ---------------------------------------------------------------------------------------------------------------
 # 2 CPU ranks, each method: no hang, equal weights after every step, loss falls, logged bytes == bytes sent.
 
-def launch(tmp_path, tiny_model_dir, config, overrides, name):
-    out = tmp_path / f"{name}.json"
-    cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{config}.yaml", "--main_process_port",
-           str(free_port()), "tests/compression_worker.py", os.path.join(REPO, "recipes/demo/sft.yaml"), str(out),
-           f"model.name_or_path={tiny_model_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
-           "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={tmp_path / name}",
-           "training.max_steps=8", "training.per_device_train_batch_size=8", "training.learning_rate=3e-3",
-           "training.warmup_steps=0", "training.logging_steps=1", "training.save_strategy=no",
-           "training.report_to=none", *overrides]
-    r = run(cmd, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.load(open(out))
+def variant(tmp_path, tiny_model_dir, overrides, name) -> tuple[str, list[str]]:
+    """tests/compression_worker.py on the demo recipe, writing tmp_path/NAME.json."""
+    return "tests.compression_worker", [
+        os.path.join(REPO, "recipes/demo/sft.yaml"), str(tmp_path / f"{name}.json"),
+        f"model.name_or_path={tiny_model_dir}", f"data.sources.0.path={DEMO_TRAIN}", "data.eval_sources=[]",
+        "training.eval_strategy=no", "eval.exact_match=0", f"training.output_dir={tmp_path / name}",
+        "training.max_steps=8", "training.per_device_train_batch_size=8", "training.learning_rate=3e-3",
+        "training.warmup_steps=0", "training.logging_steps=1", "training.save_strategy=no",
+        "training.report_to=none", *overrides]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method,extra", [
-    ("fp16", []), ("bf16", []), ("powersgd", ["compression.powersgd_rank=2"]), ("int8", []),
-    ("topk", ["compression.topk_ratio=0.05"]),
+def launch_matrix(tmp_path, config, variants: dict) -> dict:
+    """Every variant {name: (module, argv)} in one 2-rank launch under accelerate_configs/CONFIG.yaml."""
+    return run_matrix([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{config}.yaml", "--main_process_port",
+                       str(free_port())], variants, tmp_path / "matrix", ranks=2, timeout=600)
+
+
+def result(tmp_path, variants, name) -> dict:
+    variants[name].check()
+    return json.load(open(tmp_path / f"{name}.json"))
+
+
+DDP_METHODS = {
+    "fp16": ("fp16", []), "bf16": ("bf16", []), "powersgd": ("powersgd", ["compression.powersgd_rank=2"]),
+    "int8": ("int8", []), "topk": ("topk", ["compression.topk_ratio=0.05"]),
     # Our hooks issue one collective from the hook itself, so DDP's unused-parameter all-reduce cannot race them.
-    ("int8", ["training.ddp_find_unused_parameters=true"]),
-    ("none", ["compression.profile=true"]),  # DDP's plain all-reduce, timed in hftrain's hook
-])
-def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
-    res = launch(tmp_path, tiny_model_dir, "ddp", [f"compression.method={method}", *extra], method)
+    "int8_unused": ("int8", ["training.ddp_find_unused_parameters=true"]),
+    "none": ("none", ["compression.profile=true"]),  # DDP's plain all-reduce, timed in hftrain's hook
+}
+OTHER_STRATEGIES = {"fsdp": ("fsdp_reduce_dtype", "torch.bfloat16"), "zero2": ("communication_dtype", "torch.bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def ddp_methods(tmp_path_factory, tiny_model_dir):
+    """Every DDP method on 2 ranks, in one launch: (folder, {name: variant})."""
+    tmp = tmp_path_factory.mktemp("ddp_methods")
+    variants = {name: variant(tmp, tiny_model_dir, [f"compression.method={method}", *extra], name)
+                for name, (method, extra) in DDP_METHODS.items()}
+    return tmp, launch_matrix(tmp, "ddp", variants)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("name", DDP_METHODS)
+def test_ddp_method_on_two_ranks(ddp_methods, name):
+    method = DDP_METHODS[name][0]
+    res = result(*ddp_methods, name)
     assert res["world_size"] == 2 and res["wrapper"] == "DistributedDataParallel"
     steps = res["steps"]
     assert len(steps) == 8 and all(s["ranks_equal"] for s in steps), steps
@@ -244,12 +269,13 @@ def test_ddp_method_on_two_ranks(tmp_path, tiny_model_dir, method, extra):
         assert logs[0]["comm/compression_ratio"] == 1 and logs[2]["comm/compression_ratio"] > 4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy,field,value", [("fsdp", "fsdp_reduce_dtype", "torch.bfloat16"),
-                                                  ("zero2", "communication_dtype", "torch.bfloat16")])
-def test_bf16_reduction_under_fsdp_and_zero(tmp_path, tiny_model_dir, deepspeed_ops, strategy, field, value):
-    res = launch(tmp_path, tiny_model_dir, strategy, ["compression.method=bf16", f"strategy.name={strategy}"],
-                 strategy)
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", OTHER_STRATEGIES)
+def test_bf16_reduction_under_fsdp_and_zero(tmp_path, tiny_model_dir, deepspeed_ops, strategy):
+    field, value = OTHER_STRATEGIES[strategy]
+    variants = {strategy: variant(tmp_path, tiny_model_dir, ["compression.method=bf16", f"strategy.name={strategy}"],
+                                  strategy)}
+    res = result(tmp_path, launch_matrix(tmp_path, strategy, variants), strategy)
     assert res["world_size"] == 2 and res[field] == value
     logs = [h for h in res["log_history"] if "loss" in h]
     assert logs[-1]["loss"] < logs[0]["loss"] and logs[0]["comm/compression_ratio"] == 2

@@ -12,7 +12,7 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
 from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run, uneven_data
+from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run_matrix, uneven_data
 
 
 def rand_batch(b=3, t=9, v=11, seed=0):
@@ -112,12 +112,21 @@ CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, m
 LR = 0.5
 
 
+def launch_of(world: int, strategy: str) -> list[str]:
+    if world == 1:
+        return [PY]
+    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
+            str(free_port())]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
+    """Every (mode, config) run, one launch per (world size, strategy) (tests/matrix_worker.py): {(mode, name):
+    losses, target counts, step-1 and final weights}, or the failed variant (its tests fail under its name)."""
     tiny_model_dir = spiky_model_dir
     tmp = tmp_path_factory.mktemp("loss")
     data = uneven_data(tmp / "uneven.jsonl")
-    results = {}
+    launches: dict[tuple[int, str], dict] = {}
     for mode in losses.MODES:
         for name, (world, bs, ga, packing, strategy, modes, *impl) in CONFIGS.items():
             if mode not in modes:
@@ -135,27 +144,38 @@ def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
             }
             rec = tmp / f"{mode}_{name}.yaml"
             rec.write_text(yaml.safe_dump(tree))
-            if world == 1:
-                cmd = [PY, "recipes/sft.py", str(rec)]
-            else:
-                cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml",
-                       "--main_process_port", str(free_port()), "recipes/sft.py", str(rec)]
-            r = run(cmd, timeout=600)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            info = json.load(open(out / "run_info.json"))
-            assert info["world_size"] == world
-            assert info["strategy"] == strategy
-            if world > 1 and strategy == "ddp":
-                assert info["wrapper"] == "DistributedDataParallel"
-            step1 = out / "checkpoint-1" / "model.safetensors"  # FSDP's sharded checkpoints hold no such file
-            state = json.load(open(out / "trainer_state.json"))
-            results[(mode, name)] = {
-                "losses": [h["loss"] for h in state["log_history"] if "loss" in h],
-                "tokens": [h["target_tokens_per_step"] for h in state["log_history"] if "loss" in h],
-                "step1": load_file(str(step1)) if step1.exists() else None,
-                "final": load_file(str(out / "model.safetensors")),
-            }
+            launches.setdefault((world, strategy), {})[f"{mode}_{name}"] = ("hftrain.recipes.sft", [str(rec)])
+    results = {}
+    for (world, strategy), variants in launches.items():
+        for key, variant in run_matrix(launch_of(world, strategy), variants, tmp / f"matrix_{world}_{strategy}",
+                                       ranks=world).items():
+            mode, name = key.split("_", 1)
+            results[(mode, name)] = outputs(tmp / key, variant, world, strategy) if variant.ok else variant
     return {"data": data, "results": results}
+
+
+def outputs(out, variant, world, strategy) -> dict:
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == world, variant.name
+    assert info["strategy"] == strategy, variant.name
+    if world > 1 and strategy == "ddp":
+        assert info["wrapper"] == "DistributedDataParallel", variant.name
+    step1 = out / "checkpoint-1" / "model.safetensors"  # FSDP's sharded checkpoints hold no such file
+    state = json.load(open(out / "trainer_state.json"))
+    return {
+        "losses": [h["loss"] for h in state["log_history"] if "loss" in h],
+        "tokens": [h["target_tokens_per_step"] for h in state["log_history"] if "loss" in h],
+        "step1": load_file(str(step1)) if step1.exists() else None,
+        "final": load_file(str(out / "model.safetensors")),
+    }
+
+
+def result(runs, mode, name) -> dict:
+    """The run's outputs; a variant that failed fails the test here, naming itself."""
+    res = runs["results"][(mode, name)]
+    if not isinstance(res, dict):
+        res.check()
+    return res
 
 
 def reference(tiny_model_dir, tokenizer, data, mode):
@@ -182,7 +202,7 @@ def reference(tiny_model_dir, tokenizer, data, mode):
     return model, loss.item(), float(naive.detach()), sum(n for _, n in per_example)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("mode", losses.MODES)
 def test_first_step_matches_plain_pytorch_reference(runs, spiky_model_dir, tokenizer, mode):
     model, ref_loss, naive, n_tokens = reference(spiky_model_dir, tokenizer, runs["data"], mode)
@@ -193,26 +213,25 @@ def test_first_step_matches_plain_pytorch_reference(runs, spiky_model_dir, token
     for name in CONFIGS:
         if (mode, name) not in runs["results"]:
             continue
-        res = runs["results"][(mode, name)]
+        res = result(runs, mode, name)
         assert res["losses"][0] == pytest.approx(ref_loss, rel=1e-5), name
         assert abs(res["losses"][0] - naive) > 1e-3 * ref_loss
         assert res["tokens"][0] == n_tokens
         if res["step1"] is not None:
             got = {k: v for k, v in res["step1"].items() if k in expected_step1}
             assert_close_rel(got, {k: expected_step1[k] for k in got})
-    assert runs["results"][(mode, "2x_ga2")]["step1"] is not None
+    assert result(runs, mode, "2x_ga2")["step1"] is not None
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("mode", losses.MODES)
 def test_losses_and_weights_invariant_across_world_size_and_accumulation(runs, mode):
-    res = runs["results"]
-    base = res[(mode, "1x_ga4")]
+    base = result(runs, mode, "1x_ga4")
     assert len(base["losses"]) == 3
     for name in CONFIGS:
-        if name == "1x_ga4" or (mode, name) not in res:
+        if name == "1x_ga4" or (mode, name) not in runs["results"]:
             continue
-        other = res[(mode, name)]
+        other = result(runs, mode, name)
         assert other["losses"] == pytest.approx(base["losses"], rel=1e-5), name
         assert other["tokens"] == base["tokens"]
         assert_close_rel(other["final"], base["final"])

@@ -15,7 +15,7 @@ from hftrain.moe.blocks import moe_blocks, routers
 from hftrain.moe.upcycle import upcycle
 from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run, run_matrix
 
 IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]])
 
@@ -88,6 +88,7 @@ def reload_without_hftrain(folder, tmp_path):
     return r.stdout.split()[:2], load_file(str(out))["logits"]
 
 
+@pytest.mark.launches
 def test_cli_upcycle_exports_a_native_mixtral_that_reloads_without_hftrain(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +109,7 @@ def test_cli_upcycle_exports_a_native_mixtral_that_reloads_without_hftrain(tiny_
     assert r.returncode == 2 and "every layer must be upcycled" in r.stderr
 
 
+@pytest.mark.launches
 def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
     d = dense("qwen2")
     m = upcycle(d, 4, 2, layers=[0])
@@ -149,6 +151,7 @@ def recipe_tree(model_dir, out, **training):
     }
 
 
+@pytest.mark.launches
 def test_recipe_upcycles_trains_and_experts_specialise(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     rec = tmp_path / "r.yaml"
@@ -230,11 +233,13 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
 
 @pytest.fixture(scope="module")
 def aux_runs(tmp_path_factory, tiny_mixtral_dir):
+    """Every AUX_RUNS run: the recipe script's runs in one launch per world size (tests/matrix_worker.py), each
+    negative control (it patches the whole process) in a launch of its own."""
     from .test_loss import uneven_data
 
     tmp = tmp_path_factory.mktemp("aux")
     data = uneven_data(tmp / "uneven.jsonl")
-    res = {}
+    launches: dict[tuple[int, str], dict] = {}
     for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
         tree = {
@@ -249,19 +254,35 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
         }
         rec = tmp / f"{name}.yaml"
         rec.write_text(yaml.safe_dump(tree))
-        cmd = [PY, script, str(rec)] if world == 1 else [
-            *ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-            str(free_port()), script, str(rec)]
-        r = run(cmd, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        info = json.load(open(out / "run_info.json"))
-        assert info["world_size"] == world
-        if world > 1:
-            assert info["wrapper"] == "DistributedDataParallel"
-        logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
-        res[name] = {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
-                     "final": load_file(str(out / "model.safetensors")), "stdout": r.stdout, "info": info}
+        launches.setdefault((world, script), {})[name] = rec
+    res = {}
+    for (world, script), recipes in launches.items():
+        prefix = [PY] if world == 1 else [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml",
+                                          "--main_process_port", str(free_port())]
+        if script == "recipes/sft.py":
+            variants = {name: ("hftrain.recipes.sft", [rec]) for name, rec in recipes.items()}
+            ran = run_matrix(prefix, variants, tmp / f"matrix_{world}", ranks=world)
+            for v in ran.values():
+                v.check()
+            outputs = {name: v.stdout for name, v in ran.items()}
+        else:
+            (name, rec), = recipes.items()
+            r = run([*prefix, script, str(rec)], timeout=600)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            outputs = {name: r.stdout}
+        for name, stdout in outputs.items():
+            res[name] = aux_outputs(tmp / name, world, stdout)
     return res
+
+
+def aux_outputs(out, world, stdout) -> dict:
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == world
+    if world > 1:
+        assert info["wrapper"] == "DistributedDataParallel"
+    logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
+            "final": load_file(str(out / "model.safetensors")), "stdout": stdout, "info": info}
 
 
 def max_rel(a: dict, b: dict) -> float:
@@ -269,7 +290,7 @@ def max_rel(a: dict, b: dict) -> float:
                for k in b)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
     base, other = aux_runs["1x_ga4"], aux_runs["2x_ga2"]
     for name, r in aux_runs.items():
@@ -287,7 +308,7 @@ def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
     assert max_rel(bad2["final"], base["final"]) > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux_runs):
     """Experts split over 2 ranks, excluded from DDP's all-reduce and divided by the world size; the router and the
     rest averaged by DDP: the per-step losses and the saved (gathered, native Mixtral) weights equal 1 rank's."""
@@ -306,7 +327,7 @@ def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux
 # ZeRO-3: MoE blocks registered as leaf modules automatically; the run finishes and its saved model reloads
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp_path, deepspeed_ops):
     from transformers import AutoModelForCausalLM
 
@@ -341,7 +362,7 @@ def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp
 # Expert parallelism
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
     r = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
              "tests/moe_ep_worker.py", str(tmp_path)], timeout=300)
@@ -359,6 +380,7 @@ def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
                 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"])
 
 
+@pytest.mark.launches
 def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_dir, tmp_path):
     out = tmp_path / "cap"
     tree = recipe_tree(tiny_model_dir, out, max_steps=2, logging_steps=1)

@@ -17,7 +17,7 @@ from tests.support import free_port
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 
-from .conftest import ACCELERATE_LAUNCH, PY, REPO, assert_close_rel, run
+from .conftest import ACCELERATE_LAUNCH, PY, REPO, assert_close_rel, run, run_matrix
 
 PAIRS_TRAIN = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}, "preference": {}}
@@ -68,14 +68,18 @@ def test_losses_map_to_trl():
     assert trl_loss(PreferenceSection(loss_type="simpo")) == "sigmoid_norm"  # + the constant reference
 
 
-def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir):
+def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir, capsys, in_process):
+    """recipes/dpo.py's main(argv), in this process: the message and the exit status are what is tested."""
+    from hftrain.recipes.dpo import main
+
     tree = {"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": PAIRS_TRAIN}]},
             "training": {"output_dir": str(tmp_path / "o")}}
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump(tree))
-    r = run([PY, "recipes/dpo.py", str(rec)], timeout=120)
-    assert (r.returncode == 2
-            and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in r.stderr), r.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:
+        main([str(rec)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "`hftrain dpo` (recipes/dpo.py) needs a preference: section" in err, err[-2000:]
 
 
 # -- data: every bad row refused by file and line ----------------------------------------------------------------
@@ -152,7 +156,7 @@ def head(path, n, dest):
     return dest
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_short_run_saves_a_model_that_reloads_and_resumes(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -178,18 +182,6 @@ def test_short_run_saves_a_model_that_reloads_and_resumes(tmp_path, tiny_model_d
     assert json.load(open(out / "trainer_state.json"))["global_step"] == 6
 
 
-@pytest.mark.slow
-def test_simpo_runs_without_a_reference_model(tmp_path, tiny_model_dir):
-    data = head(PAIRS_TRAIN, 32, tmp_path / "train.jsonl")
-    rec, out = write_recipe(tmp_path, "simpo", tiny_model_dir, data, max_steps=2, per_device_train_batch_size=8,
-                            save_strategy="no", preference={"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0})
-    r = run([PY, "recipes/dpo.py", str(rec)], timeout=240)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "Computing reference log probs" not in r.stderr + r.stdout
-    logged = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
-    assert logged and all(h["loss"] > 0 for h in logged)
-
-
 def uneven_pairs(path, n, seed=0):
     """Conversation pairs whose answers are 1 to 12 letters long: very uneven lengths within every batch."""
     rng = random.Random(seed)
@@ -202,22 +194,31 @@ def uneven_pairs(path, n, seed=0):
     return path
 
 
-def train(tmp_path, name, model, data, world, bs, ga, steps, preference=None, strategy="ddp", **extra):
-    rec, out = write_recipe(tmp_path, name, model, data, **extra, max_steps=steps, per_device_train_batch_size=bs,
-                            gradient_accumulation_steps=ga, optim="sgd", learning_rate=0.5,
-                            lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, save_strategy="no",
-                            train_sampling_strategy="sequential", preference=preference or {"beta": 0.5})
-    cmd = [PY, "recipes/dpo.py", str(rec)] if world == 1 else [
-        *ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-        str(free_port()), "recipes/dpo.py", str(rec)]
-    r = run(cmd, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+def plan(tmp_path, name, model, data, bs, ga, steps, preference=None, **extra) -> tuple[str, list[str]]:
+    """One variant of a matrix launch (tests/matrix_worker.py): recipes/dpo.py on its own recipe, in tmp_path/name."""
+    rec, _ = write_recipe(tmp_path, name, model, data, **extra, max_steps=steps, per_device_train_batch_size=bs,
+                          gradient_accumulation_steps=ga, optim="sgd", learning_rate=0.5,
+                          lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, save_strategy="no",
+                          train_sampling_strategy="sequential", preference=preference or {"beta": 0.5})
+    return "hftrain.recipes.dpo", [str(rec)]
+
+
+def launch_of(world: int, strategy: str = "ddp") -> list[str]:
+    if world == 1:
+        return [PY]
+    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
+            str(free_port())]
+
+
+def outcome(variant, out, world, strategy="ddp", compression=False):
+    """(losses, final weights) of a variant's run, after checking it ran where it should."""
+    variant.check()
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == world and info["strategy"] == strategy
     assert world == 1 or info["wrapper"] == WRAPPERS[strategy], info["wrapper"]
     assert info.get("zero_stage") == {"zero2": 2, "zero3": 3}.get(strategy)
     history = json.load(open(out / "trainer_state.json"))["log_history"]
-    if "compression" in extra:  # the section reaches the trainer: its metrics are logged each step
+    if compression:  # the section reaches the trainer: its metrics are logged each step
         assert all("comm/bytes_sent" in h for h in history if "loss" in h), history
     logged = [h["loss"] for h in history if "loss" in h]
     return logged, load_file(str(out / "model.safetensors"))
@@ -227,36 +228,11 @@ WRAPPERS = {"ddp": "DistributedDataParallel", "fsdp": "FSDPLlamaForCausalLM", "z
             "zero3": "DeepSpeedEngine"}
 
 
-@pytest.mark.slow
-def test_unequal_micro_batches_give_the_global_pair_mean(tmp_path, spiky_model_dir):
-    """6 pairs in one step: micro-batches of 4 and 2 (GA2) must train as one batch of 6. TRL alone returns each
-    micro-batch's mean and the Trainer averages the two: the pairs of the short one would weigh double."""
-    data = uneven_pairs(tmp_path / "six.jsonl", 6)
-    one_loss, one = train(tmp_path, "bs6", spiky_model_dir, data, 1, 6, 1, 1, {"loss_type": "ipo", "beta": 0.5})
-    acc_loss, acc = train(tmp_path, "bs4_ga2", spiky_model_dir, data, 1, 4, 2, 1, {"loss_type": "ipo", "beta": 0.5})
-    assert acc_loss == pytest.approx(one_loss, rel=1e-5)
-    assert_close_rel(acc, one)
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, spiky_model_dir):
-    """1 rank: one batch of 8 pairs, and micro-batches of 2 with GA4, over pairs of very uneven lengths."""
-    tmp = tmp_path_factory.mktemp("one_rank")
-    data = uneven_pairs(tmp / "pairs.jsonl", 16)
-    return data, train(tmp, "1x_bs8", spiky_model_dir, data, 1, 8, 1, 2), train(tmp, "1x_ga4", spiky_model_dir,
-                                                                               data, 1, 2, 4, 2)
-
-
-@pytest.mark.slow
-def test_one_rank_ga4_equals_one_batch(one_rank):
-    _, (ref_loss, ref), (losses, final) = one_rank
-    assert losses == pytest.approx(ref_loss, rel=1e-5)
-    assert_close_rel(final, ref)
-
-
 # The losses whose exactness across ranks is tested (sigmoid: DPO, whose runs above also hold the one-batch reference).
 LOSSES = {"sigmoid": {"beta": 0.5}, "orpo": {"loss_type": "orpo", "beta": 0.5},
           "kto": {"loss_type": "kto", "beta": 0.5}}
+STEPS = {"sigmoid": 2, "orpo": 2, "kto": 3}  # KTO: 3 steps of 8 of 32 examples, the last with its KL point above 0
+IPO = {"loss_type": "ipo", "beta": 0.5}
 
 
 def uneven_unpaired(path, n, seed=0, desirable=0.75):
@@ -272,68 +248,137 @@ def uneven_unpaired(path, n, seed=0, desirable=0.75):
 
 
 @pytest.fixture(scope="module")
-def one_rank_ga4(request, tmp_path_factory, spiky_model_dir):
-    """1 rank x GA4 (micro-batches of 2) per loss, run once and shared by every strategy's 2-rank run: (data, steps,
-    (losses, weights)). KTO: 3 steps of 8 of 32 unpaired examples, the last with its KL reference point above 0
-    (asserted: a point clamped to 0 would hide how it was estimated)."""
-    runs = {}
+def one_rank(tmp_path_factory, spiky_model_dir, tiny_model_dir):
+    """Every one-process run of this module, in one launch (tests/matrix_worker.py): (folder, {name: variant}) and
+    the data per loss. Pairs of very uneven lengths; KTO's 32 unpaired examples."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    data = {"sigmoid": uneven_pairs(tmp / "pairs.jsonl", 16), "kto": uneven_unpaired(tmp / "kto.jsonl", 32)}
+    data["orpo"] = data["sigmoid"]
+    six, eight = uneven_pairs(tmp / "six.jsonl", 6), uneven_pairs(tmp / "eight.jsonl", 8)
+    demo = head(PAIRS_TRAIN, 32, tmp / "demo.jsonl")
+    spiky = spiky_model_dir
+    variants = {
+        "bs6": plan(tmp, "bs6", spiky, six, 6, 1, 1, IPO), "bs4_ga2": plan(tmp, "bs4_ga2", spiky, six, 4, 2, 1, IPO),
+        "1x_bs8": plan(tmp, "1x_bs8", spiky, data["sigmoid"], 8, 1, 2),
+        "1x_bs8_orpo": plan(tmp, "1x_bs8_orpo", spiky, data["orpo"], 8, 1, 2, LOSSES["orpo"]),
+        **{f"1x_ga4_{loss}": plan(tmp, f"1x_ga4_{loss}", spiky, data[loss], 2, 4, STEPS[loss], LOSSES[loss])
+           for loss in LOSSES},
+        "copy": plan(tmp, "copy", spiky, eight, 4, 1, 2),
+        "pre": plan(tmp, "pre", spiky, eight, 4, 1, 2, {"beta": 0.5, "precompute_ref_log_probs": True}),
+    }
+    rec, _ = write_recipe(tmp, "lora", tiny_model_dir, demo, max_steps=2, per_device_train_batch_size=8,
+                          save_strategy="no")
+    variants["lora"] = ("hftrain.recipes.dpo", [str(rec), "model.lora.r=4"])
+    rec, _ = write_recipe(tmp, "simpo", tiny_model_dir, demo, max_steps=2, per_device_train_batch_size=8,
+                          save_strategy="no", preference={"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0})
+    variants["simpo"] = ("hftrain.recipes.dpo", [str(rec)])
+    return tmp, run_matrix(launch_of(1), variants, tmp / "matrix", timeout=900), data
 
-    def get(loss):
-        if loss == "sigmoid":
-            data, _, ga4 = request.getfixturevalue("one_rank")
-            return data, 2, ga4
-        if loss not in runs:
-            tmp = tmp_path_factory.mktemp(f"one_rank_{loss}")
-            data = uneven_unpaired(tmp / "kto.jsonl", 32) if loss == "kto" else uneven_pairs(tmp / "pairs.jsonl", 16)
-            steps = 3 if loss == "kto" else 2
-            runs[loss] = data, steps, train(tmp, f"1x_ga4_{loss}", spiky_model_dir, data, 1, 2, 4, steps, LOSSES[loss])
-            if loss == "kto":
-                history = json.load(open(tmp / f"1x_ga4_{loss}" / "trainer_state.json"))["log_history"]
-                assert [h["kl"] for h in history if "loss" in h][-1] > 0.01, history
-        return runs[loss]
+
+def one(one_rank, name):
+    tmp, variants, _ = one_rank
+    return outcome(variants[name], tmp / name, 1)
+
+
+@pytest.mark.launches
+def test_unequal_micro_batches_give_the_global_pair_mean(one_rank):
+    """6 pairs in one step: micro-batches of 4 and 2 (GA2) must train as one batch of 6. TRL alone returns each
+    micro-batch's mean and the Trainer averages the two: the pairs of the short one would weigh double."""
+    one_loss, one_weights = one(one_rank, "bs6")
+    acc_loss, acc = one(one_rank, "bs4_ga2")
+    assert acc_loss == pytest.approx(one_loss, rel=1e-5)
+    assert_close_rel(acc, one_weights)
+
+
+@pytest.mark.launches
+def test_one_rank_ga4_equals_one_batch(one_rank):
+    ref_loss, ref = one(one_rank, "1x_bs8")
+    losses, final = one(one_rank, "1x_ga4_sigmoid")
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)
+
+
+@pytest.mark.launches
+def test_kto_reference_point_leaves_zero(one_rank):
+    """KTO's last step has its KL reference point above 0: a point clamped to 0 would hide how it was estimated."""
+    one(one_rank, "1x_ga4_kto")
+    history = json.load(open(one_rank[0] / "1x_ga4_kto" / "trainer_state.json"))["log_history"]
+    assert [h["kl"] for h in history if "loss" in h][-1] > 0.01, history
+
+
+@pytest.mark.launches
+def test_orpo_one_batch_equals_its_micro_batches(one_rank):
+    """ORPO's NLL is a token mean: one batch of 8 pairs trains like 4 micro-batches of 2 (GA4) only with the chosen
+    tokens counted over the whole step. (2 ranks x GA2 against 1 x GA4 cannot tell: with as many pairs in every
+    micro-batch, TRL's mean of micro-batch means is the same in both; here its losses are off by 0.8%.)"""
+    ref_loss, ref = one(one_rank, "1x_ga4_orpo")
+    losses, final = one(one_rank, "1x_bs8_orpo")
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory, spiky_model_dir, one_rank):
+    """2 ranks x GA2 (micro-batch 2) of every loss, one launch per strategy: strategy -> (folder, {loss: variant})."""
+    launches = {}
+
+    def get(strategy):
+        if strategy not in launches:
+            if strategy.startswith("zero"):
+                request.getfixturevalue("deepspeed_ops")
+            tmp = tmp_path_factory.mktemp(f"two_ranks_{strategy}")
+            # Under DDP the all-reduce runs through hftrain's timed hook (compression.profile): the same mean, exactly.
+            extra = {"compression": {"profile": True}} if strategy == "ddp" else {}
+            variants = {loss: plan(tmp, loss, spiky_model_dir, one_rank[2][loss], 2, 2, STEPS[loss], LOSSES[loss],
+                                   **extra) for loss in LOSSES}
+            launches[strategy] = tmp, run_matrix(launch_of(2, strategy), variants, tmp / "matrix", ranks=2,
+                                                 timeout=900)
+        return launches[strategy]
 
     return get
 
 
-@pytest.mark.slow
-def test_orpo_one_batch_equals_its_micro_batches(tmp_path, spiky_model_dir, one_rank_ga4):
-    """ORPO's NLL is a token mean: one batch of 8 pairs trains like 4 micro-batches of 2 (GA4) only with the chosen
-    tokens counted over the whole step. (2 ranks x GA2 against 1 x GA4 cannot tell: with as many pairs in every
-    micro-batch, TRL's mean of micro-batch means is the same in both; here its losses are off by 0.8%.)"""
-    data, steps, (ref_loss, ref) = one_rank_ga4("orpo")
-    losses, final = train(tmp_path, "1x_bs8_orpo", spiky_model_dir, data, 1, 8, 1, steps, LOSSES["orpo"])
-    assert losses == pytest.approx(ref_loss, rel=1e-5)
-    assert_close_rel(final, ref)
-
-
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
-def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, spiky_model_dir, one_rank_ga4, strategy, loss, request):
+def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy, loss):
     """2 ranks x GA2 (micro-batch 2, global batch 8 pairs or KTO examples) give 1 rank x GA4's losses and weights over
     two steps (KTO three), for DPO, ORPO (its NLL a token mean: pairs of very uneven lengths) and KTO (its KL reference
     point over the step's 8 examples, not each micro-step's)."""
-    if strategy.startswith("zero"):
-        request.getfixturevalue("deepspeed_ops")
-    data, steps, (ref_loss, ref) = one_rank_ga4(loss)
-    # Under DDP the all-reduce runs through hftrain's timed hook (compression.profile): the same mean, exactly.
-    extra = {"compression": {"profile": True}} if strategy == "ddp" else {}
-    losses, final = train(tmp_path, f"2x_ga2_{strategy}_{loss}", spiky_model_dir, data, 2, 2, 2, steps, LOSSES[loss],
-                          strategy=strategy, **extra)
+    ref_loss, ref = one(one_rank, f"1x_ga4_{loss}")
+    tmp, variants = two_ranks(strategy)
+    losses, final = outcome(variants[loss], tmp / loss, 2, strategy, compression=strategy == "ddp")
     assert losses == pytest.approx(ref_loss, rel=1e-5)
     assert_close_rel(final, ref)
 
 
-@pytest.mark.slow
-def test_lora_run_saves_the_adapter(tmp_path, tiny_model_dir):
+@pytest.mark.launches
+def test_lora_run_saves_the_adapter(one_rank):
     """With LoRA TRL gets the base model and the LoraConfig: the reference is the base (adapter disabled), no copy."""
-    data = head(PAIRS_TRAIN, 32, tmp_path / "train.jsonl")
-    rec, out = write_recipe(tmp_path, "lora", tiny_model_dir, data, max_steps=2, per_device_train_batch_size=8,
-                            save_strategy="no")
-    r = run([PY, "recipes/dpo.py", str(rec), "model.lora.r=4"], timeout=240)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    tmp, variants, _ = one_rank
+    variants["lora"].check()
+    out = tmp / "lora"
     assert os.path.exists(out / "adapter_model.safetensors")
     assert list(json.load(open(out / "adapter_config.json"))["target_modules"])
+
+
+@pytest.mark.launches
+def test_simpo_runs_without_a_reference_model(one_rank):
+    tmp, variants, _ = one_rank
+    variants["simpo"].check()
+    assert "Computing reference log probs" not in variants["simpo"].stderr + variants["simpo"].stdout
+    logged = [h for h in json.load(open(tmp / "simpo" / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert logged and all(h["loss"] > 0 for h in logged)
+
+
+@pytest.mark.launches
+def test_precomputed_reference_trains_like_the_frozen_copy(one_rank):
+    copy_loss, copy = one(one_rank, "copy")
+    pre_loss, pre = one(one_rank, "pre")
+    assert pre_loss == pytest.approx(copy_loss, rel=1e-5)
+    assert_close_rel(pre, copy)
+    # Negative control for the output split above: the precomputing run's own output says it computes them.
+    assert "Computing reference log probs" in one_rank[1]["pre"].stderr + one_rank[1]["pre"].stdout
 
 
 def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
@@ -373,13 +418,3 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
         beta * (mean_logp(r["prompt_ids"], r["chosen_ids"]) - mean_logp(r["prompt_ids"], r["rejected_ids"])) - gamma)
         for r in rows]).mean()
     assert float(got) == pytest.approx(float(want), rel=1e-5)
-
-
-@pytest.mark.slow
-def test_precomputed_reference_trains_like_the_frozen_copy(tmp_path, spiky_model_dir):
-    data = uneven_pairs(tmp_path / "pairs.jsonl", 8)
-    copy_loss, copy = train(tmp_path, "copy", spiky_model_dir, data, 1, 4, 1, 2)
-    pre_loss, pre = train(tmp_path, "pre", spiky_model_dir, data, 1, 4, 1, 2,
-                          {"beta": 0.5, "precompute_ref_log_probs": True})
-    assert pre_loss == pytest.approx(copy_loss, rel=1e-5)
-    assert_close_rel(pre, copy)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from .support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, SMALL, assert_close_rel, run, uneven_data
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, SMALL, assert_close_rel, run, run_matrix, uneven_data
 
 LR = 0.5
 STEPS = 3
@@ -53,11 +53,8 @@ def recipe(tmp, name, model_dir, data, held_out, strategy, n, training, data_ove
 
 
 def launch(path, strategy, script):
-    if strategy is None:
-        cmd = [PY, script, str(path)]
-    else:
-        cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-               str(free_port()), script, str(path)]
+    cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
+           str(free_port()), script, str(path)]
     r = run(cmd, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -89,10 +86,16 @@ def runs(tmp_path_factory, spiky_model_dir, untied_model_dir, deepspeed_ops):
     tmp = tmp_path_factory.mktemp("sp")
     data, held_out = uneven_data(tmp / "train.jsonl"), uneven_data(tmp / "eval.jsonl", n=6, seed=1)
     models = {"tied": spiky_model_dir, "untied": untied_model_dir}
-    out = {}
+    out, one_process = {}, {}
     for name, (model, strategy, n, script, training, data_over, model_over) in RUNS.items():
         path = recipe(tmp, name, models[model], data, held_out, strategy, n, training, data_over, model_over)
+        if strategy is None:  # the one-process references: one launch (tests/matrix_worker.py)
+            one_process[name] = ("hftrain.recipes.sft", [path])
+            continue
         launch(path, strategy, script)
+        out[name] = result(tmp / name)
+    for name, variant in run_matrix([PY], one_process, tmp / "matrix").items():
+        variant.check()
         out[name] = result(tmp / name)
     # Resume the ZeRO-3 run after its first step: 3 micro-batches trained, 1 loader batch (2 slices) and 1 slice of
     # the next skipped. The same batches follow, so the end is the uninterrupted run's.
@@ -103,7 +106,7 @@ def runs(tmp_path_factory, spiky_model_dir, untied_model_dir, deepspeed_ops):
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("ref,other", [("ref", "z3"), ("ref_lora", "z2_lora")])
 def test_two_ranks_per_sequence_equal_one_process(runs, ref, other):
     a, b = runs[ref], runs[other]
@@ -119,7 +122,7 @@ def test_two_ranks_per_sequence_equal_one_process(runs, ref, other):
         assert b["info"]["metrics"][key] == pytest.approx(a["info"]["metrics"][key], rel=1e-5), key
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_resume_mid_epoch_continues_the_same_run(runs):
     a, b = runs["z3"], runs["z3_resumed"]
     assert b["step1"] is None  # it started from the first run's checkpoint-1 (whose log its history keeps)
@@ -127,7 +130,7 @@ def test_resume_mid_epoch_continues_the_same_run(runs):
     assert_close_rel(b["final"], a["final"])
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_without_the_patch_zero2_doubles_the_gradient(runs, untied_model_dir):
     """Negative control: DeepSpeed's ZeRO-2 divides the gradient by the data-parallel size (1), not the world (2)."""
     base = load_file(f"{untied_model_dir}/model.safetensors")
