@@ -13,7 +13,7 @@ from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.launches
 
 
 def recipe_file(tmp_path, model_dir, out, **training) -> str:
@@ -75,20 +75,17 @@ def test_single_process_train_save_reload_resume(tmp_path, tiny_model_dir):
     assert train_steps == list(range(1, 9))  # 1..6 restored from checkpoint-6, then 7 and 8
 
 
-def test_two_processes_ddp(tmp_path, tiny_model_dir):
-    out = tmp_path / "out"
-    cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-           str(free_port()), "recipes/sft.py", recipe_file(tmp_path, tiny_model_dir, out), "training.save_steps=100"]
-    r = run(cmd)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    info = check_outputs(str(out), tiny_model_dir)
+def test_two_processes_ddp(reference_runs):
+    """The session's DDP reference run (tests/references.py: 2 ranks x 2 examples a step, 6 steps)."""
+    out = reference_runs("ddp")
+    info = check_outputs(str(out), reference_runs.model_dir)
     assert info["world_size"] == 2 and info["launcher_world_size"] == 2
     assert info["backend"] == "gloo"
     assert info["wrapper"] == "DistributedDataParallel"
     assert len(info["rank_weight_digests"]) == 2 and len(set(info["rank_weight_digests"])) == 1
-    # 2 ranks x 4 examples per step: the step count is that of a global batch of 8.
+    # 2 ranks x 2 examples per step: the step count is that of a global batch of 4.
     assert info["global_step"] == 6
-    assert r.stdout.count("hftrain: saved to") == 1  # rank-0-only printing
+    assert reference_runs.stdout("ddp").count("hftrain: saved to") == 1  # rank-0-only printing
 
 
 def test_two_process_bad_data_fails_fast_on_every_rank(tmp_path, tiny_model_dir):
@@ -102,14 +99,20 @@ def test_two_process_bad_data_fails_fast_on_every_rank(tmp_path, tiny_model_dir)
     assert r.stderr.count("bad.jsonl:2: malformed JSON") == 1, r.stderr[-3000:]
 
 
-def test_user_errors_exit_2_with_one_message(tmp_path, tiny_model_dir):
+def test_user_errors_exit_2_with_one_message(tmp_path, tiny_model_dir, capsys, in_process):
+    """The recipe script's main(argv) in this process: the message and the exit status are what is tested."""
+    from hftrain.recipes.sft import main
+
     rec = recipe_file(tmp_path, tiny_model_dir, tmp_path / "out")
-    r = run([PY, "recipes/sft.py", rec, "model.name_or_path=./no/such/model", "training.max_step=3"])
-    assert r.returncode == 2
-    assert "training.max_step: unknown key; did you mean 'training.max_steps'?" in r.stderr
-    r = run([PY, "recipes/sft.py", rec, "model.name_or_path=./no/such/model"])
-    assert r.returncode == 2 and "model.name_or_path: ./no/such/model does not exist" in r.stderr
-    assert "Traceback" not in r.stderr
+    with pytest.raises(SystemExit) as e:
+        main([rec, "model.name_or_path=./no/such/model", "training.max_step=3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "training.max_step: unknown key; did you mean 'training.max_steps'?" in err
+    with pytest.raises(SystemExit) as e:
+        main([rec, "model.name_or_path=./no/such/model"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "model.name_or_path: ./no/such/model does not exist" in err
+    assert "Traceback" not in err and err.count("hftrain: error:") == 1, err
 
 
 def test_lora_adapter_and_merged_model(tmp_path, tiny_model_dir):

@@ -11,31 +11,22 @@ import subprocess
 import time
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
 from tests.support import free_port
 from hftrain.manifest import manifest_problems, read_manifest
+from tests.references import SAVE, STEPS, reference_recipe
 
-from .conftest import (ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning,
+from .conftest import (ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning,
                        run)
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("deepspeed_ops")]
-
-STEPS, SAVE = 6, 2
+pytestmark = [pytest.mark.launches, pytest.mark.usefixtures("deepspeed_ops")]
 
 
 def recipe(tmp, model_dir, out, name="recipe.yaml", **training):
-    p = tmp / name
-    p.write_text(yaml.safe_dump({
-        "model": {"name_or_path": model_dir, "dtype": "float32"},
-        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 32},
-        "training": {"output_dir": str(out), "max_steps": STEPS, "save_steps": SAVE, "save_total_limit": 2,
-                     "per_device_train_batch_size": 2, "learning_rate": 3e-3, "warmup_steps": 0,
-                     "logging_steps": 1, "report_to": "none", "disable_tqdm": True, "seed": 0, **training},
-    }))
-    return str(p)
+    """The reference runs' recipe (tests/references.py): a run killed and resumed must end with their weights."""
+    return reference_recipe(tmp, model_dir, out, DEMO_TRAIN, DEMO_EVAL, name=name, **training)
 
 
 def launch(strategy: str, script: str, args: list[str], processes: int = 2) -> list[str]:
@@ -88,19 +79,15 @@ def kill_after_first_checkpoint(cmd, out):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, tiny_model_dir):
-    """Uninterrupted 2-rank runs, per strategy, made on first use."""
-    made = {}
+def references(reference_runs):
+    """Uninterrupted 2-rank runs per strategy: the session's reference runs (conftest.reference_runs)."""
+    return reference_runs
 
-    def get(strategy):
-        if strategy not in made:
-            tmp = tmp_path_factory.mktemp(f"ref_{strategy}")
-            out = tmp / "out"
-            r = run(launch(strategy, "recipes/sft.py", [recipe(tmp, tiny_model_dir, out)]), timeout=600)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            made[strategy] = out
-        return made[strategy]
-    return get
+
+@pytest.fixture
+def tiny_model_dir(reference_runs):
+    """The model the reference runs trained (the session's shared one)."""
+    return reference_runs.model_dir
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])

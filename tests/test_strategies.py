@@ -13,6 +13,7 @@ from hftrain.config import strategy_of_deepspeed_config
 from hftrain.config import RecipeError, StrategySection, load_recipe
 from hftrain.constants import STRATEGIES
 from hftrain.launch.strategies import accelerate_config, deepspeed_config, render
+from tests.references import STEPS
 from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, eval_token_mean, run
@@ -109,25 +110,13 @@ ENGINES = {
 
 
 @pytest.fixture(scope="module")
-def strategy_runs(tmp_path_factory, tiny_model_dir, deepspeed_ops):
-    tmp = tmp_path_factory.mktemp("strategies")
-    out = {}
-    for name in ENGINES:
-        od = tmp / name
-        cmd = [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{name}.yaml", "--main_process_port",
-               str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
-               f"model.name_or_path={tiny_model_dir}", f"data.sources.0.path={DEMO_TRAIN}",
-               f"data.eval_sources.0.path={DEMO_EVAL}", "eval.exact_match=8", f"training.output_dir={od}",
-               "training.max_steps=4", "training.per_device_train_batch_size=4", "training.learning_rate=1e-3",
-               "training.lr_scheduler_type=constant", "training.warmup_steps=0", "training.logging_steps=1",
-               "training.train_sampling_strategy=sequential", "training.report_to=none", f"strategy.name={name}"]
-        r = run(cmd, timeout=600)
-        assert r.returncode == 0, f"{name}:\n" + r.stdout[-3000:] + r.stderr[-4000:]
-        out[name] = od
-    return out
+def strategy_runs(reference_runs):
+    """Each strategy's 2-rank reference run (tests/references.py: the shipped config, 6 steps, eval and exact match),
+    shared with test_resume and test_e2e."""
+    return {name: reference_runs(name) for name in ENGINES}
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_strategy_runs_with_the_right_engine_and_saves_a_loadable_model(strategy_runs, name):
     from transformers import AutoModelForCausalLM
@@ -150,24 +139,24 @@ def test_strategy_runs_with_the_right_engine_and_saves_a_loadable_model(strategy
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_loss_trajectories_agree_across_strategies(strategy_runs):
     def losses(name):
         state = json.load(open(strategy_runs[name] / "trainer_state.json"))
         return [h["loss"] for h in state["log_history"] if "loss" in h]
 
     ref = losses("ddp")
-    assert len(ref) == 4
+    assert len(ref) == STEPS
     for name in ENGINES:
         assert losses(name) == pytest.approx(ref, rel=1e-4), name
 
 
-@pytest.mark.slow
-def test_eval_agrees_across_strategies(strategy_runs, tiny_model_dir):
+@pytest.mark.launches
+def test_eval_agrees_across_strategies(strategy_runs, reference_runs):
     """The demo's 200 held-out examples on 2 ranks x 64 leave a last round of 72: the sampler's repeats must not
-    count. Before training every strategy holds the same weights; after 4 steps they agree to 1e-4."""
+    count. Before training every strategy holds the same weights; after 6 steps they agree to 1e-4."""
     metrics = {name: json.load(open(strategy_runs[name] / "run_info.json"))["metrics"] for name in ENGINES}
-    initial = eval_token_mean(tiny_model_dir, DEMO_EVAL)
+    initial = eval_token_mean(reference_runs.model_dir, DEMO_EVAL)
     for name, m in metrics.items():
         assert m["initial_eval_loss"] == pytest.approx(initial, rel=1e-5), name
         assert m["final_eval_loss"] == pytest.approx(metrics["ddp"]["final_eval_loss"], rel=1e-4), name
@@ -176,12 +165,17 @@ def test_eval_agrees_across_strategies(strategy_runs, tiny_model_dir):
             assert m["initial_exact_match"] == metrics["ddp"]["initial_exact_match"], name
 
 
-def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_model_dir):
-    r = run([PY, "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"), "strategy.name=zero3",
-             f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}"])
-    assert r.returncode == 2
-    assert "strategy.name is 'zero3' but the launcher set up 'ddp'" in r.stderr
-    assert "--config_file accelerate_configs/zero3.yaml" in r.stderr
+def test_strategy_mismatch_with_launcher_stops_before_loading(tmp_path, tiny_model_dir, capsys, in_process):
+    """recipes/sft.py's main(argv) in this process (no launcher: what the launcher set up reads as 'ddp')."""
+    from hftrain.recipes.sft import main
+
+    with pytest.raises(SystemExit) as e:
+        main([os.path.join(REPO, "recipes/demo/sft.yaml"), "strategy.name=zero3",
+              f"model.name_or_path={tiny_model_dir}", f"training.output_dir={tmp_path / 'o'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "strategy.name is 'zero3' but the launcher set up 'ddp'" in err
+    assert "--config_file accelerate_configs/zero3.yaml" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -208,6 +202,7 @@ def test_preflight_nvme_path_problems(tmp_path):
     assert nvme_problems(str(tmp_path), need_bytes=1) == []
 
 
+@pytest.mark.launches
 def test_preflight_runs_before_model_load_and_lists_everything(tmp_path, tiny_model_dir):
     r = run([*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/zero_infinity.yaml", "--main_process_port",
              str(free_port()), "recipes/sft.py", os.path.join(REPO, "recipes/demo/sft.yaml"),
@@ -220,6 +215,7 @@ def test_preflight_runs_before_model_load_and_lists_everything(tmp_path, tiny_mo
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.launches
 def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
     out = tmp_path / "o"
     r = run([PY, "-m", "hftrain.cli", "launch", os.path.join(REPO, "recipes/demo/sft.yaml"),
@@ -239,7 +235,7 @@ def _async_io_ok() -> bool:
     return async_io_problem() is None
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.skipif(not _async_io_ok(), reason="libaio missing (scripts/setup.sh installs libaio-dev)")
 def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path, deepspeed_ops):
     """A model with matrices of several MiB (DeepSpeed swaps only tensors >= 1 MiB) on 2 ranks."""
