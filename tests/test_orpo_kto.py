@@ -296,3 +296,17 @@ def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir
     assert shares(trainer, rows, [2, 2, 2, 2], torch.tensor(8)) == pytest.approx(sum(losses) / 8, rel=1e-5)
     per_micro = [max(0.0, sum(kl[i:i + 2]) / 2) for i in range(0, 8, 2)]
     assert max(abs(k - z) for k in per_micro) > 0.1 * z, per_micro  # TRL's z of a micro-batch alone
+
+
+@pytest.mark.parametrize("preference, tag", [({"loss_type": "orpo"}, "orpo"), ({"loss_type": "kto"}, "kto"),
+                                             ({"loss_type": "ipo"}, "dpo"), ({}, "dpo"), (None, "sft")])
+def test_the_card_is_tagged_with_the_method_that_trained_the_model(tmp_path, preference, tag):
+    """A KTO or ORPO model's card was tagged `dpo` (issue 43): the tag is the method's (the Hub lists models by it)."""
+    from hftrain.constants import RECIPE_FILE, RUN_INFO_FILE
+    from hftrain.hub.card import build_card
+
+    recipe = {"model": {"name_or_path": "base"}, **({"preference": preference} if preference is not None else {})}
+    (tmp_path / RECIPE_FILE).write_text(yaml.safe_dump(recipe))
+    (tmp_path / RUN_INFO_FILE).write_text("{}")
+    card = build_card(str(tmp_path), [RECIPE_FILE, RUN_INFO_FILE])
+    assert tag in card.data.tags and ({"dpo", "orpo", "kto", "sft"} - {tag}).isdisjoint(card.data.tags)

@@ -37,6 +37,15 @@ def _grpo_method(g: dict) -> str:
             f"rewards: {rewards})")
 
 
+def _method_tag(preference, grpo) -> str:
+    """The card's method tag, as the Hub's model pages name methods: orpo and kto are methods of their own, the other
+    preference losses (sigmoid, ipo, simpo) are DPO's family; a preference: section without loss_type is DPO."""
+    if isinstance(preference, dict):
+        loss = preference.get("loss_type")
+        return loss if loss in ("orpo", "kto") else "dpo"
+    return "grpo" if isinstance(grpo, dict) else "sft"
+
+
 def build_card(output_dir: str, files: list[str], repo_id: str | None = None, license: str | None = None,
                merged: bool = False):
     """The model card (huggingface_hub.ModelCard): metadata, results, curves, how it was made, the recipe and configs.
@@ -58,8 +67,7 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     grpo = recipe.get("grpo")  # online RL with verifiable rewards (recipes/grpo.py)
     method = (f"preference tuning ({pref.get('loss_type')} loss, beta={pref.get('beta')})" if isinstance(pref, dict)
               else _grpo_method(grpo) if isinstance(grpo, dict) else "supervised fine-tuning")
-    tags = ["hftrain", "dpo" if isinstance(pref, dict) else "grpo" if isinstance(grpo, dict) else "sft",
-            strategy] + (["lora", "peft"] if lora else [])
+    tags = ["hftrain", _method_tag(pref, grpo), strategy] + (["lora", "peft"] if lora else [])
     card_data = ModelCardData(
         base_model=base if _hub_id(base) else None,
         datasets=[s for s in sources if _hub_id(s)] or None,
