@@ -152,6 +152,11 @@ def test_recipe_rules():
                                                     compression={"method": "bf16"})
     assert "moe: cannot be combined" in problems({"name": "zero2", "sequence_parallel": 2},
                                                  moe={"aux_loss_coef": 0.01})
+    # GRPO passed these checks although nothing splits its rollouts (issue 43)
+    grpo = {"rewards": [{"function": "exact_match"}]}
+    assert "strategy.sequence_parallel: GRPO does not run under sequence parallelism" in problems(
+        {"name": "zero3", "sequence_parallel": 2}, grpo=grpo)
+    load_recipe(None, raw={**BASE, "strategy": {"name": "zero3"}, "grpo": grpo})  # negative control: without it
 
 
 def test_checks_before_launch_heads_and_world(tiny_model_dir, tmp_path):

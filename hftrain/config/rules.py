@@ -169,6 +169,10 @@ def sequence_parallel_problems(recipe: Recipe, n: int) -> Problems:
     if recipe.preference is not None:
         out.append(("strategy.sequence_parallel", "preference tuning does not run under sequence parallelism (TRL "
                     "scores whole sequences on each rank): remove strategy.sequence_parallel"))
+    if recipe.grpo is not None:
+        out.append(("strategy.sequence_parallel", "GRPO does not run under sequence parallelism (its rollouts are "
+                    "generated and scored whole on each rank: nothing would split them): remove "
+                    "strategy.sequence_parallel"))
     if recipe.moe is not None:
         out.append(("moe", "cannot be combined with strategy.sequence_parallel: the router losses are means over "
                     "a rank's tokens and would not be exact over a split sequence; remove one of them"))
