@@ -38,8 +38,7 @@ def script_for(recipe, kind: str | None = None, script: str | None = None) -> li
     with a grpo: section, else sft)."""
     if script:
         return [script]
-    kind = kind or ("dpo" if recipe.preference is not None else "grpo" if recipe.grpo is not None else "sft")
-    return ["-m", RECIPE_MODULES[kind]]
+    return ["-m", RECIPE_MODULES[kind or recipe.method]]
 
 
 def _check(ns) -> int:

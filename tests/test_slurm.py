@@ -116,6 +116,21 @@ def test_torchrun_and_deepspeed_forms(tmp_path, monkeypatch):
         main(["config", "r.yaml", "--launcher", "torchrun"])
 
 
+@pytest.mark.parametrize("section, module", [({}, "sft"), ({"preference": {}}, "dpo"),
+                                             ({"grpo": {"rewards": [{"function": "exact_match"}]}}, "grpo")])
+def test_the_job_runs_the_recipes_own_method(tmp_path, monkeypatch, section, module):
+    """A GRPO recipe's job started the SFT script (issue 43): the job runs the recipe's method, as `hftrain launch`."""
+    monkeypatch.chdir(tmp_path)
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "ddp", "num_machines": 2, "num_processes": 4},
+                                   "training": {"output_dir": "out"}, **section}))
+    assert main(["config", "r.yaml", "--slurm"]) == 0
+    script = (tmp_path / "out" / "launch.sbatch").read_text()
+    assert f"-m hftrain.recipes.{module} {rec}" in script
+    assert [m for m in ("sft", "dpo", "grpo") if f"hftrain.recipes.{m} " in script] == [module]
+
+
 def test_the_main_address_is_one_the_other_machines_reach(monkeypatch):
     assert hostaddr.interface_address("lo") == "127.0.0.1"
     with pytest.raises(ValueError, match="no IPv4 address on interface 'nosuch0'"):

@@ -338,6 +338,12 @@ class Recipe:
     def output_dir(self) -> str:
         return self.training["output_dir"]
 
+    @property
+    def method(self) -> str:
+        """The recipe script that trains this recipe (constants.RECIPE_MODULES): dpo for a recipe with a preference:
+        section, grpo for one with a grpo: section, else sft."""
+        return "dpo" if self.preference is not None else "grpo" if self.grpo is not None else "sft"
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source")

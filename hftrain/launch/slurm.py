@@ -85,7 +85,7 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
     gpus = not recipe.training_value("use_cpu")
     python = python or sys.executable
     if script is None:
-        module = module or RECIPE_MODULES["dpo" if recipe.preference is not None else "sft"]
+        module = module or RECIPE_MODULES[recipe.method]
         target = ["--module" if launcher == "deepspeed" else "-m", module]
     else:
         target = [_q(os.path.abspath(script))]
