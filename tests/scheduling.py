@@ -3,8 +3,10 @@ heaviest first, and the cluster modules on one worker.
 
 - A module is one unit of work (as `--dist loadfile`): its module-scoped fixtures (reference runs, matrix
   launches) are made once, by the worker that runs it; split over workers they would be made twice.
-- The cluster modules (network namespaces with fixed addresses, SLURM's daemons) are one unit: they never run at
-  the same time.
+- The cluster modules (network namespaces with fixed addresses, SLURM's daemons) are one unit, and it runs alone,
+  first: each of its tests runs two or three launchers of several processes at once, and beside another worker's
+  2-rank launches (ranks waiting in collectives spin) they took 4x their time alone (measured: test_multinode 18
+  min instead of 4), near their own time-outs.
 - The heaviest units start first (longest processing time first), so the last unit to finish is a short one. The
   weights are the seconds each took in a measured run of the suite (`.pytest_launches.jsonl` and pytest's durations);
   a module missing from the table counts as light.
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 CLUSTER_MODULES = ("test_multinode", "test_slurm")
+EXCLUSIVE_UNITS = ("cluster",)  # units that run with no other unit beside them
 
 # Measured seconds of launches per unit (launch log, both workers busy, after the merges); the order matters, not
 # the values' precision.
@@ -40,18 +43,39 @@ def make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
-        """xdist's scope scheduling with our units, handed out heaviest first."""
+        """xdist's scope scheduling with our units, handed out heaviest first (the exclusive ones before all), an
+        exclusive unit only to an idle machine and nothing beside it until it is done."""
 
         ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+        def _running(self, exclusive: bool, besides=None) -> bool:
+            """A node other than `besides` has unfinished tests of an exclusive unit (exclusive=True) or of any unit
+            (False)."""
+            return any(not all(tests.values()) for other, units in self.assigned_work.items() if other is not besides
+                       for unit, tests in units.items() if not exclusive or unit in EXCLUSIVE_UNITS)
+
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # the queue is complete when the first unit is handed out
-                self.workqueue = OrderedDict(sorted(self.workqueue.items(),
-                                                    key=lambda unit: -WEIGHTS_S.get(unit[0], 0)))
+                self.workqueue = OrderedDict(sorted(
+                    self.workqueue.items(), key=lambda unit: (unit[0] not in EXCLUSIVE_UNITS,
+                                                              -WEIGHTS_S.get(unit[0], 0))))
                 self.ordered = True
+            # The node running an exclusive unit may queue the next unit behind it (an xdist worker holds its last
+            # test back until it has more work or is told to stop); the others get nothing beside it.
+            if self._running(exclusive=True, besides=node):
+                return  # mark_test_complete hands them work once it is done
+            if next(iter(self.workqueue)) in EXCLUSIVE_UNITS and self._running(exclusive=False, besides=node):
+                return  # an exclusive unit waits for the other machines to be idle
             super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            if not self._running(exclusive=True):  # the other nodes may be idle, waiting for it (or, the queue
+                for other in self.nodes:               # empty, waiting to be shut down)
+                    if other is not node:
+                        self._reschedule(other)
 
     return ModuleScheduling(config, log)
