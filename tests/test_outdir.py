@@ -72,6 +72,7 @@ HOLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launches
 def test_lock_names_the_holder_and_is_released_when_it_dies(tmp_path):
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-c", HOLD, out], stdout=subprocess.PIPE, text=True)

@@ -270,6 +270,7 @@ def test_run_owned_returns_the_child_status():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+@pytest.mark.launches
 def test_run_owned_forwards_signals_to_the_child(sig, marker):
     proc = start_owner(SLEEPER, marker)
     assert len(processes_mentioning(marker)) == 2  # the owner and its child
@@ -280,6 +281,7 @@ def test_run_owned_forwards_signals_to_the_child(sig, marker):
     assert_no_process_left(marker, within=5)
 
 
+@pytest.mark.launches
 def test_the_child_dies_when_its_owner_is_sigkilled(marker):
     proc = start_owner(SLEEPER, marker)
     assert len(processes_mentioning(marker)) == 2
@@ -309,6 +311,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.launches
 def test_a_worker_of_deepspeeds_launcher_dies_with_the_runner_too(marker):
     """`deepspeed` (the runner) starts deepspeed.launcher.launch, which starts the workers: the node launcher does not
     end with a SIGKILLed runner, so the worker watches the runner as well as its parent (lifetime.outer_launchers)."""
