@@ -185,6 +185,15 @@ def _section(text: str, name: str) -> str:
     return "".join(p.split("\n", 1)[-1] for p in parts[1:] if p.split("\n", 1)[0] == name)
 
 
+def launch_prefix(world: int, strategy: str = "ddp") -> list[str]:
+    """The command before a script: one process ([PY]), or accelerate's launch with the shipped config of `strategy`
+    (2 processes) on a port of this worker's own."""
+    if world == 1:
+        return [PY]
+    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
+            str(free_port())]
+
+
 class VariantResult:
     """One variant of a matrix launch (tests/matrix_worker.py): its status on every rank and its part of the launch's
     standard output. `check()` fails the calling test under the variant's own name."""

@@ -10,9 +10,8 @@ import torch.distributed as dist
 
 from hftrain import compression as comp
 from hftrain.config import RecipeError, load_recipe
-from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, REPO, run_matrix
+from .conftest import DEMO_TRAIN, REPO, launch_prefix, run_matrix
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 
@@ -218,8 +217,7 @@ def variant(tmp_path, tiny_model_dir, overrides, name) -> tuple[str, list[str]]:
 
 def launch_matrix(tmp_path, config, variants: dict) -> dict:
     """Every variant {name: (module, argv)} in one 2-rank launch under accelerate_configs/CONFIG.yaml."""
-    return run_matrix([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{config}.yaml", "--main_process_port",
-                       str(free_port())], variants, tmp_path / "matrix", ranks=2, timeout=600)
+    return run_matrix(launch_prefix(2, config), variants, tmp_path / "matrix", ranks=2, timeout=600)
 
 
 def result(tmp_path, variants, name) -> dict:

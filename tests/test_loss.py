@@ -10,9 +10,8 @@ from safetensors.torch import load_file
 from hftrain import losses
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
-from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, PY, assert_close_rel, run_matrix, uneven_data
+from .conftest import assert_close_rel, launch_prefix, run_matrix, uneven_data
 
 
 def rand_batch(b=3, t=9, v=11, seed=0):
@@ -112,13 +111,6 @@ CONFIGS = {  # name: (processes, micro-batch, accumulation, packing, strategy, m
 LR = 0.5
 
 
-def launch_of(world: int, strategy: str) -> list[str]:
-    if world == 1:
-        return [PY]
-    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-            str(free_port())]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
     """Every (mode, config) run, one launch per (world size, strategy) (tests/matrix_worker.py): {(mode, name):
@@ -147,7 +139,7 @@ def runs(tmp_path_factory, spiky_model_dir, deepspeed_ops):
             launches.setdefault((world, strategy), {})[f"{mode}_{name}"] = ("hftrain.recipes.sft", [str(rec)])
     results = {}
     for (world, strategy), variants in launches.items():
-        for key, variant in run_matrix(launch_of(world, strategy), variants, tmp / f"matrix_{world}_{strategy}",
+        for key, variant in run_matrix(launch_prefix(world, strategy), variants, tmp / f"matrix_{world}_{strategy}",
                                        ranks=world).items():
             mode, name = key.split("_", 1)
             results[(mode, name)] = outputs(tmp / key, variant, world, strategy) if variant.ok else variant

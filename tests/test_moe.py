@@ -15,7 +15,7 @@ from hftrain.moe.blocks import moe_blocks, routers
 from hftrain.moe.upcycle import upcycle
 from tests.support import free_port
 
-from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, run, run_matrix
+from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, REPO, SMALL, launch_prefix, run, run_matrix
 
 IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]])
 
@@ -257,8 +257,7 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
         launches.setdefault((world, script), {})[name] = rec
     res = {}
     for (world, script), recipes in launches.items():
-        prefix = [PY] if world == 1 else [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml",
-                                          "--main_process_port", str(free_port())]
+        prefix = launch_prefix(world)
         if script == "recipes/sft.py":
             variants = {name: ("hftrain.recipes.sft", [rec]) for name, rec in recipes.items()}
             ran = run_matrix(prefix, variants, tmp / f"matrix_{world}", ranks=world)

@@ -13,11 +13,10 @@ from safetensors.torch import load_file
 from hftrain.config import parse_recipe
 from hftrain.config.sections import DataSource
 from hftrain.data.preference import read_pairs
-from tests.support import free_port
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 
-from .conftest import ACCELERATE_LAUNCH, PY, REPO, assert_close_rel, run, run_matrix
+from .conftest import PY, REPO, assert_close_rel, launch_prefix, run, run_matrix
 
 PAIRS_TRAIN = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}, "preference": {}}
@@ -203,13 +202,6 @@ def plan(tmp_path, name, model, data, bs, ga, steps, preference=None, **extra) -
     return "hftrain.recipes.dpo", [str(rec)]
 
 
-def launch_of(world: int, strategy: str = "ddp") -> list[str]:
-    if world == 1:
-        return [PY]
-    return [*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-            str(free_port())]
-
-
 def outcome(variant, out, world, strategy="ddp", compression=False):
     """(losses, final weights) of a variant's run, after checking it ran where it should."""
     variant.check()
@@ -272,7 +264,7 @@ def one_rank(tmp_path_factory, spiky_model_dir, tiny_model_dir):
     rec, _ = write_recipe(tmp, "simpo", tiny_model_dir, demo, max_steps=2, per_device_train_batch_size=8,
                           save_strategy="no", preference={"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0})
     variants["simpo"] = ("hftrain.recipes.dpo", [str(rec)])
-    return tmp, run_matrix(launch_of(1), variants, tmp / "matrix", timeout=900), data
+    return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900), data
 
 
 def one(one_rank, name):
@@ -331,7 +323,7 @@ def two_ranks(request, tmp_path_factory, spiky_model_dir, one_rank):
             extra = {"compression": {"profile": True}} if strategy == "ddp" else {}
             variants = {loss: plan(tmp, loss, spiky_model_dir, one_rank[2][loss], 2, 2, STEPS[loss], LOSSES[loss],
                                    **extra) for loss in LOSSES}
-            launches[strategy] = tmp, run_matrix(launch_of(2, strategy), variants, tmp / "matrix", ranks=2,
+            launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
                                                  timeout=900)
         return launches[strategy]
 
