@@ -113,7 +113,8 @@ def resolve_resume(value, output_dir: str, restarted: bool = False, warn=logger.
 
 
 # -- verification -----------------------------------------------------------------------------------------------
-_verified: dict[tuple[str, bool], tuple] = {}  # (checkpoint, weights_only) -> its files' stat when it passed
+# (checkpoint, weights_only) -> (its files' stat, what its verification warned) when it passed
+_verified: dict[tuple[str, bool], tuple] = {}
 
 
 def _stat_signature(path: str) -> tuple:
@@ -134,11 +135,14 @@ def verify(path: str, weights_only: bool = False, warn=logger.warning) -> None:
     sha256 pass over a checkpoint of many GB is enough)."""
     key = (os.path.realpath(path), weights_only)
     signature = _stat_signature(path) if os.path.isdir(path) else None
-    if signature is not None and _verified.get(key) == signature:
+    if signature is not None and key in _verified and _verified[key][0] == signature:
+        for message in _verified[key][1]:  # what the first verification said is said again (the run's log)
+            warn(message)
         return
-    _verify(path, weights_only, warn)
+    said: list[str] = []
+    _verify(path, weights_only, lambda m: (said.append(m), warn(m)))
     if signature is not None:
-        _verified[key] = signature
+        _verified[key] = (signature, said)
 
 
 def _verify(path: str, weights_only: bool, warn) -> None:

@@ -376,6 +376,11 @@ def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(
     assert lines == [f"hftrain: {ck} has no {MANIFEST}: it was written by hftrain (it holds hftrain_checkpoint.json), "
                      "either by a version older than the manifest (before 2026-11-23) or the manifest was deleted "
                      "after the save; its files cannot be verified (only checked complete and readable)"]
+    # The run verifies twice (its preflight, then its set-up, which prints): the second, answered from the cache of
+    # verified checkpoints, says the same (it said nothing before: the run resumed without a word).
+    again = []
+    assert resolve_resume(True, str(two_checkpoints), warn=again.append) == str(ck)
+    assert again == lines
     # An RNG file torch refuses to load safely: named, and torch's advice (weights_only=False) is not passed on.
     torch.save({"python": object}, ck / "rng_state.pth")
     with pytest.raises(CheckpointError) as e:
