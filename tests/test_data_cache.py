@@ -303,3 +303,53 @@ def test_a_cut_the_template_would_write_differently_is_not_made(tmp_path, own_ca
     assert got["input_ids"] == [ex["input_ids"][:64] for ex in want]
     assert got["labels"] == [ex["labels"][:64] for ex in want]
     assert "answer 0." in tok.decode(got["input_ids"][1])  # the second example writes the first turn's answer only
+
+
+# -- a damaged or unwritable cache (issue 43 point 3) ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["tokens", "rows"])
+def test_a_truncated_cache_file_is_prepared_again_not_a_traceback(tmp_path, tokenizer, own_cache, counted, kind,
+                                                                   capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"a {i}"} for i in range(300)])
+    first = build_datasets(section(path), tokenizer)
+    (damaged_file,) = (own_cache / "hftrain").glob(f"{kind}-*.arrow")
+    with open(damaged_file, "r+b") as fh:  # a disk that filled up, a copy cut short
+        fh.truncate(damaged_file.stat().st_size // 2)
+    again = build_datasets(section(path), tokenizer)
+    assert texts(tokenizer, again.train) == texts(tokenizer, first.train)
+    assert counted == ({"read": 1, "tokenised": 600} if kind == "tokens" else {"read": 2, "tokenised": 300})
+    err = capsys.readouterr().err
+    assert f"hftrain: the cached {damaged_file.stem} in {own_cache / 'hftrain'} is damaged" in err
+    assert "preparing it again" in err
+
+
+def test_a_cold_cache_that_cannot_be_written_is_named_with_the_fix(tmp_path, tokenizer, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache's parent folder should be")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(blocked / "cache"))
+    with pytest.raises(DataError) as e:
+        build_datasets(section(path), tokenizer)
+    assert str(e.value).startswith(f"data.sources.0: the datasets cache {blocked / 'cache' / 'hftrain'} cannot be "
+                                   "written (Not a directory) and holds no prepared copy of this source: make it "
+                                   "writable, or point HF_DATASETS_CACHE at a writable folder")
+
+
+def test_a_template_file_edited_in_the_model_folder_is_tokenised_anew(tmp_path, tiny_model_dir, own_cache, counted):
+    """The tokenizer's folder rebuilt with another chat_template.jinja: another key (the key hashes the loaded
+    tokenizer, its template included), so the examples follow the new template."""
+    import shutil
+
+    from hftrain.config import ModelSection
+    from hftrain.modeling import load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [chat] * 3)
+    build_datasets(section(path), load_tokenizer(ModelSection(name_or_path=str(folder))))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    tok = load_tokenizer(ModelSection(name_or_path=str(folder)))
+    data = build_datasets(section(path), tok)
+    assert counted == {"read": 1, "tokenised": 6}
+    assert tok.decode(data.train[0]["input_ids"]) == "user: hi\nassistant: yo\n"

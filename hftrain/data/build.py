@@ -27,7 +27,7 @@ from ..config import DataSection, DataSource
 from ..distributed import once_per_node, print0
 from ..errors import DataError
 from ..fileio import atomic_write
-from .cache import cache_folder, code_version, digest, in_cache
+from .cache import cache_folder, code_version, damaged, digest, in_cache, intact, read_meta, writable_cache
 from .collate import make_collator
 from .layouts import content_text
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
@@ -103,29 +103,37 @@ def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, token
                    None if tokenizer is None else sorted(stop_ids(tokenizer)[0])])
     folder = cache_folder()
     cache, meta_path = os.path.join(folder, f"tokens-{name}.arrow"), os.path.join(folder, f"tokens-{name}.json")
-    meta = None
-    if os.path.exists(meta_path):
-        with open(meta_path, encoding="utf-8") as fh:
-            meta = json.load(fh)
-        if not all(os.path.exists(os.path.join(folder, f)) for f in meta["files"]):
-            meta = None
-    if meta is not None:
-        parts = [datasets.Dataset.from_file(os.path.join(folder, f)) for f in meta["files"]]
-        tok = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    else:
-        os.makedirs(folder, exist_ok=True)
+    meta = read_meta(meta_path)
+    tok = _mapped(folder, meta, meta_path) if meta is not None else None
+    if tok is None:
+        writable_cache(folder, key)
         n = batch_rows(cfg.max_length)
         need = 4 * rows.dataset.data.nbytes  # token ids, labels and counts: a few times the rows' own size
         tok = in_cache(folder, key, need, lambda: rows.dataset.map(
             fn, batched=True, with_indices=True, remove_columns=rows.dataset.column_names, features=TOKENISED,
             batch_size=n, writer_batch_size=n, num_proc=workers(cfg, rows.count), cache_file_name=cache,
             new_fingerprint=name, desc=f"Tokenising {src.path}"))
-        meta = {"files": [os.path.basename(f["filename"]) for f in tok.cache_files],
+        files = [os.path.basename(f["filename"]) for f in tok.cache_files]
+        meta = {"files": files, "sizes": [os.path.getsize(os.path.join(folder, f)) for f in files],
                 "counts": summary(tok, cfg.max_length)}
         atomic_write(meta_path, json.dumps(meta))
     # stderr: `hftrain check` prints the resolved recipe on stdout, as YAML to be read back
     print0(f"hftrain: {key} ({src.path}): layout {layout.fmt}, {rows.count} rows", file=sys.stderr)
     return Prepared(key, src, rows, layout, tok, cache, meta["counts"])
+
+
+def _mapped(folder: str, meta: dict, meta_path: str) -> datasets.Dataset | None:
+    """The cached examples `meta` lists, memory-mapped; None (the files removed, to be prepared again) when one is
+    missing, truncated or unreadable: a damaged cache is rebuilt, never a traceback."""
+    why = "a file is missing or has another size than when it was written"
+    if intact(folder, meta["files"], meta.get("sizes")):
+        try:
+            parts = [datasets.Dataset.from_file(os.path.join(folder, f)) for f in meta["files"]]
+            return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
+            why = f"{type(e).__name__}: {e}"
+    damaged(folder, [*meta["files"], os.path.basename(meta_path)], why, print0)
+    return None
 
 
 def prepare_sample(src: DataSource, key: str, tokenizer, cfg: DataSection, n: int) -> Prepared:

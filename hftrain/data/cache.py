@@ -9,6 +9,8 @@ import gc
 import hashlib
 import json
 import os
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -25,6 +27,46 @@ PIPELINE_MODULES = ("jsonrows.py", "sources.py", "layouts.py", "render.py", "tem
 
 def cache_folder() -> str:
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain")
+
+
+def writable_cache(folder: str, key: str) -> None:
+    """The cache folder exists and takes new files, or a DataError naming it and the fix (a cold cache that cannot be
+    written ended in a traceback from deep inside datasets)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hftrain-write-test-"):
+            pass
+    except OSError as e:
+        raise DataError(f"{key}: the datasets cache {folder} cannot be written ({e.strerror or e}) and holds no "
+                        "prepared copy of this source: make it writable, or point HF_DATASETS_CACHE at a writable "
+                        "folder") from None
+
+
+def intact(folder: str, files: list[str], sizes: list[int] | None) -> bool:
+    """The cache's files are all there at the sizes written (a truncated or deleted file: prepared again)."""
+    paths = [os.path.join(folder, f) for f in files]
+    if not all(os.path.isfile(p) for p in paths):
+        return False
+    return sizes is None or [os.path.getsize(p) for p in paths] == list(sizes)
+
+
+def read_meta(path: str) -> dict | None:
+    """A cache entry's meta file (written last, atomically), or None when there is none or it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("files", []), list) else None
+
+
+def damaged(folder: str, names: list[str], why: str, say=print) -> None:
+    """Remove a damaged cache entry's files (its meta file first), saying so: it is prepared again."""
+    say(f"hftrain: the cached {os.path.splitext(names[-1])[0]} in {folder} is damaged ({why}): preparing it again",
+        file=sys.stderr)
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, name))
 
 
 def digest(obj) -> str:

@@ -28,9 +28,10 @@ from datasets.arrow_writer import ArrowWriter
 from datasets.data_files import DataFilesDict, get_data_patterns
 
 from ..config import DataSource
+from ..distributed import print0
 from ..errors import DataError
 from ..fileio import atomic_write
-from .cache import cache_folder, digest, in_cache
+from .cache import cache_folder, damaged, digest, in_cache, intact, read_meta, writable_cache
 from .jsonrows import ROW_LIMIT, array_rows, is_array_file, line_rows, only_whitespace, too_large
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -270,13 +271,17 @@ def _json_rows(files: list[str], key: str) -> Rows:
     rows_key = digest(["json", READER_VERSION, [file_identity(f) for f in files]])
     folder = cache_folder()
     arrow, meta_path = os.path.join(folder, f"rows-{rows_key}.arrow"), os.path.join(folder, f"rows-{rows_key}.json")
-    if not (os.path.exists(arrow) and os.path.exists(meta_path)):
-        os.makedirs(folder, exist_ok=True)
+    meta = read_meta(meta_path)
+    if meta is not None and not intact(folder, [os.path.basename(arrow)], meta.get("sizes")):
+        damaged(folder, [os.path.basename(arrow), os.path.basename(meta_path)],
+                "the rows file is missing or has another size than when it was written", print0)
+        meta = None
+    if meta is None:
+        writable_cache(folder, key)
         meta = in_cache(folder, key, sum(os.path.getsize(f) for f in files),
                         lambda: _write_json_rows(files, key, arrow))
+        meta["sizes"] = [os.path.getsize(arrow)]
         atomic_write(meta_path, json.dumps(meta))
-    with open(meta_path, encoding="utf-8") as fh:
-        meta = json.load(fh)
     return Rows(columns=meta["columns"], count=meta["count"], source=lambda: datasets.Dataset.from_file(arrow),
                 names=RowNames(files, arrays=meta["arrays"]), is_json=True, key=rows_key,
                 part_columns=list(zip(files, meta["part_columns"])))
