@@ -10,21 +10,31 @@ Each is called as TRL's GRPOTrainer 1.16 calls reward functions: fn(prompts, com
 trainer_state, log_extra, log_metric), with completions as text, or as [{"role": "assistant", "content": ...}] for
 conversation prompts; it returns one number per completion (None: does not apply). Why hftrain checks: TRL checks
 only the length (a bare ValueError), turns None into NaN and hands anything else to torch.tensor, and a function that
-raises on one rank leaves the others waiting in the rewards' all-gather. Here a function that raises, returns the
-wrong number of values or a non-number is reported with its name, and (`defer`) the error is held until after the
-all-gather, where every rank raises it (GroupTrainer). `dry_run` calls every function on the data before the model
-loads, so what can be caught before any weight moves is.
+raises on one rank leaves the others waiting in the rewards' all-gather. Here a function that raises, exits, returns
+the wrong number of values or a non-number, or runs past grpo.reward_timeout is reported with its name, and (`defer`)
+the error is held until after the all-gather, where every rank raises it (GroupTrainer). Each call gets its own
+copies of the data (a function that edits its inputs changes nothing the next one sees), and what it prints goes to
+stderr (stdout is where `hftrain check` writes the resolved recipe, as YAML). `dry_run` calls every function on the
+data before the model loads, so what can be caught before any weight moves is.
+
+The time limit is SIGALRM's (signal.setitimer) in the main thread, where TRL calls synchronous reward functions: the
+handler raises in the function's own frame, which also interrupts a regular expression stuck backtracking (sre checks
+for signals) and a sleep; nothing kills a thread, so a thread would leave the hung call running beside training.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from .config import GrpoSection, RewardSpec
@@ -61,6 +71,11 @@ def _length_penalty(limit: int, max_completion_length: int):
 def _import(spec: str, key: str):
     """The function `module:function` or `path/to/file.py:function` names, imported from the working folder."""
     module, _, name = spec.rpartition(":")
+    with contextlib.redirect_stdout(sys.stderr):  # its top level's prints: off `hftrain check`'s YAML
+        return _function_of(_module(module, key), module, name, spec, key)
+
+
+def _module(module: str, key: str):
     try:
         if module.endswith(".py"):
             path = os.path.abspath(module)
@@ -75,8 +90,15 @@ def _import(spec: str, key: str):
             mod = importlib.import_module(module)
     except RewardError:
         raise
+    except SystemExit as e:  # sys.exit() at import would end `check` and the run with its status and no word
+        raise RewardError(f"{key}.function: importing {module} called sys.exit({e.code!r}){_place(e)}: a reward "
+                          "module must not exit; move that code under `if __name__ == \"__main__\":`") from None
     except Exception as e:  # ImportError, SyntaxError, or whatever its top level raises
         raise RewardError(f"{key}.function: cannot import {module}: {type(e).__name__}: {e}{_place(e)}") from None
+    return mod
+
+
+def _function_of(mod, module: str, name: str, spec: str, key: str):
     fn = getattr(mod, name, None)
     if not callable(fn):
         raise RewardError(f"{key}.function: {module} has no function {name!r}"
@@ -92,26 +114,70 @@ def _place(e: BaseException) -> str:
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
-class Reward:
-    """One reward function as TRL calls it, its result checked. `defer`: an error is kept in `error` (and None
-    returned for every completion) instead of raised, for the caller to raise on every rank at once."""
+# What TRL hands a reward function that is not data: the trainer's state, its loggers, the environments. Everything
+# else (prompts, completions, completion_ids, the rows' columns) is copied for each function.
+NOT_COPIED = ("trainer_state", "log_extra", "log_metric", "environments")
 
-    def __init__(self, fn, name: str, key: str, defer: bool = False):
+
+class RewardTimeout(Exception):
+    """Raised by the SIGALRM handler inside a reward function that ran past its time limit."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """RewardTimeout raised in the code under it after `seconds` (None or 0, or outside the main thread, where
+    signals cannot be handled: no limit). The previous SIGALRM handler and timer are put back."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Reward:
+    """One reward function as TRL calls it, on copies of its inputs, within `timeout` seconds, its prints on stderr,
+    its result checked. `defer`: an error is kept in `error` (and None returned for every completion) instead of
+    raised, for the caller to raise on every rank at once."""
+
+    def __init__(self, fn, name: str, key: str, defer: bool = False, timeout: float | None = None):
         self.fn, self.__name__, self.key, self.defer, self.error = fn, name, key, defer, None
+        self.timeout = timeout
 
     def __call__(self, prompts, completions, **kwargs):
         n = len(completions)
         try:
-            try:
-                values = self.fn(prompts=prompts, completions=completions, **kwargs)
-            except Exception as e:
-                raise RewardError(f"{self.key} ({self.__name__}) raised {type(e).__name__}: {e}{_place(e)}") from None
-            return self._checked(values, n)
+            return self._checked(self._call(prompts, completions, kwargs), n)
         except RewardError as e:
             if not self.defer:
                 raise
             self.error = self.error or str(e)
             return [None] * n
+
+    def _call(self, prompts, completions, kwargs: dict):
+        what = f"{self.key} ({self.__name__})"
+        data = copy.deepcopy({"prompts": prompts, "completions": completions,
+                              **{k: v for k, v in kwargs.items() if k not in NOT_COPIED}})
+        try:
+            with contextlib.redirect_stdout(sys.stderr), time_limit(self.timeout):
+                return self.fn(**data, **{k: v for k, v in kwargs.items() if k in NOT_COPIED})
+        except RewardTimeout:
+            raise RewardError(f"{what} did not return within grpo.reward_timeout={self.timeout:g} s (for "
+                              f"{len(completions)} completions); make it faster, or raise grpo.reward_timeout "
+                              "(0: no limit)") from None
+        except SystemExit as e:
+            raise RewardError(f"{what} called sys.exit({e.code!r}){_place(e)}; return a list of numbers "
+                              "instead") from None
+        except Exception as e:
+            raise RewardError(f"{what} raised {type(e).__name__}: {e}{_place(e)}") from None
 
     def _checked(self, values, n: int) -> list:
         what = f"{self.key} ({self.__name__})"
@@ -140,7 +206,7 @@ def load_rewards(g: GrpoSection, defer: bool = False) -> list[Reward]:
         fn = _builtin(spec, g.max_completion_length) or _import(spec.function, key)
         name = spec.function if spec.function in ("exact_match", "regex", "length_penalty") else fn.__name__
         seen[name] = seen.get(name, 0) + 1
-        out.append(Reward(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer))
+        out.append(Reward(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer, g.reward_timeout))
     return out
 
 

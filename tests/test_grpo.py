@@ -4,6 +4,7 @@ are in tests/test_grpo_runs.py."""
 
 import json
 import os
+import sys
 
 import pytest
 import yaml
@@ -210,6 +211,70 @@ def test_reward_functions_that_cannot_be_imported(tmp_path, monkeypatch):
         assert message in str(e.value), str(e.value)
     assert load_rewards(GrpoSection(rewards=[RewardSpec("my_rewards:good")]))[0].__name__ == "good"
     assert exact_match(["p"], ["x"], ["x"]) == [1.0]
+
+
+def test_a_reward_that_never_returns_stops_within_its_time_limit_naming_it(tokenizer):
+    import time
+
+    def stuck(prompts, completions, **kw):
+        while time.monotonic() - start < 20:  # a tool that never answers (ends after 20 s: without the limit the
+            time.sleep(0.05)                  # test fails instead of hanging)
+        return [1.0] * len(completions)
+
+    start = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        Reward(stuck, "stuck", "grpo.rewards.1", timeout=0.5)(prompts=["p"], completions=["a"])
+    assert time.monotonic() - start < 5
+    assert str(e.value) == ("grpo.rewards.1 (stuck) did not return within grpo.reward_timeout=0.5 s (for 1 "
+                            "completions); make it faster, or raise grpo.reward_timeout (0: no limit)")
+    # a regular expression stuck backtracking is interrupted too (sre checks for signals)
+    backtracking = load_rewards(GrpoSection(rewards=[RewardSpec("regex", pattern="(a+)+$")], reward_timeout=0.5))
+    with pytest.raises(RewardError, match="did not return within grpo.reward_timeout=0.5 s"):
+        backtracking[0](prompts=["p"], completions=["a" * 40 + "b"])
+    import signal
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # the handler is put back
+    assert problems("grpo.reward_timeout=-1") == ["command line: grpo.reward_timeout: must be a finite number of "
+                                                     "seconds >= 0 (0: no limit), got -1.0"]
+
+
+def test_each_reward_gets_its_own_copy_of_the_inputs_and_prints_on_stderr(capsys):
+    seen = []
+
+    def editor(prompts, completions, reference, **kw):
+        print("debugging a reward")
+        completions[0][0]["content"] = "edited"
+        reference[0] = "edited"
+        prompts.clear()
+        return [0.0] * len(completions)
+
+    def reader(prompts, completions, reference, **kw):
+        seen.append((prompts, completions, reference))
+        return [0.0] * len(completions)
+
+    completions = [[{"role": "assistant", "content": "a"}]]
+    kwargs = {"prompts": [[{"role": "user", "content": "q"}]], "completions": completions, "reference": ["r"]}
+    for fn in (editor, reader):
+        Reward(fn, fn.__name__, "grpo.rewards.0")(**kwargs)
+    assert seen == [([[{"role": "user", "content": "q"}]], [[{"role": "assistant", "content": "a"}]], ["r"])]
+    assert completions[0][0]["content"] == "a"  # TRL's own lists (it logs them) are untouched too
+    out = capsys.readouterr()
+    assert out.out == "" and "debugging a reward" in out.err
+
+
+def test_a_reward_module_that_exits_or_prints_at_import(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exits.py").write_text("import sys\nprint('loading rewards')\nsys.exit(0)\n")
+    (tmp_path / "chatty.py").write_text("print('loading rewards')\ndef f(prompts, completions, **kw):\n"
+                                        "    return [1.0] * len(completions)\n")
+    with pytest.raises(RewardError) as e:
+        load_rewards(GrpoSection(rewards=[RewardSpec("exits:f")]))
+    assert str(e.value).startswith("grpo.rewards.0.function: importing exits called sys.exit(0) (at ")
+    assert "a reward module must not exit" in str(e.value)
+    with pytest.raises(RewardError, match=r"grpo.rewards.0 \(quits\) called sys.exit\(3\)"):
+        Reward(lambda **kw: sys.exit(3), "quits", "grpo.rewards.0")(prompts=["p"], completions=["a"])
+    assert load_rewards(GrpoSection(rewards=[RewardSpec("chatty:f")]))[0].__name__ == "f"
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("loading rewards") == 2
 
 
 # -- the commands --------------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ def grpo_problems(recipe: Recipe) -> Problems:
         out.append(("grpo.temperature", f"must be a finite number > 0, got {g.temperature}"))
     if _num(g.top_p) and not 0 < g.top_p <= 1:
         out.append(("grpo.top_p", f"must be in (0, 1], got {g.top_p}"))
+    if _num(g.reward_timeout) and not (math.isfinite(g.reward_timeout) and g.reward_timeout >= 0):
+        out.append(("grpo.reward_timeout", f"must be a finite number of seconds >= 0 (0: no limit), got "
+                    f"{g.reward_timeout}"))
     if isinstance(g.rewards, list) and not g.rewards:
         out.append(("grpo.rewards", "needs at least one reward function, e.g. [{function: exact_match}]"))
     for i, r in enumerate(g.rewards if isinstance(g.rewards, list) else []):

@@ -69,6 +69,9 @@ class GrpoSection:
     top_p: float = _f(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).")
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "Divide each advantage by the reward std of its group, of the batch, or not at all (Dr. GRPO).")
+    reward_timeout: float = _f(
+        60.0, "Seconds one call of a reward function (a batch of completions) may take; one that runs longer stops "
+        "the run naming it, instead of leaving every rank waiting. 0: no limit.")
     generation: Literal["transformers", "vllm"] = _f(
         "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
         "and a GPU; untested here).")
