@@ -285,6 +285,48 @@ def test_pairs_whose_prompts_fill_max_length_are_counted_before_the_model_loads(
     assert f"hftrain: {6 - len(too_long)} training pairs" in captured.out + err  # what trains: the pairs kept
 
 
+def test_kto_examples_whose_prompts_fill_max_length_are_counted_before_the_model_loads(tmp_path, tiny_model_dir,
+                                                                                        monkeypatch, capsys):
+    """KTO as the pairs above (issue 43: every prompt too long passed check and the run ended with exit 0 after TRL
+    dropped them all): measured by TRL's own KTOTrainer._prepare_dataset, before the policy loads."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    w = W(str(tmp_path), tiny_model_dir)
+    rows = [{"prompt": _text_pair(i, n)["prompt"], "completion": " a b", "label": i % 2 == 0}
+            for i, n in enumerate([1, 12, 2, 12, 12, 1])]
+    lengths = [len(tok(r["prompt"])["input_ids"]) for r in rows]
+    max_length = sorted(set(lengths))[1]
+    too_long = [i for i, n in enumerate(lengths) if n >= max_length]
+    loaded = []
+    monkeypatch.setattr(dpo, "load_policy", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(SystemExit(9)))
+
+    def kto_recipe(limit: int) -> str:
+        path = w.file("kto.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        return w.recipe(lambda t: (t["data"].update(sources=[{"path": path}], max_length=limit),
+                                   t.update(preference={"loss_type": "kto"}),
+                                   t["training"].update(max_steps=1, per_device_train_batch_size=2)))
+
+    argv = [kto_recipe(min(lengths)), "strategy.num_processes=1"]
+    code, err = run_check(argv, capsys)
+    assert code == 2, err[-3000:]
+    checked = err[err.index("hftrain: error:"):]
+    assert (f"data.sources.0: every one of the 6 examples of {w.tmp}/kto.jsonl has a prompt of data.max_length="
+            f"{min(lengths)} tokens or more" in checked
+            and f"raise data.max_length above {min(lengths)}" in checked), checked
+    code = run_dpo(argv, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and err[err.index("hftrain: error:"):] == checked and not loaded
+
+    argv = [kto_recipe(max_length), "strategy.num_processes=1"]
+    assert run_dpo(argv, monkeypatch) == 9 and loaded
+    captured = capsys.readouterr()
+    named = ", ".join(f"{w.tmp}/kto.jsonl:{i + 1}" for i in too_long)
+    assert (f"data.sources.0: {len(too_long)} of 6 examples of {w.tmp}/kto.jsonl are left out: their prompt alone "
+            f"fills data.max_length={max_length} tokens" in captured.err and named in captured.err), captured.err
+    assert f"hftrain: {6 - len(too_long)} training examples" in captured.out + captured.err
+
+
 def test_the_pairs_kept_are_those_trls_trainer_keeps(tmp_path, tiny_model_dir):
     """The count is TRL's own: DPOTrainer's prepared dataset (built here the way hftrain.recipes.dpo builds the
     trainer's) holds exactly the pairs hftrain keeps."""

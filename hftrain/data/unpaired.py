@@ -29,6 +29,8 @@ from .sources import column_map, read_rows
 from .split import held_out_split
 
 EXAMPLE = ("prompt", "completion", "label")
+PLACE = "__hftrain_row"  # an example's row name (file:line) while it is measured; removed before training
+POSITION = "__hftrain_position"
 LABELS = {True: "desirable", False: "undesirable"}
 
 
@@ -62,10 +64,10 @@ def example_of_row(row: dict, roles: dict[str, str]) -> dict:
     return example
 
 
-def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool, bool]:
+def read_unpaired(src: DataSource, key: str, with_rows: bool = False) -> tuple[datasets.Dataset, bool, bool]:
     """The rows of a source as checked (unpaired examples, or pairs: `split_in_two` makes them examples), whether they
     are pairs, and whether they are conversations; the first bad row stops. A source holds either kind, as its first
-    row does."""
+    row does. `with_rows`: each example's row name in a PLACE column."""
     rows = read_rows(src, key)
     rename = column_map(rows, src, key)
     if rows.count == 0:
@@ -88,7 +90,7 @@ def read_unpaired(src: DataSource, key: str) -> tuple[datasets.Dataset, bool, bo
         if len(kinds) > 1:
             raise DataError(f"{key}: {where}: is {'a conversation' if kind else 'text'} but {kinds[not kind]} is "
                             f"{'text' if kind else 'a conversation'}; put each kind in a source of its own")
-        out.append(item)
+        out.append({**item, PLACE: where} if with_rows else item)
     n = len(out) * (2 if first[0] else 1)
     desirable = len(out) if first[0] else sum(e["label"] for e in out)
     print0(f"hftrain: {key} ({src.path}): layout {'preference pairs, split in two' if first[0] else 'unpaired'} "
@@ -102,6 +104,37 @@ def split_in_two(ds: datasets.Dataset, paired: bool) -> datasets.Dataset:
     return unpair_preference_dataset(ds) if paired else ds
 
 
+def check_example_lengths(ds: datasets.Dataset, tokenizer, max_length: int, key: str, path: str) -> datasets.Dataset:
+    """The examples of one source that truncation to data.max_length leaves something to train on, measured by TRL
+    1.16's own KTOTrainer._prepare_dataset (EOS for text, the chat template, dropping every example whose prompt
+    alone fills max_length) before the model loads: the ones it drops are counted and named here, none left is a
+    DataError naming data.max_length (the run would otherwise end with exit 0 having trained on nothing)."""
+    from types import SimpleNamespace
+
+    from trl import KTOTrainer  # heavy import: KTO runs only
+
+    args = SimpleNamespace(dataset_num_proc=None, max_length=max_length, per_device_train_batch_size=1)
+    trainer = SimpleNamespace(_tokenizer=tokenizer, calculate_KL=False)
+    indexed = ds.add_column(POSITION, list(range(len(ds))))
+    kept = KTOTrainer._prepare_dataset(trainer, indexed, tokenizer, args, key)[POSITION]
+    dropped = sorted(set(range(len(ds))) - set(kept))
+    names = ds[PLACE]
+    if not kept:
+        unbounded = KTOTrainer._prepare_dataset(trainer, indexed, tokenizer, SimpleNamespace(**{
+            **vars(args), "max_length": None}), key)
+        shortest = min(len(ids) for ids in unbounded["prompt_ids"])
+        raise DataError(f"{key}: every one of the {len(ds)} examples of {path} has a prompt of data.max_length="
+                        f"{max_length} tokens or more, so truncation would leave none of their completions to train "
+                        f"on (the shortest prompt has {shortest} tokens); raise data.max_length above {shortest}")
+    if dropped:
+        shown = list(dict.fromkeys(names[i] for i in dropped))
+        print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} examples of {path} are left out: their prompt alone "
+               f"fills data.max_length={max_length} tokens, so nothing of their completions would be trained "
+               f"({', '.join(shown[:5])}{f' and {len(shown) - 5} more' if len(shown) > 5 else ''}); raise "
+               "data.max_length to keep them", file=sys.stderr)
+    return ds.select(kept) if dropped else ds
+
+
 def _both_labels(ds: datasets.Dataset, key: str, fix: str) -> None:
     labels = set(ds["label"])
     if len(labels) < 2:
@@ -110,25 +143,29 @@ def _both_labels(ds: datasets.Dataset, key: str, fix: str) -> None:
                         f"weighs desirable against undesirable examples and needs both; {fix}")
 
 
-def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42) -> PreferenceData:
+def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42, tokenizer=None) -> PreferenceData:
     """Every source read and checked, held-out examples split off (data.eval_fraction) or read (data.eval_sources),
-    the training sources mixed by weight; both splits shuffled with `seed` (the module docstring says why)."""
+    the training sources mixed by weight; both splits shuffled with `seed` (the module docstring says why). With the
+    run's `tokenizer`, each source's examples are also measured as TRL will truncate them (check_example_lengths),
+    before any model is loaded, and both labels must be left."""
     train_parts, eval_parts, weights, kinds = [], [], [], {}
     groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
         ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
     for group, src, i in groups:
         key = f"data.{group}.{i}"
-        ds, paired, conversational = read_unpaired(src, key)
+        ds, paired, conversational = read_unpaired(src, key, with_rows=True)
         check_kind(kinds, key, conversational, has_template, "examples")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             ds = ds.add_column("chat_template_kwargs", [cfg.chat_template_kwargs] * len(ds))
+        measured = (lambda d: d) if tokenizer is None else (
+            lambda d: check_example_lengths(d, tokenizer, cfg.max_length, key, src.path))
         if group == "eval_sources":
-            eval_parts.append(split_in_two(ds, paired))
+            eval_parts.append(measured(split_in_two(ds, paired)).remove_columns(PLACE))
             continue
         if cfg.eval_fraction > 0:  # pairs are held out whole: no prompt's answers on both sides
             ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
-            eval_parts.append(split_in_two(held, paired))
-        train_parts.append(split_in_two(ds, paired))
+            eval_parts.append(measured(split_in_two(held, paired)).remove_columns(PLACE))
+        train_parts.append(measured(split_in_two(ds, paired)).remove_columns(PLACE))
         weights.append(src.weight)
     train = mix(train_parts, weights, seed).shuffle(seed=seed)
     _both_labels(train, "data.sources", "add examples of the other label, or train with a paired loss on pairs")

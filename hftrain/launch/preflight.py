@@ -277,7 +277,7 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if recipe.preference.loss_type in UNPAIRED:  # kto: examples labelled desirable or not
-            data = build_unpaired_data(recipe.data, has_template, seed=seed)
+            data = build_unpaired_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
         else:  # pairs, measured as TRL truncates them (data.preference.check_lengths)
             data = build_preference_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
     else:
