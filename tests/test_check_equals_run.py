@@ -155,6 +155,26 @@ def test_resume_from_a_checkpoint_of_another_model_is_refused_by_check_and_run(n
     assert code == 2 and err[err.index("hftrain: error:"):] == checked and "Traceback" not in err
 
 
+def test_a_checkpoint_of_a_run_that_did_not_stream_is_refused_to_a_streaming_recipe(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch, capsys):
+    """Issue 43: it passed check and the run failed after loading the model (no stream position to continue)."""
+    from .test_checkpoints import make_trainer
+
+    make_trainer(tiny_model_dir, tmp_path / "out", max_steps=1, save_steps=1).train()
+    ck = str(tmp_path / "out" / "checkpoint-1")
+    w = W(str(tmp_path), tiny_model_dir)
+    argv = resume_from(ck, set_("data.streaming", True), set_("training.max_steps", 2))(w) + [
+        "strategy.num_processes=1"]
+    code, err = run_check(argv, capsys)
+    assert code == 2, err[-3000:]
+    checked = err[err.index("hftrain: error:"):]
+    assert (f"training.resume_from_checkpoint: {ck} was written by a run that did not stream (no "
+            "stream_position_0.json) and this recipe streams" in checked), checked
+    code = run_main(argv, {}, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 2 and err[err.index("hftrain: error:"):] == checked and "Traceback" not in err
+
+
 def test_lora_checkpoint_against_another_rank_and_a_full_recipe(tmp_path, tiny_model_dir):
     from hftrain.config import load_recipe
     from hftrain.launch.resume import compatibility_problems

@@ -219,3 +219,101 @@ def test_data_preview_of_a_streaming_recipe_says_what_it_sampled(tmp_path, token
     assert (f"statistics of the {CHECK_ROWS} examples of the first {CHECK_ROWS} rows (streaming: never prepared "
             "whole)") in report
     assert f"--- {path}:1: " in report
+
+
+# -- a resume whose sources changed, or that switches streaming on or off (issue 43 point 1) ------------------------
+def saved_position(tmp_path, cfg, tokenizer) -> str:
+    """A checkpoint folder holding what a streaming run saves: rank 0's stream position."""
+    ck = tmp_path / "checkpoint-2"
+    ck.mkdir()
+    stream = TrainStream(cfg, tokenizer, seed=0)
+    (ck / POSITION_FILE.format(rank=0)).write_text(json.dumps(stream.state_after(0)))
+    return str(ck)
+
+
+@pytest.mark.parametrize("change, said", [
+    ("append", "bytes when the run streamed it, {after} now (rows added, or rows edited)"),
+    ("delete", "bytes when the run streamed it, {after} now (rows removed, or rows edited)"),
+    ("edit", "its bytes changed (rows edited; the same size)"),
+    ("touch", "modified since the run streamed it (the same size and first and last 64 KiB: copied or touched?)"),
+])
+def test_a_resume_whose_stream_changed_is_refused_naming_the_file_and_the_change(tmp_path, tokenizer, change, said):
+    from hftrain.trainer.stream_position import stream_resume_problems
+
+    rows = [{"text": f"row {i}"} for i in range(50)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataSection(sources=[DataSource(path=path)], streaming=True, max_length=16)
+    ck = saved_position(tmp_path, cfg, tokenizer)
+    assert stream_resume_problems(ck, cfg) == []  # unchanged: resumed
+    before = os.path.getsize(path)
+    if change == "append":
+        write_jsonl(tmp_path / "d.jsonl", rows + [{"text": "new row"}])
+    elif change == "delete":
+        write_jsonl(tmp_path / "d.jsonl", rows[1:])
+    elif change == "edit":
+        write_jsonl(tmp_path / "d.jsonl", [{"text": "ROW 0"}] + rows[1:])
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    (problem,) = stream_resume_problems(ck, cfg)
+    line = f"data.sources.0: {os.path.abspath(path)}: " + said.format(after=os.path.getsize(path))
+    if "bytes when" in said:
+        line = f"data.sources.0: {os.path.abspath(path)}: {before} " + said.format(after=os.path.getsize(path))
+    assert problem.startswith(f"the sources changed since {ck} saved its stream position: {line}. Resuming at the "
+                              "saved position would train other rows"), problem
+    assert "Set data.on_stream_change: restart" in problem
+    # the run refuses it as well (the stream's own resume, where transformers restores the RNG states)
+    stream = TrainStream(cfg, tokenizer, seed=0)
+    with pytest.raises(DataError, match="the sources changed since the checkpoint saved its stream position"):
+        stream.resume(json.loads(open(os.path.join(ck, POSITION_FILE.format(rank=0))).read()))
+    for policy in ("restart", "continue"):
+        assert stream_resume_problems(ck, DataSection(sources=cfg.sources, streaming=True, max_length=16,
+                                                      on_stream_change=policy)) == []
+
+
+def test_the_policies_restart_the_stream_or_continue_at_the_saved_position(tmp_path, tokenizer, capsys):
+    rows = [{"text": f"row {i}"} for i in range(40)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataSection(sources=[DataSource(path=path)], streaming=True, max_length=16, shuffle_buffer=5)
+    from hftrain.data.sources import read_rows_sample
+
+    first = TrainStream(cfg, tokenizer, seed=0)
+
+    def examples(stream, n):
+        for s in stream.sources:
+            s.setup(read_rows_sample(s.src, s.key, 10))
+        return [tokenizer.decode(ex["input_ids"]) for ex, _ in zip(stream, range(n))]
+
+    uninterrupted = examples(first, 12)
+    saved = first.state_after(6)
+    write_jsonl(tmp_path / "d.jsonl", rows + [{"text": "appended"}])
+    restarted = TrainStream(DataSection(sources=cfg.sources, streaming=True, max_length=16, shuffle_buffer=5,
+                                        on_stream_change="restart"), tokenizer, seed=0)
+    restarted.resume(saved)
+    fresh = TrainStream(cfg, tokenizer, seed=0)  # the changed file streamed from its beginning
+    assert examples(restarted, 6) == examples(fresh, 6)
+    assert restarted.state_after(6 + 6)["examples"] == 12  # the count goes on: the checkpoints still line up
+    write_jsonl(tmp_path / "d.jsonl", rows)  # the same rows again, a new modification time
+    continued = TrainStream(DataSection(sources=cfg.sources, streaming=True, max_length=16, shuffle_buffer=5,
+                                        on_stream_change="continue"), tokenizer, seed=0)
+    continued.resume(saved)
+    assert examples(continued, 6) == uninterrupted[6:]
+    out = capsys.readouterr().out
+    assert "streaming them from their beginning (data.on_stream_change: restart)" in out
+    assert "resuming at the saved position anyway (data.on_stream_change: continue)" in out
+
+
+def test_switching_streaming_on_or_off_at_a_resume_is_refused(tmp_path, tokenizer):
+    from hftrain.trainer.stream_position import stream_resume_problems
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(20)])
+    streaming = DataSection(sources=[DataSource(path=path)], streaming=True, max_length=16)
+    prepared = DataSection(sources=[DataSource(path=path)], max_length=16)
+    ck = saved_position(tmp_path, streaming, tokenizer)
+    assert stream_resume_problems(ck, prepared) == [
+        f"{ck} was written by a streaming run (it holds stream_position_0.json, the stream's position) and this "
+        "recipe does not stream: its position would be ignored and the run would train from the prepared data's "
+        "beginning; resume it with data.streaming: true, or start anew"]
+    os.remove(os.path.join(ck, POSITION_FILE.format(rank=0)))
+    assert stream_resume_problems(ck, streaming) == [
+        f"{ck} was written by a run that did not stream (no stream_position_0.json) and this recipe streams: there "
+        "is no position to continue the stream from; resume it with data.streaming: false, or start anew"]
+    assert stream_resume_problems(ck, prepared) == []

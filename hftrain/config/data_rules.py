@@ -74,6 +74,9 @@ def _streaming_problems(recipe: Recipe, out: Problems) -> None:
         if d.shuffle_buffer is not None:
             out.append(("data.shuffle_buffer", "applies to data.streaming: true only (prepared data is shuffled "
                         "whole): remove it, or set data.streaming: true"))
+        if d.on_stream_change != "refuse":
+            out.append(("data.on_stream_change", "applies to data.streaming: true only (prepared data is read whole "
+                        "and keyed on its files' content): remove it, or set data.streaming: true"))
         return
     steps = t.get("max_steps")
     if not (_num(steps) and steps > 0):

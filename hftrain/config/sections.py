@@ -96,6 +96,11 @@ class DataSection:
     streaming: bool = _f(False, "Train from a stream of the sources, each row read, tokenised (and packed) as "
                          "training goes, for corpora larger than memory or disk: needs training.max_steps; each "
                          "process reads its own share of the rows; a checkpoint records the stream's position.")
+    on_stream_change: Literal["refuse", "restart", "continue"] = _f(
+        "refuse", "streaming: a resume whose sources changed since the checkpoint (rows added, removed or edited: "
+        "their size, time or bytes differ) is refused; 'restart' streams them from their beginning (rows already "
+        "trained on may come again), 'continue' resumes at the saved position anyway (when the rows are the same: "
+        "a copy, a touch).")
     shuffle_buffer: int | None = _f(None, "streaming: rows shuffled together (each window of this many rows is "
                                     "yielded in a random order; the order of files and blocks changes every pass); "
                                     "default 10000.")

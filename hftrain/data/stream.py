@@ -34,6 +34,7 @@ from ..errors import DataError
 from .jsonrows import ROW_LIMIT, WHITESPACE, array_rows, is_array_file, too_large
 from .rows import RowExamples, layout_of, row_examples
 from .sources import FILE_BUILDERS, Rows, data_files, read_rows_sample, row_size_problem
+from .stream_identity import identity_changes, source_identity, stream_change_problem
 
 DEFAULT_SHUFFLE_BUFFER = 10_000
 BLOCKS_PER_PROCESS = 16  # a JSON-lines file is cut into at least this many blocks per process
@@ -292,10 +293,13 @@ class TrainStream:
         self.p = w / w.sum()
         self.start: dict | None = None  # set by a resume, read when iteration begins
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
+        self.cfg = cfg
+        # the sources as this stream cut them into blocks (a JSON-lines file's blocks follow its size)
+        self.identity = [source_identity(s, f"data.sources.{i}") for i, s in enumerate(cfg.sources)]
 
     def state(self, made: int, draws: int, positions: list[Position]) -> dict:
         return {"examples": made, "draws": draws, "world_size": self.world, "rank": self.rank, "seed": self.seed,
-                "positions": [vars(p) for p in positions]}
+                "positions": [vars(p) for p in positions], "sources": self.identity}
 
     def state_after(self, n: int) -> dict:
         """The position after this process's first n examples (made since the run or the resume began)."""
@@ -314,6 +318,20 @@ class TrainStream:
                             f"{state['world_size']} over {len(state['positions'])} sources; this is process {self.rank}"
                             f" of {self.world} over {len(self.sources)}: resume a streaming run with the same "
                             "processes and sources")
+        changes = identity_changes(state["sources"], self.identity) if "sources" in state else []
+        policy = self.cfg.on_stream_change
+        if changes and policy == "refuse":
+            raise DataError(stream_change_problem(state["sources"], self.cfg, "the checkpoint"))
+        if changes and policy == "restart":
+            print0(f"hftrain: the sources changed since the checkpoint ({'; '.join(changes[:2])}): streaming them "
+                   "from their beginning (data.on_stream_change: restart)")
+            state = self.state(state["examples"], 0, [Position() for _ in self.sources])
+        elif changes:
+            print0(f"hftrain: the sources changed since the checkpoint ({'; '.join(changes[:2])}): resuming at the "
+                   "saved position anyway (data.on_stream_change: continue)")
+        if "sources" not in state:
+            print0("hftrain: the checkpoint's stream position was saved without its sources' identity (an older "
+                   "hftrain): whether the sources changed since cannot be checked")
         self.start = state
 
     def __iter__(self) -> Iterator[dict]:

@@ -27,6 +27,7 @@ from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
 from ..rewards import dry_run, load_rewards
 from ..sequence_parallel import heads_problem
+from ..trainer.stream_position import stream_resume_problems
 from . import libraries
 from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable, vllm_problems
 from .plan import model_facts, swap_buffer_elems
@@ -107,7 +108,8 @@ def resume_problems(value, output_dir: str, layout: dict | None = None, weights_
         return [str(e)]
     if path is None or recipe is None or recipe.model is None:
         return []
-    return compatibility_problems(path, recipe, load_tokenizer=lambda m: load_tokenizer(m))
+    streams = stream_resume_problems(path, recipe.data) if recipe.data is not None else []
+    return compatibility_problems(path, recipe, load_tokenizer=lambda m: load_tokenizer(m)) + streams
 
 
 def _message(recipe: Recipe, key: str, msg: str) -> str:

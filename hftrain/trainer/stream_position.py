@@ -21,10 +21,37 @@ from __future__ import annotations
 import json
 import os
 
+from ..config import DataSection
+from ..data.stream import stream_change_problem
 from ..errors import CheckpointError
 from ..fileio import atomic_write
 
 POSITION_FILE = "stream_position_{rank}.json"
+
+
+def stream_resume_problems(checkpoint: str, cfg: DataSection) -> list[str]:
+    """What `hftrain check` and the run's preflight refuse of resuming `checkpoint` with this data section, before
+    the model loads: streaming switched on or off since the checkpoint (the saved position would be ignored without
+    a word, or missing after the model loaded), or streamed sources changed since (data.on_stream_change)."""
+    path = os.path.join(checkpoint, POSITION_FILE.format(rank=0))
+    streamed = os.path.isfile(path)
+    if streamed and not cfg.streaming:
+        return [f"{checkpoint} was written by a streaming run (it holds {os.path.basename(path)}, the stream's "
+                "position) and this recipe does not stream: its position would be ignored and the run would train "
+                "from the prepared data's beginning; resume it with data.streaming: true, or start anew"]
+    if cfg.streaming and not streamed:
+        return [f"{checkpoint} was written by a run that did not stream (no {os.path.basename(path)}) and this recipe "
+                "streams: there is no position to continue the stream from; resume it with data.streaming: false, "
+                "or start anew"]
+    if not streamed:
+        return []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh).get("sources")
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{path} cannot be read ({e}); resume from another checkpoint, or start anew"]
+    problem = stream_change_problem(saved, cfg, checkpoint)
+    return [problem] if problem else []
 
 
 class StreamPositionMixin:
