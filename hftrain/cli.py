@@ -26,7 +26,7 @@ from .launch import check_data, check_recipe, machines
 from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
-from .launch.strategies import render
+from .launch.strategies import render, run_files_rewritten
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
@@ -106,6 +106,10 @@ def _config(ns) -> int:
         names = list(STRATEGIES) if ns.all else [ns.strategy]
         strategy, out = StrategySection(), ns.output or "accelerate_configs"
     for name in names:
+        changed = run_files_rewritten(replace(strategy, name=name), out, training, comm_dtype)
+        if changed:
+            raise RecipeError([f"{out} holds a run, and rendering there would rewrite the launcher config it wrote for "
+                               f"itself ({', '.join(changed)}): render into another folder with --output DIR"])
         written = render(replace(strategy, name=name), out, training, communication_data_type=comm_dtype)
         if ns.slurm:
             if not ns.recipe:

@@ -78,6 +78,10 @@ def test_the_script_names_everything_by_absolute_path_and_asks_for_gpus_only_whe
     assert "--num_machines 4 --num_processes 32" in script and '--machine_rank "$SLURM_NODEID"' in script
     assert "export GLOO_SOCKET_IFNAME=ib0" in script and "export NCCL_SOCKET_IFNAME=ib0" in script
     assert 'MAIN_ADDR=$("$PY" -m hftrain.hostaddr ib0)' in script
+    # Requeued when the ranks say they stopped on SIGUSR1 (a file in the log folder), not when the rendered folder
+    # lacks run_info.json: an output_dir overridden after the script finished there and was requeued forever.
+    assert f'export HFTRAIN_STOP_MARKER="$OUT/slurm/stopped-$SLURM_JOB_ID"' in script
+    assert 'if [ "$status" = 0 ] && [ -e "$HFTRAIN_STOP_MARKER" ]; then' in script and "run_info.json" not in script
     assert not re.search(r"(^|[\s'\"])accelerate launch ", script)  # nothing found through PATH or the cwd
     assert "recipes/sft.py" not in script
     # A CPU run asks for no GPU: nodes without a gpu GRES could never run the job.
@@ -87,6 +91,31 @@ def test_the_script_names_everything_by_absolute_path_and_asks_for_gpus_only_whe
     assert 'MAIN_ADDR=$("$PY" -m hftrain.hostaddr)' in script
     # What `hftrain config --slurm` wrote is not a run: a run into the folder is not refused.
     assert outdir.run_state(str(out)) == ("new", [])
+    # One node: the ranks meet on loopback (hostaddr refuses a hostname that resolves to one, as it must for several)
+    assert main(["config", "r.yaml", "--slurm", "strategy.num_machines=1", "strategy.num_processes=8"]) == 0
+    script = (out / "launch.sbatch").read_text()
+    assert "MAIN_ADDR=127.0.0.1\n" in script and "hftrain.hostaddr" not in script
+    assert subprocess.run(["bash", "-n", str(out / "launch.sbatch")]).returncode == 0
+
+
+def test_rendering_never_rewrites_the_config_a_run_wrote_for_itself(tmp_path, monkeypatch, capsys):
+    """A finished run's folder holds the accelerate config the run rendered for itself: `hftrain config` into it
+    refuses to change it (issue 43) and names --output; the same config is rendered (nothing changes)."""
+    monkeypatch.chdir(tmp_path)
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": {"name": "fsdp", "num_processes": 2}, "training": {"output_dir": "out"}}))
+    assert main(["config", "r.yaml"]) == 0
+    out = tmp_path / "out"
+    (out / "run_info.json").write_text("{}")  # the run finished there
+    written = (out / "fsdp.yaml").read_bytes()
+    assert main(["config", "r.yaml", "--slurm"]) == 0  # what it renders is what the run wrote: nothing changes
+    with pytest.raises(SystemExit) as e:
+        main(["config", "r.yaml", "--slurm", "strategy.fsdp_offload_params=true"])
+    assert e.value.code == 2 and (out / "fsdp.yaml").read_bytes() == written
+    assert (f"{out} holds a run, and rendering there would rewrite the launcher config it wrote for itself "
+            f"({out / 'fsdp.yaml'}): render into another folder with --output DIR") in capsys.readouterr().err
+    assert main(["config", "r.yaml", "--slurm", "--output", "elsewhere", "strategy.fsdp_offload_params=true"]) == 0
 
 
 def test_torchrun_and_deepspeed_forms(tmp_path, monkeypatch):
@@ -162,7 +191,9 @@ def test_sigusr1_saves_a_checkpoint_stops_and_the_resumed_run_ends_as_one_never_
     r = _run(["-m", "hftrain.recipes.sft", ref])
     assert r.returncode == 0, r.stderr[-3000:]
     rec = recipe(tmp_path, tiny_model_dir, tmp_path / "out", machines=1, processes=1, max_steps=8)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HFTRAIN_TEST_STEP_SLEEP": "0.5"}
+    marker = tmp_path / "stopped"  # the SLURM script's sign to requeue: written once the checkpoint is saved
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HFTRAIN_TEST_STEP_SLEEP": "0.5",
+           "HFTRAIN_STOP_MARKER": str(marker)}
     proc = subprocess.Popen([PY, SLOW_SFT, rec], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -180,6 +211,7 @@ def test_sigusr1_saves_a_checkpoint_stops_and_the_resumed_run_ends_as_one_never_
     step = int(saved[-1].split("-")[1])
     assert f"stopped after step {step} of 8" in log and step < 8, log[-3000:]
     verify(str(out / saved[-1]))
+    assert marker.read_text() == f"{out / saved[-1]}\n"
     r = _run(["-m", "hftrain.recipes.sft", rec, "training.resume_from_checkpoint=true"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert close(losses(out), losses(tmp_path / "ref")), (losses(out), losses(tmp_path / "ref"))
@@ -282,14 +314,18 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_r
     long run reaches it): SLURM signals, every rank stops after the same step with a checkpoint, the script requeues
     the job, the requeued job resumes from it and finishes: world size 2, losses of 1 node x 2 processes."""
     out = tmp_path / "out"
-    rec = recipe(tmp_path, tiny_model_dir, out, max_steps=12)
+    # Rendered for one folder, the run moved by an override after the script (issue 43: the script looked for the
+    # final save in the rendered folder and requeued a finished run again and again).
+    rendered = tmp_path / "rendered"
+    rec = recipe(tmp_path, tiny_model_dir, rendered, max_steps=12)
     script = render(rec, "--script", SLOW_SFT)
     t0 = time.monotonic()
     # 5 s per step before the requeue (none after): 50 s of training left after checkpoint-2 for the signal to come.
-    job = cluster.sbatch(script, env={"HFTRAIN_TEST_STEP_SLEEP": "5", "HFTRAIN_TEST_SLEEP_UNTIL_RESTART": "1"})
+    job = cluster.sbatch(script, f"training.output_dir={out}",
+                         env={"HFTRAIN_TEST_STEP_SLEEP": "5", "HFTRAIN_TEST_SLEEP_UNTIL_RESTART": "1"})
     _wait_for(lambda: _published(out) or cluster.job(job)["JobState"] not in ("PENDING", "RUNNING"), 300,
               "the first checkpoint", cluster)
-    assert _published(out), _log(out, job)
+    assert _published(out), _log(rendered, job)
     # The time limit (whole minutes) set so that its end is 60-120 s away: the signal (300 s ahead) comes at
     # slurmctld's next time-limit pass (every 30 s), the kill no earlier than 60 s from now.
     ran = _seconds(cluster.job(job)["RunTime"])
@@ -298,8 +334,9 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_r
     # The requeued job would keep the short limit, and get the signal at once: give it the usual allowance back.
     cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED")
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
-    log = _log(out, job)
+    log = _log(rendered, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-4000:]
+    assert not (rendered / "run_info.json").exists() and log.count("requeueing job") == 1, log[-4000:]
     stopped = int(log.split("every rank stopped after step ")[1].split()[0])
     assert 2 <= stopped < 12 and "requeueing job" in log, log[-4000:]
     assert f"the job was requeued by SLURM: resuming from {out}/checkpoint-{stopped}" in log, log[-4000:]

@@ -10,9 +10,12 @@ from any folder), it runs the recipe on the allocated nodes and comes back by it
   SLURM_NODEID 0); `python -m hftrain.hostaddr` gives its address the others reach (on strategy.socket_ifname, or
   what the hostname resolves to, loopback refused). The socket variables come from launch/network.py.
 - Time limit: `--signal=USR1@300` asks SLURM for SIGUSR1 five minutes before the limit. The launchers ignore it (it
-  would end them); the ranks save a checkpoint at a step they agree on and exit 0 (trainer/stop_request.py). A run
-  that exits 0 without its final save (no run_info.json) stopped so: the script requeues the job (--requeue), and
+  would end them); the ranks save a checkpoint at a step they agree on and exit 0 (trainer/stop_request.py), the main
+  process writing the file HFTRAIN_STOP_MARKER names (in the log folder, whatever output_dir the arguments after the
+  script override). A run that exits 0 having written it stopped so: the script requeues the job (--requeue), and
   the requeued job (SLURM_RESTART_COUNT, distributed.restart_count) resumes from that checkpoint.
+- One node: its ranks meet on 127.0.0.1 (a host whose name resolves to a loopback address is fine there); several:
+  on the first node's address the others reach.
 sbatch's own options on its command line override the #SBATCH lines (`sbatch --time=4:00:00 --signal=USR1@600 ...`).
 """
 
@@ -24,7 +27,7 @@ import sys
 
 from ..config import Recipe, StrategySection
 from ..config.sections import resolved_strategy
-from ..constants import RECIPE_MODULES, SLURM_DIR
+from ..constants import RECIPE_MODULES, SLURM_DIR, STOP_MARKER_ENV
 from ..errors import RecipeError
 from .network import socket_environment
 
@@ -126,10 +129,12 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
         f'  echo "hftrain: this script runs {s.num_machines} node(s) but the job has $SLURM_NNODES: set '
         'strategy.num_machines in the recipe and render it again" >&2; exit 2',
         "fi",
-        "# This runs on the allocation's first node, which hosts global rank 0: its address that the other nodes "
-        "reach.",
-        f'MAIN_ADDR=$("$PY" -m hftrain.hostaddr{" " + _q(s.socket_ifname) if s.socket_ifname else ""})',
+        *_main_address_lines(s),
         "export MAIN_ADDR",
+        "# The ranks write this file when they stopped on SIGUSR1 with a checkpoint (in the log folder: the run's",
+        "# output_dir may be overridden by the arguments after the script).",
+        f'export {STOP_MARKER_ENV}="$OUT/{SLURM_DIR}/stopped-$SLURM_JOB_ID"',
+        f'rm -f "${STOP_MARKER_ENV}"',
         'echo "hftrain: job $SLURM_JOB_ID (requeued ${SLURM_RESTART_COUNT:-0} times) on $SLURM_JOB_NODELIST, main '
         'address $MAIN_ADDR"',
         *prep,
@@ -141,14 +146,22 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
         "srun --kill-on-bad-exit=1 bash -c 'trap \"\" USR1; n=$1; shift; exec \"${@:1:n}\" "
         + node_args.replace("'", "'\\''") + " \"${@:n+1}\"' hftrain-node \"${#LAUNCH[@]}\" \"${LAUNCH[@]}\" "
         "\"${TRAIN[@]}\" || status=$?",
-        "# Exit 0 without the final save (run_info.json): the ranks stopped on SIGUSR1 with a checkpoint. Come back.",
-        'if [ "$status" = 0 ] && [ ! -e "$OUT/run_info.json" ]; then',
+        "# Exit 0 and the marker written: the ranks stopped on SIGUSR1 with a checkpoint. Come back.",
+        f'if [ "$status" = 0 ] && [ -e "${STOP_MARKER_ENV}" ]; then',
         '  echo "hftrain: stopped before the time limit, checkpoint saved: requeueing job $SLURM_JOB_ID to resume"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _main_address_lines(s: StrategySection) -> list[str]:
+    if s.num_machines == 1:
+        return ["# One node: every rank is on this machine.", "MAIN_ADDR=127.0.0.1"]
+    return ["# This runs on the allocation's first node, which hosts global rank 0: its address that the other nodes "
+            "reach.",
+            f'MAIN_ADDR=$("$PY" -m hftrain.hostaddr{" " + _q(s.socket_ifname) if s.socket_ifname else ""})']
 
 
 def prepare_log_folder(recipe: Recipe) -> str:

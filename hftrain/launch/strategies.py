@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import yaml
 
+from .. import outdir
 from ..config import StrategySection, resolved_strategy
 from ..config.sections import DEFAULT_PORT
 from ..constants import OFFLOADED, ZERO_STAGE
@@ -178,3 +180,23 @@ def render(s: StrategySection, out_dir: str, training: dict | None = None, json_
     atomic_write(yaml_path, header + yaml.safe_dump(acc, sort_keys=False))
     written.insert(0, yaml_path)
     return written
+
+
+def run_files_rewritten(s: StrategySection, out_dir: str, training: dict | None = None,
+                        communication_data_type: str | None = None) -> list[str]:
+    """The launcher configs that a run in out_dir (finished, or with checkpoints: outdir.run_state) wrote for itself
+    and that rendering `s` there would change: `hftrain config` refuses to rewrite them."""
+    if outdir.run_state(out_dir)[0] not in ("finished", "unfinished"):
+        return []
+    changed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in render(s, tmp, training, json_dir=out_dir, communication_data_type=communication_data_type):
+            theirs = os.path.join(out_dir, os.path.basename(path))
+            if os.path.isfile(theirs) and _bytes(theirs) != _bytes(path):
+                changed.append(theirs)
+    return changed
+
+
+def _bytes(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()

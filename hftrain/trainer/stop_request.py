@@ -6,16 +6,21 @@ reaches one process), so after every optimizer step the ranks combine what they 
 MAX all-reduce of one number, beside the step guard's own per-step all-gather) and all stop after the same step. That
 step is saved through the Trainer's own save (staged, verified and published by StagedCheckpointMixin, whatever
 save_strategy says), train() returns, and `stopped_at` tells the run (lifecycle.run) to end there without the final
-save: exit status 0, output_dir holding checkpoint-N and no run_info.json. A restarted run (a requeued SLURM job,
+save: exit status 0, output_dir holding checkpoint-N and no run_info.json, and the file HFTRAIN_STOP_MARKER names
+(the SLURM script's sign to requeue the job) holding the checkpoint's path. A restarted run (a requeued SLURM job,
 SLURM_RESTART_COUNT) resumes from that checkpoint, to the numbers of a run never stopped. Why by hand: the Trainer
 has no such request; its callbacks are the public way to ask for a save and a stop at a step.
 """
 
 from __future__ import annotations
 
+import os
+
 from transformers import TrainerCallback
 
 from .. import distributed, stop_request
+from ..constants import STOP_MARKER_ENV
+from ..fileio import atomic_write
 
 
 class _StopAtAgreedStep(TrainerCallback):
@@ -45,6 +50,9 @@ class StopRequestMixin:
         self.stopped_at = None
         output = super().train(*args, **kwargs)
         if self.stopped_at is not None:
+            marker = os.environ.get(STOP_MARKER_ENV)
+            if marker and self.is_world_process_zero():  # the SLURM script requeues the job when it finds it
+                atomic_write(marker, f"{os.path.join(self.args.output_dir, f'checkpoint-{self.stopped_at}')}\n")
             distributed.print0(
                 f"hftrain: stop requested (SIGUSR1: SLURM's warning before the time limit, or kill -USR1): every rank "
                 f"stopped after step {self.stopped_at} of {self.state.max_steps}, saved as checkpoint-"
