@@ -99,3 +99,56 @@ def test_the_check_sees_a_missing_name(monkeypatch):
         test_feature_row_names_what_exists(row)
     assert "recipe key data.packng" in str(e.value) and "module hftrain/nope.py" in str(e.value)
     assert "test tests/test_loss.py::test_renamed" in str(e.value)
+
+
+QWEN3_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "reasoning_content": "I should look it up.", "content": "It is sunny."},
+    {"role": "user", "content": "And Rome?"},
+    {"role": "assistant", "reasoning_content": "Look again.", "content": "Rainy."},
+    {"role": "user", "content": "Berlin?"},
+    {"role": "assistant", "reasoning_content": "Once more.", "content": "Cloudy."}]}
+
+
+def _doc_example(text: str, title: str) -> list[str]:
+    """The indented block after the line that starts with `title` in a doc."""
+    lines = text.split(title, 1)[1].split("\n\n", 1)[1].split("\n")
+    block = []
+    for line in lines:
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return [ln for ln in block if ln.strip()]
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_the_templates_doc_shows_what_hftrain_data_prints_for_a_qwen3_row(tmp_path, monkeypatch, capsys, turns):
+    """docs/templates.md's examples are `hftrain data`'s output on a Qwen3 row of three reasoning turns (issue 43: what
+    it reported did not match what the doc said), with a tokenizer trained on the row (token counts are its)."""
+    import json
+
+    import trl
+    import yaml
+
+    from hftrain.cli import main
+    from hftrain.tiny import build_tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.jsonl").write_text(json.dumps(QWEN3_ROW) + "\n")
+    words = " ".join(m["content"] + " " + m.get("reasoning_content", "") for m in QWEN3_ROW["messages"])
+    build_tiny_model("m", [words + " think"] * 30)
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({
+        "model": {"name_or_path": "m"}, "data": {"sources": [{"path": "r.jsonl"}], "chat_template": template,
+                                                 "max_length": 512, "train_turns": turns},
+        "training": {"output_dir": "out"}}))
+    capsys.readouterr()
+    assert main(["data", "r.yaml", "--examples", "1"]) == 0
+    printed = [ln for ln in capsys.readouterr().out.split("\n") if ln.strip()]
+    with open(os.path.join(REPO, "docs", "templates.md"), encoding="utf-8") as fh:
+        doc = fh.read()
+    title = ("Example (`hftrain data` on a Qwen3 row with three turns and `reasoning_content`, data.train_turns: all"
+             if turns == "all" else "The same row, data.train_turns: last")
+    shown = _doc_example(doc, title)
+    kept = [ln for ln in printed if not ln.lstrip().startswith(("statistics of", "tokens per example", "longer than"))]
+    assert shown == kept[:len(shown)], "\n".join(kept)

@@ -80,7 +80,7 @@ def test_the_script_names_everything_by_absolute_path_and_asks_for_gpus_only_whe
     assert 'MAIN_ADDR=$("$PY" -m hftrain.hostaddr ib0)' in script
     # Requeued when the ranks say they stopped on SIGUSR1 (a file in the log folder), not when the rendered folder
     # lacks run_info.json: an output_dir overridden after the script finished there and was requeued forever.
-    assert f'export HFTRAIN_STOP_MARKER="$OUT/slurm/stopped-$SLURM_JOB_ID"' in script
+    assert 'export HFTRAIN_STOP_MARKER="$OUT/slurm/stopped-$SLURM_JOB_ID"' in script
     assert 'if [ "$status" = 0 ] && [ -e "$HFTRAIN_STOP_MARKER" ]; then' in script and "run_info.json" not in script
     assert not re.search(r"(^|[\s'\"])accelerate launch ", script)  # nothing found through PATH or the cwd
     assert "recipes/sft.py" not in script
@@ -104,7 +104,8 @@ def test_rendering_never_rewrites_the_config_a_run_wrote_for_itself(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
-                                   "strategy": {"name": "fsdp", "num_processes": 2}, "training": {"output_dir": "out"}}))
+                                   "strategy": {"name": "fsdp", "num_processes": 2},
+                                   "training": {"output_dir": "out"}}))
     assert main(["config", "r.yaml"]) == 0
     out = tmp_path / "out"
     (out / "run_info.json").write_text("{}")  # the run finished there
