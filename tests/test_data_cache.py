@@ -320,6 +320,13 @@ def test_a_truncated_cache_file_is_prepared_again_not_a_traceback(tmp_path, toke
     err = capsys.readouterr().err
     assert f"hftrain: the cached {damaged_file.stem} in {own_cache / 'hftrain'} is damaged" in err
     assert "preparing it again" in err
+    # A meta file that lists files outside its entry: nothing but the entry's own files is removed.
+    outside = tmp_path / "keep.arrow"
+    outside.write_text("not hftrain's")
+    (meta,) = (own_cache / "hftrain").glob(f"{kind}-*.json")
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "files": ["../../keep.arrow"], "sizes": [1]}))
+    build_datasets(section(path), tokenizer)
+    assert outside.read_text() == "not hftrain's"
 
 
 def test_a_cold_cache_that_cannot_be_written_is_named_with_the_fix(tmp_path, tokenizer, monkeypatch):

@@ -25,6 +25,9 @@ PIPELINE_MODULES = ("jsonrows.py", "sources.py", "layouts.py", "render.py", "tem
                     "offsets.py", "cut.py", "rows.py")
 
 
+ENTRY_PREFIXES = ("tokens-", "rows-")  # the names of hftrain's cache entries (build.py, sources.py)
+
+
 def cache_folder() -> str:
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "hftrain")
 
@@ -64,7 +67,9 @@ def damaged(folder: str, names: list[str], why: str, say=print) -> None:
     """Remove a damaged cache entry's files (its meta file first), saying so: it is prepared again."""
     say(f"hftrain: the cached {os.path.splitext(names[-1])[0]} in {folder} is damaged ({why}): preparing it again",
         file=sys.stderr)
-    for name in names:
+    for name in names:  # only cache entries' own names in the folder (a meta file could list anything)
+        if os.path.basename(name) != name or not name.startswith(ENTRY_PREFIXES):
+            continue
         with contextlib.suppress(OSError):
             os.remove(os.path.join(folder, name))
 
