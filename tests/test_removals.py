@@ -58,7 +58,7 @@ REMOVALS = {
            "same cache folder at that moment is the one case it cannot tell apart",
         ["tests/test_bad_input.py::test_a_full_datasets_cache_is_named_and_left_clean"]),
     ("hftrain/data/cache.py", "damaged", "os.remove"): (
-        1, "a damaged cache entry of hftrain's (a file missing, truncated or unreadable): the files its meta file lists "
+        1, "a damaged cache entry of hftrain's (a file missing, truncated or unreadable): the files its meta lists "
            "and the meta file, only names in the cache folder itself that begin with tokens- or rows-",
         ["tests/test_data_cache.py::test_a_truncated_cache_file_is_prepared_again_not_a_traceback"]),
     ("hftrain/data/sources.py", "_write_json_rows", "os.replace"): (
