@@ -5,7 +5,7 @@ differs (its arguments, model, trainer and held-out metrics) and calls `run(meth
     -> trainer -> metrics before -> train -> metrics after -> save -> report -> shut down -> push
 
 A stop request (SIGUSR1, e.g. SLURM's warning before a time limit) ends the run after train() with its checkpoint
-saved (trainer/stop_request.py): no metrics after, no final save, no push; the restarted run resumes.
+saved (stop_request/mixin.py): no metrics after, no final save, no push; the restarted run resumes.
 """
 
 from __future__ import annotations

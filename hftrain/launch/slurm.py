@@ -10,7 +10,7 @@ from any folder), it runs the recipe on the allocated nodes and comes back by it
   SLURM_NODEID 0); `python -m hftrain.hostaddr` gives its address the others reach (on strategy.socket_ifname, or
   what the hostname resolves to, loopback refused). The socket variables come from launch/network.py.
 - Time limit: `--signal=USR1@300` asks SLURM for SIGUSR1 five minutes before the limit. The launchers ignore it (it
-  would end them); the ranks save a checkpoint at a step they agree on and exit 0 (trainer/stop_request.py), the main
+  would end them); the ranks save a checkpoint at a step they agree on and exit 0 (stop_request/mixin.py), the main
   process writing the file HFTRAIN_STOP_MARKER names (in the log folder, whatever output_dir the arguments after the
   script override). A run that exits 0 having written it stopped so: the script requeues the job (--requeue), and
   the requeued job (SLURM_RESTART_COUNT, distributed.restart_count) resumes from that checkpoint.

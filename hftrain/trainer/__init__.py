@@ -3,7 +3,7 @@
     StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
     StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
-    StopRequestMixin       stop_request.py    on SIGUSR1 (a time limit near) every rank saves the same step and stops
+    StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
     SequenceParallelMixin  sequence_parallel.py  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
@@ -23,7 +23,7 @@ from .comm_hook import CommHookMixin
 from .exact_loss import ExactLossMixin
 from .sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin
-from .stop_request import StopRequestMixin
+from ..stop_request import StopRequestMixin
 from .stream_position import StreamPositionMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).

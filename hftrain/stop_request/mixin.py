@@ -1,4 +1,4 @@
-"""A request to save and stop (hftrain/stop_request.py: SIGUSR1, as SLURM sends it before a job's time limit), acted
+"""A request to save and stop (stop_request/signals.py: SIGUSR1, as SLURM sends it before a job's time limit), acted
 on between optimizer steps with a complete checkpoint.
 
 The signal reaches the ranks at different moments (each node's slurmd signals its own processes; a hand-sent signal
@@ -18,9 +18,10 @@ import os
 
 from transformers import TrainerCallback
 
-from .. import distributed, stop_request
+from .. import distributed
 from ..constants import STOP_MARKER_ENV
 from ..fileio import atomic_write
+from . import signals
 
 
 class _StopAtAgreedStep(TrainerCallback):
@@ -32,7 +33,7 @@ class _StopAtAgreedStep(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer.stopped_at is not None or state.global_step >= state.max_steps:
             return control  # the last step: the run finishes, and saves, anyway (every rank knows it: no collective)
-        if distributed.any_rank(stop_request.requested(), args.device):
+        if distributed.any_rank(signals.requested(), args.device):
             control.should_save = True
             control.should_training_stop = True
             self.trainer.stopped_at = state.global_step
@@ -43,7 +44,7 @@ class StopRequestMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.stopped_at: int | None = None  # the step every rank stopped after, on a request
-        stop_request.arm()  # a run's set-up has armed it already (before the model loaded); a direct caller had not
+        signals.arm()  # a run's set-up has armed it already (before the model loaded); a direct caller had not
         self.add_callback(_StopAtAgreedStep(self))
 
     def train(self, *args, **kwargs):

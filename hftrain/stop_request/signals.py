@@ -1,7 +1,7 @@
 """A request to save and stop: SIGUSR1, as SLURM sends it before a job's time limit (`sbatch --signal=USR1@T`, which
 the script `hftrain config --slurm` writes asks for) or as `kill -USR1 PID` does by hand.
 
-The handler only records the request; the trainer (hftrain/trainer/stop_request.py) acts on it between optimizer
+The handler only records the request; the trainer (stop_request/mixin.py) acts on it between optimizer
 steps, at a step every rank agrees on, and saves a complete checkpoint there. Without a handler SIGUSR1 would end
 the process at once (its default action), losing everything since the last checkpoint.
 
@@ -35,11 +35,6 @@ def arm() -> bool:
 def requested() -> bool:
     """A request has come to this process."""
     return bool(_REQUESTS)
-
-
-def request() -> None:
-    """Record a request as the signal would (tests; a caller that wants the same graceful stop)."""
-    _on_signal(SIGNAL, None)
 
 
 def clear() -> None:
