@@ -15,7 +15,7 @@ The eval loss is the mean CE over every target token of the eval set (`eval_loss
 A target is a label != -100 after the causal shift (labels[..., 1:]). Sequences are rows, or, in packed rows,
 the runs of position_ids that restart at 0.
 
-Under sequence parallelism (hftrain/sequence_parallel.py) a rank holds a slice of every row with its labels already
+Under sequence parallelism (hftrain/sequence_parallel/) a rank holds a slice of every row with its labels already
 shifted (`shift_labels[:, i] = labels[:, i + 1]`): `loader_shifted` gives the same (targets, sequences) for those,
 `aligned_ce` / `aligned_hidden_loss_sum` the CE of every position against its aligned target, and a slice's
 `weights_of` come from its whole rows, so that the slices' sums add up to the rows' `loss_sum`.

@@ -4,7 +4,7 @@
     StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
     StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
-    SequenceParallelMixin  sequence_parallel.py  each sequence split across ranks (Ulysses): loader, attention, loss
+    SequenceParallelMixin  sequence_parallel/  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
     StreamPositionMixin    stream_position.py a streaming run's position in its checkpoints, resumed exactly
@@ -21,7 +21,7 @@ from .checkpointing import StagedCheckpointMixin
 from .chunked_loss import ChunkedLossMixin
 from .comm_hook import CommHookMixin
 from .exact_loss import ExactLossMixin
-from .sequence_parallel import SequenceParallelMixin
+from ..sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin
 from ..stop_request import StopRequestMixin
 from .stream_position import StreamPositionMixin

@@ -1,5 +1,5 @@
 """Sequence parallelism (strategy.sequence_parallel: N) in the trainer: each rank of a group of N holds a slice of
-every sequence of the group's batch (hftrain/sequence_parallel.py says what DeepSpeed's Ulysses does and what hftrain
+every sequence of the group's batch (ulysses.py says what DeepSpeed's Ulysses does and what hftrain
 adds). What changes here:
 
 - the train loader: batches Ulysses can split (`ShardableRows`), its adapter made resumable (`ShardedBatches`);
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from .. import sequence_parallel as sp
 from ..constants import IGNORE_INDEX
 from ..data.collate import PackedRows
 from ..errors import ModelError
+from . import ulysses as sp
 
 
 class SequenceParallelMixin:

@@ -24,8 +24,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .constants import IGNORE_INDEX
-from .data.collate import PackedRows
+from ..constants import IGNORE_INDEX
+from ..data.collate import PackedRows
 
 
 def parallelism_config(n: int, attn_implementation: str | None):
