@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_payload_rows_decode_at_any_size(one_rank_group, monkeypatch, method, si
         fut.set_result([out])
         return type("Work", (), {"get_future": lambda self: fut})()
 
-    monkeypatch.setattr(comp.dist, "all_gather_single", two_rank_gather)
+    monkeypatch.setattr(torch.distributed, "all_gather_single", two_rank_gather)
     two = comp.ddp_hook(comp.HookState(method=method, world=2, topk_ratio=ratio, int8_chunk=64,
                                        error_feedback=False), FakeBucket(g.clone())).wait()
     assert torch.equal(two, one) and one.abs().sum() > 0
@@ -120,7 +121,7 @@ def test_wire_bytes_and_time_share(monkeypatch):
     t0 = 100.0
     a, b = m.record(1, 1, start=t0 + 1), m.record(1, 1, start=t0 + 2)
     a[1], b[1] = t0 + 4, t0 + 3  # [1,4] and [2,3] overlap: 3 s busy
-    monkeypatch.setattr(comp.time, "perf_counter", lambda: t0 + 10)  # the step ends 10 s after it began
+    monkeypatch.setattr(time, "perf_counter", lambda: t0 + 10)  # the step ends 10 s after it began
     stats = m.step_end(t0)
     assert stats["time_share"] == pytest.approx(0.3) and stats["bytes_raw"] == 2
     assert stats["seconds"] == pytest.approx(3) and stats["hidden_share"] == 0  # no backward end marked: none hidden
@@ -147,7 +148,7 @@ def test_hidden_share_is_the_flight_before_the_backward_ends_outside_the_hooks(m
     last = m.record(1, 1, start=t0 + 5.5)
     m.hook_call(t0 + 5, t0 + 6, last_bucket=True)
     first[1], blocked[1], last[1] = t0 + 4, t0 + 3, t0 + 9
-    monkeypatch.setattr(comp.time, "perf_counter", lambda: t0 + 10)
+    monkeypatch.setattr(time, "perf_counter", lambda: t0 + 10)
     stats = m.step_end(t0)
     assert stats["seconds"] == pytest.approx(3 + 3.5)  # [1, 4] and [5.5, 9]
     assert stats["hidden_share"] == pytest.approx((1 + 1) / 6.5)  # [1, 2] and [3, 4]; [2, 3] was inside a hook

@@ -2,7 +2,7 @@
 
     StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
     StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
-    CommHookMixin          comm_hook.py       gradient compression on the data-parallel reduction, comm/* logs
+    CommHookMixin          compression/       gradient compression on the data-parallel reduction, comm/* logs
     StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
     SequenceParallelMixin  sequence_parallel/  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
@@ -19,7 +19,7 @@ from transformers import Trainer
 
 from .checkpointing import StagedCheckpointMixin
 from .chunked_loss import ChunkedLossMixin
-from .comm_hook import CommHookMixin
+from ..compression import CommHookMixin
 from .exact_loss import ExactLossMixin
 from ..sequence_parallel import SequenceParallelMixin
 from .step_guard import StepGuardMixin

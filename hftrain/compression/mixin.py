@@ -1,4 +1,4 @@
-"""Gradient compression (hftrain/compression.py) on the data-parallel reduction the Trainer's accelerator builds:
+"""Gradient compression (this package) on the data-parallel reduction the Trainer's accelerator builds:
 DDP gets hftrain's comm hook, FSDP2 its reduce dtype (ZeRO's is in the DeepSpeed config); comm/* metrics logged.
 
 Why here: the Trainer builds its own DistributedDataParallelKwargs (accelerate's `comm_hook` argument never reaches
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .. import compression as comp
 from ..config import CompressionSection
+from . import hooks as comp
+from .metrics import CommMetricsCallback
 
 
 class CommHookMixin:
-    comm_metrics: comp.CommMetricsCallback | None = None
+    comm_metrics: CommMetricsCallback | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -35,7 +36,7 @@ class CommHookMixin:
         cfg = self.compression
         if cfg is None:
             return
-        self.comm_metrics = comp.CommMetricsCallback(cfg)
+        self.comm_metrics = CommMetricsCallback(cfg)
         if self.accelerator.ddp_handler is not None:
             self.accelerator.ddp_handler = comp.ddp_kwargs_with_hook(
                 self.accelerator.ddp_handler, cfg, self.comm_metrics.on_hook_registered)
