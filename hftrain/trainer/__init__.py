@@ -1,7 +1,7 @@
 """hftrain's trainers: transformers' `Trainer` (or a TRL trainer) with hftrain's concerns mixed in, one module each.
 
     StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
-    StepGuardMixin         step_guard.py      the engine built is the one asked for; finite steps or skip / stop
+    StepGuardMixin         guards/            the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          compression/       gradient compression on the data-parallel reduction, comm/* logs
     StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
     SequenceParallelMixin  sequence_parallel/  each sequence split across ranks (Ulysses): loader, attention, loss
@@ -22,7 +22,7 @@ from .chunked_loss import ChunkedLossMixin
 from ..compression import CommHookMixin
 from .exact_loss import ExactLossMixin
 from ..sequence_parallel import SequenceParallelMixin
-from .step_guard import StepGuardMixin
+from ..guards import StepGuardMixin
 from ..stop_request import StopRequestMixin
 from .stream_position import StreamPositionMixin
 

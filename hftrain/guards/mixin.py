@@ -1,4 +1,4 @@
-"""Guards (hftrain/guards.py) wired into the Trainer: the engine built is the one the recipe asked for, and every
+"""Guards (this package) wired into the Trainer: the engine built is the one the recipe asked for, and every
 optimizer step's losses and gradient norm are finite, else the step is skipped (training.max_bad_steps) or the run
 stops naming the step."""
 
@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import guards
+from . import engine, steps
 
 
 class StepGuardMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.step_guard = guards.StepGuard(self.args.max_bad_steps)
+        self.step_guard = steps.StepGuard(self.args.max_bad_steps)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """super() wraps the model (DDP / FSDP2 / DeepSpeed); before the first step, that engine must be the one
         the recipe asked for (args.strategy_name; an environment can make accelerate silently build another)."""
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.args.strategy_name is not None:
-            guards.raise_engine_problem(self.args.strategy_name, self)
+            engine.raise_engine_problem(self.args.strategy_name, self)
         return model, train_dataloader
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
