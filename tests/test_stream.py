@@ -9,7 +9,7 @@ import torch
 
 from hftrain.config import DataSection, DataSource, RecipeError, load_recipe
 from hftrain.data.stream import CHECK_ROWS, Position, SourceStream, TrainStream, stream_dataset
-from hftrain.trainer.stream_position import POSITION_FILE, StreamPositionMixin
+from hftrain.data.stream_position import POSITION_FILE, StreamPositionMixin
 from hftrain.errors import DataError
 
 from .conftest import DEMO_TRAIN
@@ -238,7 +238,7 @@ def saved_position(tmp_path, cfg, tokenizer) -> str:
     ("touch", "modified since the run streamed it (the same size and first and last 64 KiB: copied or touched?)"),
 ])
 def test_a_resume_whose_stream_changed_is_refused_naming_the_file_and_the_change(tmp_path, tokenizer, change, said):
-    from hftrain.trainer.stream_position import stream_resume_problems
+    from hftrain.data.stream_position import stream_resume_problems
 
     rows = [{"text": f"row {i}"} for i in range(50)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -302,7 +302,7 @@ def test_the_policies_restart_the_stream_or_continue_at_the_saved_position(tmp_p
 
 
 def test_switching_streaming_on_or_off_at_a_resume_is_refused(tmp_path, tokenizer):
-    from hftrain.trainer.stream_position import stream_resume_problems
+    from hftrain.data.stream_position import stream_resume_problems
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(20)])
     streaming = DataSection(sources=[DataSource(path=path)], streaming=True, max_length=16)

@@ -12,7 +12,7 @@ The position is exact and cheap to restore: a source's position is (pass, where 
 window's number, the row in the window, the example of that row), where a window begins is a byte offset (JSON
 lines) or datasets' own state_dict (other sources, unshuffled, so exact), and the draws between sources are a
 counter. `TrainStream.state_after(n)` is the position after this process's first n examples; a checkpoint records
-it (trainer/stream_position.py) and a resumed stream re-reads one window of raw rows and continues where the
+it (stream_position.py) and a resumed stream re-reads one window of raw rows and continues where the
 uninterrupted one would. datasets' IterableDataset.state_dict was not enough: it drops its shuffle buffer's rows on
 resume (its docstring says so), and accelerate's stateful dataloader needs torchdata and the same state_dict.
 """

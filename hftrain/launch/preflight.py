@@ -20,6 +20,7 @@ from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
 from ..data.preference import PreferenceData, build_preference_data
 from ..data.prompts import PromptData, build_prompt_data
+from ..data.stream_position import stream_resume_problems
 from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
@@ -27,7 +28,6 @@ from ..guards import environment_engine_problem
 from ..modeling import load_tokenizer, path_problems
 from ..rewards import dry_run, load_rewards
 from ..sequence_parallel import heads_problem
-from ..trainer.stream_position import stream_resume_problems
 from . import libraries
 from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable, vllm_problems
 from .plan import model_facts, swap_buffer_elems

@@ -7,7 +7,7 @@
     SequenceParallelMixin  sequence_parallel/  each sequence split across ranks (Ulysses): loader, attention, loss
     ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
     ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
-    StreamPositionMixin    stream_position.py a streaming run's position in its checkpoints, resumed exactly
+    StreamPositionMixin    data/stream_position.py  a streaming run's position in its checkpoints, resumed exactly
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
@@ -24,7 +24,7 @@ from .exact_loss import ExactLossMixin
 from ..sequence_parallel import SequenceParallelMixin
 from ..guards import StepGuardMixin
 from ..stop_request import StopRequestMixin
-from .stream_position import StreamPositionMixin
+from ..data.stream_position import StreamPositionMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).
 RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)

@@ -22,9 +22,9 @@ import json
 import os
 
 from ..config import DataSection
-from ..data.stream import stream_change_problem
 from ..errors import CheckpointError
 from ..fileio import atomic_write
+from .stream_identity import stream_change_problem
 
 POSITION_FILE = "stream_position_{rank}.json"
 
