@@ -197,3 +197,10 @@ def any_rank(flag: bool, device=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def sequence_parallel_size(args) -> int:
+    """N of a run's arguments (or accelerator) under sequence parallelism (DeepSpeed's Ulysses through accelerate's
+    ParallelismConfig): the ranks that share each sequence; 1 without it."""
+    pc = getattr(args, "parallelism_config", None)
+    return pc.sp_size if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_size > 1 else 1

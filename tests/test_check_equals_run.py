@@ -223,7 +223,7 @@ def test_another_vocabulary_is_named(tmp_path, tiny_model_dir, other_checkpoint)
 
 
 @pytest.mark.parametrize("layout, expected", [
-    (True, "it was written by hftrain (it holds hftrain_checkpoint.json), either by a version older than the manifest"),
+    (True, "it was written by hftrain (it holds hftrain_checkpoint.json) and its manifest was deleted after the save"),
     (False, "it was not written by hftrain (no hftrain_checkpoint.json): by transformers' Trainer (it holds "
             "trainer_state.json) or another tool"),
 ])

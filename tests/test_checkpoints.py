@@ -11,7 +11,7 @@ import yaml
 
 from hftrain import checkpoints
 from hftrain.checkpoints import CheckpointError, checkpoint_problem, newest_complete, resolve_resume
-from hftrain.manifest import MANIFEST, write_manifest
+from hftrain.checkpoints.manifest import MANIFEST, write_manifest
 
 from .conftest import DEMO_TRAIN, PY, run
 
@@ -295,7 +295,7 @@ def flip_byte(path, at: int = -5):
 def test_manifest_lists_every_file_with_size_and_sha256(reference, tmp_path):
     import hashlib
 
-    from hftrain.manifest import files_of, manifest_problems, read_manifest
+    from hftrain.checkpoints.manifest import files_of, manifest_problems, read_manifest
 
     ck = reference[0] / "checkpoint-4"
     files = read_manifest(str(ck))
@@ -373,9 +373,9 @@ def test_unverified_checkpoint_is_accepted_with_one_line_and_parsed_defensively(
     os.remove(ck / MANIFEST)
     lines = []
     assert resolve_resume(True, str(two_checkpoints), warn=lines.append) == str(ck)
-    assert lines == [f"hftrain: {ck} has no {MANIFEST}: it was written by hftrain (it holds hftrain_checkpoint.json), "
-                     "either by a version older than the manifest (before 2026-11-23) or the manifest was deleted "
-                     "after the save; its files cannot be verified (only checked complete and readable)"]
+    assert lines == [f"hftrain: {ck} has no {MANIFEST}: it was written by hftrain (it holds hftrain_checkpoint.json) "
+                     "and its manifest was deleted after the save; its files cannot be verified (only checked complete "
+                     "and readable)"]
     # The run verifies twice (its preflight, then its set-up, which prints): the second, answered from the cache of
     # verified checkpoints, says the same (it said nothing before: the run resumed without a word).
     again = []

@@ -67,13 +67,13 @@ REMOVALS = {
     ("hftrain/data/sources.py", "_write_json_rows", "os.remove"): (
         1, "a failed read: its own tmp-<pid>-<name> file",
         ["tests/test_data_cache.py::test_every_format_refuses_a_row_over_the_cap_naming_it"]),
-    ("hftrain/checkpoints.py", "to_universal", "shutil.rmtree"): (
+    ("hftrain/checkpoints/world_size.py", "to_universal", "shutil.rmtree"): (
         3, "inside a checkpoint hftrain wrote (its hftrain_checkpoint.json says ZeRO on another world size): the "
            "staging folder _<tag>_universal.partial (hftrain's name) before and after a failed conversion, and a "
            "<tag>_universal left by an interrupted conversion (latest_universal does not name it)",
         ["tests/test_removals.py::test_universal_conversion_removes_only_its_own_folders",
          "tests/test_resume.py::test_zero_checkpoint_resumes_on_another_world_size_through_a_universal_checkpoint"]),
-    ("hftrain/checkpoints.py", "to_universal", "os.rename"): (
+    ("hftrain/checkpoints/world_size.py", "to_universal", "os.rename"): (
         1, "its staging folder to <tag>_universal (after the leftover of its name was removed)",
         ["tests/test_removals.py::test_universal_conversion_removes_only_its_own_folders"]),
     ("hftrain/fileio.py", "publish", "shutil.rmtree"): (
@@ -99,16 +99,16 @@ REMOVALS = {
            "one",
         ["tests/test_checkpoints.py::test_final_save_on_a_full_disk_leaves_no_half_file",
          "tests/test_removals.py::test_a_leftover_staged_save_is_replaced_and_nothing_else"]),
-    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._save_checkpoint", "shutil.rmtree"): (
+    ("hftrain/checkpoints/mixin.py", "StagedCheckpointMixin._save_checkpoint", "shutil.rmtree"): (
         2, "output_dir/_incomplete/checkpoint-N: a leftover of an interrupted save of the same step, and the partial "
            "save of a failed one",
         ["tests/test_checkpoints.py::test_interrupted_save_leaves_nothing_resume_would_pick",
          "tests/test_checkpoints.py::test_disk_full_during_save_fails_cleanly",
          "tests/test_removals.py::test_a_leftover_staged_save_is_replaced_and_nothing_else"]),
-    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._publish", "shutil.rmtree"): (
+    ("hftrain/checkpoints/mixin.py", "StagedCheckpointMixin._publish", "shutil.rmtree"): (
         1, "output_dir/_incomplete/checkpoint-N: the partial save of one whose layout, manifest or rename failed",
         ["tests/test_checkpoints.py::test_disk_full_during_save_fails_cleanly"]),
-    ("hftrain/trainer/checkpointing.py", "StagedCheckpointMixin._publish", "rotate_checkpoints"): (
+    ("hftrain/checkpoints/mixin.py", "StagedCheckpointMixin._publish", "rotate_checkpoints"): (
         1, "transformers' save_total_limit: the oldest checkpoint-N of this run's output_dir, after the new one is "
            "published (a previous run's checkpoints are refused by the claim, or removed with overwrite_output_dir)",
         ["tests/test_checkpoints.py::test_checkpoints_are_published_complete"]),

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..constants import IGNORE_INDEX
+from ..distributed import sequence_parallel_size as size  # noqa: F401 (the package's name for it)
 from ..data.collate import PackedRows
 
 
@@ -35,12 +36,6 @@ def parallelism_config(n: int, attn_implementation: str | None):
 
     return ParallelismConfig(sp_backend="deepspeed", sp_size=n, sp_handler=DeepSpeedSequenceParallelConfig(
         sp_seq_length_is_variable=True, sp_attn_implementation=attn_implementation or "sdpa"))
-
-
-def size(args) -> int:
-    """N of a run's arguments (or accelerator): 1 without sequence parallelism."""
-    pc = getattr(args, "parallelism_config", None)
-    return pc.sp_size if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_size > 1 else 1
 
 
 def heads_problem(config, n: int) -> str | None:

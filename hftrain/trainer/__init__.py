@@ -1,6 +1,6 @@
 """hftrain's trainers: transformers' `Trainer` (or a TRL trainer) with hftrain's concerns mixed in, one module each.
 
-    StagedCheckpointMixin  checkpointing.py   staged, verified, atomically published checkpoints; resume
+    StagedCheckpointMixin  checkpoints/       staged, verified, atomically published checkpoints; resume
     StepGuardMixin         guards/            the engine built is the one asked for; finite steps or skip / stop
     CommHookMixin          compression/       gradient compression on the data-parallel reduction, comm/* logs
     StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
@@ -17,7 +17,7 @@ trainers.
 
 from transformers import Trainer
 
-from .checkpointing import StagedCheckpointMixin
+from ..checkpoints import StagedCheckpointMixin
 from .chunked_loss import ChunkedLossMixin
 from ..compression import CommHookMixin
 from .exact_loss import ExactLossMixin

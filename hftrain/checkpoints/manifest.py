@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerState
 from transformers.trainer_pt_utils import safe_globals
 
-from .fileio import atomic_write
+from ..fileio import atomic_write
 
 MANIFEST = "hftrain_manifest.json"
 FORMAT = 1

@@ -1,4 +1,4 @@
-"""Checkpoints the Trainer writes and resumes, made safe (hftrain/checkpoints.py, hftrain/manifest.py):
+"""Checkpoints the Trainer writes and resumes, made safe (this package: folders, manifest, verify, layout):
 
 - `_save_checkpoint`: super() writes under a staging folder; once every rank has written its part, the layout and
   the manifest (size and sha256 of every file) are added and the folder is renamed into place, then rotated;
@@ -17,11 +17,13 @@ import shutil
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .. import checkpoints, distributed, fileio, guards, manifest, sequence_parallel
+from .. import distributed, fileio
 from ..config import strategy_of_deepspeed_config
 from ..errors import CheckpointError
+from ..guards import check_finite_weights
 from ..patches.deepspeed import untie_zero3_universal_steps
 from ..patches.transformers import staged_checkpoint_dir
+from . import folders, manifest, verify, world_size
 
 
 class StagedCheckpointMixin:
@@ -38,7 +40,7 @@ class StagedCheckpointMixin:
         (incomplete ones are skipped with a warning); None after an elastic restart: the newest complete one."""
         restarted = distributed.restart_count() > 0
         weights_only = self.args.resume_weights_only
-        path = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
+        path = verify.resolve_resume(resume_from_checkpoint, self.args.output_dir, restarted,
                                           warn=distributed.print0, weights_only=weights_only)
         if path and weights_only:
             distributed.print0(f"hftrain: resuming the weights only from {path} (training.resume_weights_only): the "
@@ -46,11 +48,11 @@ class StagedCheckpointMixin:
         if restarted and path and resume_from_checkpoint in (None, False):
             distributed.print0(f"hftrain: restarted by the launcher: resuming from {path}")
         now = self._layout()
-        checkpoints.check_layout(path, now)
-        if checkpoints.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
+        world_size.check_layout(path, now)
+        if world_size.needs_universal(path, now):  # ZeRO on another world size: reshard through DeepSpeed's format
             distributed.barrier()  # every rank has verified the checkpoint before the main process adds to it
             with distributed.main_process_first():
-                universal = checkpoints.to_universal(path)
+                universal = world_size.to_universal(path)
             untie_zero3_universal_steps()
             self.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
             distributed.print0(f"hftrain: {path} was written by another number of ranks: resuming from its "
@@ -64,7 +66,7 @@ class StagedCheckpointMixin:
 
     def _load_rng_state(self, checkpoint):
         """The Trainer's load, with an error naming the file instead of torch's (which suggests weights_only=False);
-        checkpoints.verify has read the files already, this catches what changed since."""
+        verify.verify has read the files already, this catches what changed since."""
         try:
             super()._load_rng_state(checkpoint)
         except Exception as e:
@@ -78,14 +80,14 @@ class StagedCheckpointMixin:
         else:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args
-        return checkpoints.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy,
-                                  sequence_parallel.size(self.args))
+        return world_size.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy,
+                                  distributed.sequence_parallel_size(self.args))
 
     def _save_checkpoint(self, model, trial) -> None:
-        guards.check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards
+        check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        root = checkpoints.staging_root(run_dir)
+        root = folders.staging_root(run_dir)
         staged, final = os.path.join(root, name), os.path.join(run_dir, name)
         if self.args.should_save and os.path.lexists(staged):
             shutil.rmtree(staged)  # a leftover of an interrupted save of the same step
@@ -94,7 +96,7 @@ class StagedCheckpointMixin:
             with staged_checkpoint_dir(self, root):  # super() writes (and rotates) under the staging root
                 super()._save_checkpoint(model, trial)
         except Exception as e:
-            error = checkpoints.save_failure(e, staged, run_dir)
+            error = folders.save_failure(e, staged, run_dir)
             if self.args.should_save:
                 shutil.rmtree(staged, ignore_errors=True)
                 fileio.remove_staging_root(root)
@@ -110,15 +112,15 @@ class StagedCheckpointMixin:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if best == final or os.path.isdir(best):
                 self.state.best_model_checkpoint = best
-                self.state.save_to_json(os.path.join(staged, checkpoints.STATE))
+                self.state.save_to_json(os.path.join(staged, folders.STATE))
         try:
-            with open(os.path.join(staged, checkpoints.LAYOUT), "w", encoding="utf-8") as fh:
+            with open(os.path.join(staged, world_size.LAYOUT), "w", encoding="utf-8") as fh:
                 json.dump(self._layout(), fh)
             # Last, once every rank has written its part (the barrier before): sizes and sha256 of every file.
             manifest.write_manifest(staged)
             fileio.publish(staged, final)
         except OSError as e:
-            error = checkpoints.save_failure(e, staged, run_dir)
+            error = folders.save_failure(e, staged, run_dir)
             shutil.rmtree(staged, ignore_errors=True)
             fileio.remove_staging_root(root)
             raise error from e
