@@ -56,7 +56,7 @@ def kto_config(recipe: Recipe, **kwargs) -> HFKTOConfig:
 class GlobalKLMixin:
     """KTO's KL reference point and loss exact over the optimizer step's global batch (the module docstring)."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses.py)
+    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses/maths.py)
     step_kl: torch.Tensor | None = None  # the optimizer step's KL reference point z (training)
     _kl_calls: int | None = None  # KL forwards TRL asked for in the loss being computed (None: TRL's own forwards)
 

@@ -50,7 +50,7 @@ def orpo_config(recipe: Recipe, **kwargs) -> HFORPOConfig:
 class OddsRatioExactMixin:
     """ORPO's loss exact over the optimizer step's global batch (the module docstring), from TRL's two terms."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses.py)
+    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses/maths.py)
     _orpo_terms: dict | None = None
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):

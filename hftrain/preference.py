@@ -74,7 +74,7 @@ class PairMeanMixin:
     """The preference loss as the exact mean over the pairs of the optimizer step's global batch
     (losses.pair_mean_share), from the per-micro-batch mean a TRL trainer returns."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses.py)
+    loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses/maths.py)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The pairs of the optimizer step over every micro-batch and rank (a batch holds chosen then rejected rows)."""

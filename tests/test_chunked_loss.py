@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hftrain import losses
-from hftrain.chunked_ce import HeadMath, capture_hidden, head_of, linear_ce
+from hftrain.losses.chunked_ce import HeadMath, capture_hidden, head_of, linear_ce
 from hftrain.constants import IGNORE_INDEX
 
 

@@ -3,7 +3,7 @@
 DDP: a communication hook (fp16 and PowerSGD are PyTorch's; bf16, int8 and top-k are written here because PyTorch's
 refuse gloo or lack error feedback). FSDP2 and ZeRO: fp16/bf16 as their reduce dtype (config.rules refuses the rest).
 Each hook here issues one collective, from the hook itself (one issued from a future callback can race DDP's own),
-and returns the MEAN gradient, which hftrain's loss normalisation (losses.py) assumes.
+and returns the MEAN gradient, which hftrain's loss normalisation (losses/maths.py) assumes.
 
 Bytes on the wire per rank (ring): all-reduce of B bytes 2(W-1)/W * B, all-gather of B bytes per rank (W-1) * B.
 int8 and top-k are all-gathered (their sum has no compressed form), so their saving shrinks as W grows.

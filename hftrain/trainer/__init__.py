@@ -1,13 +1,14 @@
-"""hftrain's trainers: transformers' `Trainer` (or a TRL trainer) with hftrain's concerns mixed in, one module each.
+"""hftrain's trainers: transformers' `Trainer` (or a TRL trainer) composed with hftrain's concerns, each a mixin that
+lives in its feature's package beside the mechanism it drives (trainer/ only composes):
 
-    StagedCheckpointMixin  checkpoints/       staged, verified, atomically published checkpoints; resume
-    StepGuardMixin         guards/            the engine built is the one asked for; finite steps or skip / stop
-    CommHookMixin          compression/       gradient compression on the data-parallel reduction, comm/* logs
-    StopRequestMixin       stop_request/      on SIGUSR1 (a time limit near) every rank saves the same step and stops
-    SequenceParallelMixin  sequence_parallel/  each sequence split across ranks (Ulysses): loader, attention, loss
-    ExactLossMixin         exact_loss.py      SFT's CE exact over the global batch, aux terms, exact eval loss
-    ChunkedLossMixin       chunked_loss.py    the per-token CE from logits or, chunked, from lm_head's input
-    StreamPositionMixin    data/stream_position.py  a streaming run's position in its checkpoints, resumed exactly
+    StagedCheckpointMixin  checkpoints/mixin.py        staged, verified, atomically published checkpoints; resume
+    StepGuardMixin         guards/mixin.py             the engine built is the one asked for; finite steps or stop
+    CommHookMixin          compression/mixin.py        gradient compression on the data-parallel reduction, comm/*
+    StopRequestMixin       stop_request/mixin.py       on SIGUSR1 every rank saves the same step and stops
+    SequenceParallelMixin  sequence_parallel/mixin.py  each sequence split across ranks (Ulysses): loader, attention
+    ExactLossMixin         losses/exact.py             SFT's CE exact over the global batch, aux terms, eval loss
+    ChunkedLossMixin       losses/chunked.py           the per-token CE from logits or, chunked, from lm_head's input
+    StreamPositionMixin    data/stream_position.py     a streaming run's position in its checkpoints, resumed exactly
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
@@ -18,9 +19,9 @@ trainers.
 from transformers import Trainer
 
 from ..checkpoints import StagedCheckpointMixin
-from .chunked_loss import ChunkedLossMixin
+from ..losses import ChunkedLossMixin
 from ..compression import CommHookMixin
-from .exact_loss import ExactLossMixin
+from ..losses import ExactLossMixin
 from ..sequence_parallel import SequenceParallelMixin
 from ..guards import StepGuardMixin
 from ..stop_request import StopRequestMixin

@@ -28,8 +28,8 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 
+from ..constants import IGNORE_INDEX, LossAveraging
 from .chunked_ce import HeadMath, linear_ce
-from .constants import IGNORE_INDEX, LossAveraging
 
 MODES = get_args(LossAveraging)
 

@@ -1,14 +1,16 @@
 """The per-token cross-entropy a trainer's loss is built from: from the model's logits, or (training.loss_impl
-chunked / auto) from lm_head's input in chunks, never materialising the full logits (hftrain/chunked_ce.py holds the
-maths, hftrain/losses.py the sums). No labels reach the model, so no model-internal loss runs.
+chunked / auto) from lm_head's input in chunks, never materialising the full logits (chunked_ce.py holds the
+maths, maths.py the sums). No labels reach the model, so no model-internal loss runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import chunked_ce, distributed, losses
+from .. import distributed
 from ..errors import ModelError
+from . import chunked_ce
+from . import maths as losses
 
 
 class ChunkedLossMixin:

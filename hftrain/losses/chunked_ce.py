@@ -25,7 +25,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .constants import IGNORE_INDEX
+from ..constants import IGNORE_INDEX
 
 CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk: 128 target tokens at a 131k vocabulary, 512 at 32k
 
