@@ -307,18 +307,18 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
 def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
     """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
     from hftrain.launch.machine import STALE_LOCK_S
-    from hftrain.launch.preflight import strategy_problems
+    from hftrain.launch.preflight import machine_strategy_problems
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (tmp_path / "cpu_adam").mkdir()
     lock = tmp_path / "cpu_adam" / "lock"
     lock.touch()
-    assert strategy_problems(StrategySection(name="zero2")) == []  # a build in progress
+    assert machine_strategy_problems(StrategySection(name="zero2")) == []  # a build in progress
     old = lock.stat().st_mtime - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    (p,) = strategy_problems(StrategySection(name="zero3_offload"))
+    (p,) = machine_strategy_problems(StrategySection(name="zero3_offload"))
     assert f"DeepSpeed op build lock {lock} is 16 min old" in p and f"(rm {lock})" in p
-    assert strategy_problems(StrategySection(name="ddp")) == []  # no DeepSpeed op involved
+    assert machine_strategy_problems(StrategySection(name="ddp")) == []  # no DeepSpeed op involved
 
 
 def test_launch_on_machine_k_renders_its_own_config_outside_output_dir(tmp_path, capsys):

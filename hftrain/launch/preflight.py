@@ -14,7 +14,7 @@ from typing import Callable
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.grpo_rules import grpo_batch_problem
-from ..config.rules import strategy_problems as rule_problems
+from ..config.rules import strategy_problems
 from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data import Datasets, build_datasets
@@ -47,7 +47,9 @@ def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
         return None
 
 
-def strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
+def machine_strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
+    """What this machine says of the strategy (the recipe's rules are config.rules.strategy_problems): the engine the
+    environment forces, interrupted DeepSpeed op builds, NVMe and async I/O for ZeRO-Infinity."""
     problems = []
     engine = environment_engine_problem(strategy.name, accelerator_available())
     if engine:
@@ -151,7 +153,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     if name not in STRATEGIES:  # a wrong strategy.name, already reported
         raise RecipeError(problems)
     if name != s.name:  # recipe_problems ran the strategy's rules only for a strategy the recipe names
-        problems += [_message(recipe, k, m) for k, m in rule_problems(recipe, name)]
+        problems += [_message(recipe, k, m) for k, m in strategy_problems(recipe, name)]
     world = world_size or (s.num_processes if _typed(s.num_processes, int) else STRATEGY_DEFAULTS["num_processes"])
     sp = s.sequence_parallel if _typed(s.sequence_parallel, int) else 1
     if sp > 1 and world % sp and not _typed(s.num_processes, int):  # a set num_processes is judged by the rules
@@ -221,7 +223,8 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         if strategy.sub_group_size is None:
             strategy = replace(strategy, sub_group_size=part)
     if not any(k.startswith("strategy.") for k in skip):
-        out += [(_strategy_key(msg), msg) for msg in strategy_problems(strategy, facts.params if facts else None)]
+        machine = machine_strategy_problems(strategy, facts.params if facts else None)
+        out += [(_strategy_key(msg), msg) for msg in machine]
     output_dir = t.get("output_dir")
     if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
         where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
