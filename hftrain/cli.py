@@ -14,19 +14,18 @@ from dataclasses import replace
 
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
-from .config.sections import STRATEGY_DEFAULTS, UNPAIRED, resolved_strategy
-from .constants import RECIPE_MODULES, STRATEGIES
+from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
+from .constants import STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
 from .hub.push import push, settings_for_run
 from .data.cache import cache_folder
-from .data.preview import preview
-from .data.prompts import preview_prompts
 from .launch import check_data, check_recipe, machines
 from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
+from .methods import method_of
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
@@ -38,7 +37,7 @@ def script_for(recipe, kind: str | None = None, script: str | None = None) -> li
     with a grpo: section, else sft)."""
     if script:
         return [script]
-    return ["-m", RECIPE_MODULES[kind or recipe.method]]
+    return ["-m", f"hftrain.recipes.{kind or method_of(recipe).script}"]
 
 
 def _check(ns) -> int:
@@ -62,19 +61,8 @@ def _prepare(ns) -> int:
 
 def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
-    if recipe.grpo is not None:  # prompts rendered as the policy receives them, with their reference answers
-        tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-        print(preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, ns.examples))
-        return 0
-    if recipe.preference is not None:  # pairs: their counts (check_data prints them) and the first N as read
-        _, data = check_data(recipe, 1)
-        if recipe.preference.loss_type in UNPAIRED:  # kto: single examples, in the order they train
-            print(f"hftrain: the first {min(ns.examples, len(data.train))} training examples, in training order "
-                  "(label true: desirable, false: undesirable)", file=sys.stderr)
-        for i in range(min(ns.examples, len(data.train))):
-            print(json.dumps(data.train[i], ensure_ascii=False))
-        return 0
-    print(preview(recipe.data, load_tokenizer(recipe.model, recipe.data.chat_template), ns.examples))
+    tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
+    print(method_of(recipe).show(recipe, tokenizer, ns.examples))  # as the method's trainer gets its rows
     return 0
 
 

@@ -36,4 +36,3 @@ RUN_INFO_FILE = "run_info.json"  # what actually ran
 SLURM_DIR = "slurm"
 STOP_MARKER_ENV = "HFTRAIN_STOP_MARKER"  # a file the main process writes when it stopped on a request (SIGUSR1)
 # Recipe kind -> the module hftrain/recipes/ runs under the launcher (`hftrain launch` picks by the recipe's sections).
-RECIPE_MODULES = {"sft": "hftrain.recipes.sft", "dpo": "hftrain.recipes.dpo", "grpo": "hftrain.recipes.grpo"}

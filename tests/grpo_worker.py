@@ -21,7 +21,7 @@ from hftrain.config import load_recipe
 from hftrain.constants import ZERO_STAGE
 from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error
-from hftrain.grpo import GroupTrainer
+from hftrain.methods.grpo import GroupTrainer
 from hftrain.launch import Run, setup_run
 from hftrain.launch.setup import run_arguments
 from hftrain.recipes.grpo import GRPO

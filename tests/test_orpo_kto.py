@@ -64,13 +64,12 @@ def test_the_defaults_are_valid():
 def test_trl_configs_run_in_the_recipes_precision(loss):
     """TRL's configs turn bf16 on when the recipe says nothing (hftrain's default, and TrainingArguments', is off)."""
     from hftrain.launch.setup import run_arguments
-    from hftrain.preference import dpo_config
-    from hftrain.recipes.dpo import TRAINERS
+    from hftrain.methods import method_of
 
-    config = TRAINERS.get(loss, (dpo_config,))[0]
     for overrides, bf16 in (([], False), (["training.bf16=true"], True)):
         recipe, _ = parse_recipe(None, [f"preference.loss_type={loss}", *overrides], raw=json.loads(json.dumps(BASE)))
-        args = config(recipe, **run_arguments(recipe))
+        assert method_of(recipe).name == {"sigmoid": "dpo"}.get(loss, loss)
+        args = method_of(recipe).arguments(recipe, **run_arguments(recipe))
         assert (args.bf16, args.fp16) == (bf16, False)
 
 
@@ -185,15 +184,15 @@ def build_trainer(tmp_path, model_dir, preference, n_pairs=4, lora=None):
     """The trainer hftrain dpo builds for this preference section (the policy and LoRA config as the recipe's)."""
     from hftrain.launch import check_data
     from hftrain.launch.setup import run_arguments
-    from hftrain.preference import load_policy, policy_peft_config
-    from hftrain.recipes.dpo import TRAINERS
+    from hftrain.methods import method_of
+    from hftrain.methods.policy import load_policy, policy_peft_config
 
     rec = recipe_file(tmp_path, model_dir, uneven_pairs(tmp_path / "pairs.jsonl", n_pairs), preference)
     recipe, found = parse_recipe(rec, [f"model.lora.r={lora}"] if lora else [])
     assert found == []
     tokenizer, data = check_data(recipe, 1)
-    config, trainer_class = TRAINERS[preference["loss_type"]]
-    return trainer_class(model=load_policy(recipe.model), args=config(recipe, **run_arguments(recipe)),
+    method = method_of(recipe)
+    return method.trainer_class(model=load_policy(recipe.model), args=method.arguments(recipe, **run_arguments(recipe)),
                          train_dataset=data.train, processing_class=tokenizer,
                          peft_config=policy_peft_config(recipe.model))
 

@@ -59,7 +59,7 @@ def test_all_problems_at_once_and_loss_specific_rules():
 
 def test_losses_map_to_trl():
     from hftrain.config import PreferenceSection
-    from hftrain.preference import trl_loss
+    from hftrain.methods.dpo import trl_loss
 
     assert trl_loss(PreferenceSection()) == "sigmoid"
     assert trl_loss(PreferenceSection(label_smoothing=0.1)) == "robust"  # TRL's sigmoid ignores label_smoothing
@@ -380,7 +380,7 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
 
     from hftrain.launch import check_data
     from hftrain.launch.setup import run_arguments
-    from hftrain.preference import PreferenceTrainer, dpo_config
+    from hftrain.methods.dpo import PreferenceTrainer, dpo_config
 
     beta, gamma = 2.0, 0.7
     data = uneven_pairs(tmp_path / "pairs.jsonl", 4)

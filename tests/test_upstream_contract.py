@@ -290,9 +290,7 @@ def test_a_reordered_loop_breaks_the_contract(monkeypatch):
 
 # -- completeness ------------------------------------------------------------------------------------------------
 def _hftrain_classes():
-    import hftrain.kto  # noqa: F401  (imports every trainer)
-    import hftrain.orpo  # noqa: F401
-    import hftrain.preference  # noqa: F401
+    import hftrain.methods  # noqa: F401  (imports every method's trainer)
     import hftrain.trainer  # noqa: F401
 
     seen = set()

@@ -13,7 +13,7 @@ import yaml
 
 from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout, StrategyName
 from .fields import _f
-from .methods import (  # noqa: F401 (re-exported)
+from .method_sections import (  # noqa: F401 (re-exported)
     BUILTIN_REWARDS,
     REFERENCE_FREE,
     UNPAIRED,
@@ -342,12 +342,6 @@ class Recipe:
     @property
     def output_dir(self) -> str:
         return self.training["output_dir"]
-
-    @property
-    def method(self) -> str:
-        """The recipe script that trains this recipe (constants.RECIPE_MODULES): dpo for a recipe with a preference:
-        section, grpo for one with a grpo: section, else sft."""
-        return "dpo" if self.preference is not None else "grpo" if self.grpo is not None else "sft"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

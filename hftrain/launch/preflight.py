@@ -15,18 +15,14 @@ from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.grpo_rules import grpo_batch_problem
 from ..config.rules import strategy_problems
-from ..config.sections import STRATEGY_DEFAULTS, UNPAIRED
+from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
-from ..data import Datasets, build_datasets
-from ..data.preference import PreferenceData, build_preference_data
-from ..data.prompts import PromptData, build_prompt_data
 from ..data.stream_position import stream_resume_problems
-from ..data.unpaired import build_unpaired_data
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
+from ..methods import method_of
 from ..modeling import load_tokenizer, path_problems
-from ..rewards import dry_run, load_rewards
 from ..sequence_parallel import heads_problem
 from . import libraries
 from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable, vllm_problems
@@ -270,23 +266,17 @@ def batch_problem(world: int, per_device: int, accumulation: int, drop_last: boo
 
 
 def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
-    """(tokenizer, Datasets): every row read, rendered and tokenised into the datasets cache, or found there (errors
-    name the file and row), and one optimizer step's worth of examples present. `hftrain check`, `hftrain prepare`
-    and the run share this phase, so a check or a prepare leaves the run a warm cache. With data.streaming the
-    training rows are read as training goes: the first rows of each source are checked."""
+    """(tokenizer, data): every row read, rendered and tokenised into the datasets cache, or found there (errors name
+    the file and row), by the recipe's method (methods.Method.read), and one optimizer step's worth of rows present.
+    `hftrain check`, `hftrain prepare` and the run share this phase, so a check or a prepare leaves the run a warm
+    cache. With data.streaming the training rows are read as training goes: the first rows of each source are
+    checked."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     seed = recipe.training_value("seed") if seed is None else seed
-    if recipe.grpo is not None:
-        return tokenizer, check_prompts(recipe, tokenizer, world_size, seed)
-    data: Datasets | PreferenceData
-    if recipe.preference is not None:  # prompt/chosen/rejected pairs, each row checked (TRL tokenises them)
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if recipe.preference.loss_type in UNPAIRED:  # kto: examples labelled desirable or not
-            data = build_unpaired_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
-        else:  # pairs, measured as TRL truncates them (data.preference.check_lengths)
-            data = build_preference_data(recipe.data, has_template, seed=seed, tokenizer=tokenizer)
-    else:
-        data = build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+    method = method_of(recipe)
+    data = method.read(recipe, tokenizer, world_size, seed)
+    if method.counts_its_steps:
+        return tokenizer, data
     if recipe.data.streaming:  # a stream has no length; its first rows were checked (data/stream.py)
         print0("hftrain: training examples streamed" + (f", {len(data.eval)} held out" if data.eval is not None
                                                          else ""))
@@ -296,27 +286,6 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
                             recipe.training_value("dataloader_drop_last"), len(data.train))
     if problem:
         raise LaunchError(problem)
-    pairs = recipe.preference is not None and recipe.preference.loss_type not in UNPAIRED
-    print0(f"hftrain: {len(data.train)} training {'pairs' if pairs else 'examples'}"
+    print0(f"hftrain: {len(data.train)} training {method.unit}"
            + (f", {len(data.eval)} held out" if data.eval is not None else ""))
     return tokenizer, data
-
-
-def check_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PromptData:
-    """GRPO's data phase: every prompt read and checked, every reward function importable and answering the first
-    prompts (their references and empty completions as the completions) with one number each, and one optimizer
-    step's worth of prompts present. Nothing here loads the model."""
-    g = recipe.grpo
-    exact = next((f"grpo.rewards.{i} (exact_match)" for i, r in enumerate(g.rewards) if r.function == "exact_match"),
-                 None)
-    data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
-                             exact_match=recipe.eval.exact_match, needs_reference=exact)
-    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
-    per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
-        "gradient_accumulation_steps") // g.num_generations
-    if len(data.train) < per_step:
-        raise LaunchError(f"one optimizer step samples grpo.num_generations {g.num_generations} completions of each "
-                          f"of {per_step} prompts and the data has {len(data.train)}: lower the batch or add prompts")
-    print0(f"hftrain: {len(data.train)} training prompts" + (
-        f", {len(data.eval_examples)} held out for exact match" if data.eval_examples else ""))
-    return data

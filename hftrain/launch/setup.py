@@ -28,6 +28,7 @@ from ..distributed import (accelerator_available, all_gather_object, barrier, el
                            is_local_main_process, is_main_process, launcher_world_size, print0, restart_count,
                            world_size)
 from ..errors import LaunchError, RecipeError, UserError
+from ..methods import METHODS, method_of
 from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
                         start_heartbeat)
 from .. import sequence_parallel
@@ -81,6 +82,25 @@ def training_arguments(recipe: Recipe, **extra) -> HFTrainingArguments:
     return HFTrainingArguments(**run_arguments(recipe, **extra))
 
 
+def _script_fits(recipe: Recipe, script: str) -> None:
+    """The recipe script run (`hftrain <script>`) is the one its method needs: a preference: or grpo: section run by
+    another script, or a script run without its section, is refused naming the right one."""
+    method = method_of(recipe)
+    if method.script != script:
+        raise RecipeError([f"{recipe.source}: {method.section}: this recipe has a {method.section}: section: run it "
+                           f"with `hftrain {method.script}` (recipes/{method.script}.py)"] if method.section else
+                          [f"{recipe.source}: {_section_of(script)}: `hftrain {script}` (recipes/{script}.py) needs a "
+                           f"{_section_of(script)}: section (e.g. {_example_of(script)})"])
+
+
+def _section_of(script: str) -> str:
+    return next(m.section for m in METHODS if m.script == script and m.section)
+
+
+def _example_of(script: str) -> str:
+    return next(m.example for m in METHODS if m.script == script and m.example)
+
+
 def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     """Validate, then set this process up: environment, patches, process group, the run's arguments, seed.
 
@@ -100,16 +120,7 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     path, overrides = (None, argv) if raw is not None else split_argv(argv)
     recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
                                     world_size=launcher_world_size())
-    sections = {"preference": ("dpo", "preference: {loss_type: sigmoid, beta: 0.1}"),
-                "grpo": ("grpo", "grpo: {rewards: [{function: exact_match}]}")}
-    for section, (wants, _) in sections.items():
-        if getattr(recipe, section) is not None and kind != wants:
-            raise RecipeError([f"{recipe.source}: {section}: this recipe has a {section}: section: run it with "
-                               f"`hftrain {wants}` (recipes/{wants}.py)"])
-    for section, (wants, example) in sections.items():
-        if getattr(recipe, section) is None and kind == wants:
-            raise RecipeError([f"{recipe.source}: {section}: `hftrain {kind}` (recipes/{kind}.py) needs a {section}: "
-                               f"section (e.g. {example})"])
+    _script_fits(recipe, kind)
     export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
     _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
     extra = {}

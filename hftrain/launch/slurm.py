@@ -27,8 +27,9 @@ import sys
 
 from ..config import Recipe, StrategySection
 from ..config.sections import resolved_strategy
-from ..constants import RECIPE_MODULES, SLURM_DIR, STOP_MARKER_ENV
+from ..constants import SLURM_DIR, STOP_MARKER_ENV
 from ..errors import RecipeError
+from ..methods import method_of
 from .network import socket_environment
 
 LAUNCHERS = ("accelerate", "torchrun", "deepspeed")
@@ -88,7 +89,7 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
     gpus = not recipe.training_value("use_cpu")
     python = python or sys.executable
     if script is None:
-        module = module or RECIPE_MODULES[recipe.method]
+        module = module or f"hftrain.recipes.{method_of(recipe).script}"
         target = ["--module" if launcher == "deepspeed" else "-m", module]
     else:
         target = [_q(os.path.abspath(script))]

@@ -6,21 +6,17 @@
 
 The run's order is hftrain/lifecycle.py's; this holds what preference tuning adds: TRL's config, the policy (the
 reference is TRL's: the LoRA adapter disabled, a frozen copy, or precomputed log-probs; ORPO and SimPO have none) and
-TRL's trainer for the loss with hftrain's mixins: DPOTrainer for sigmoid, ipo and simpo (hftrain/preference.py),
-ORPOTrainer for orpo (hftrain/orpo.py), KTOTrainer for kto (hftrain/kto.py), judged by held-out reward accuracy and
-margin (KTO: margin; its examples are unpaired).
+TRL's trainer for the loss with hftrain's mixins, as the recipe's method says (hftrain/methods/): DPOTrainer for
+sigmoid, ipo and simpo (dpo.py), ORPOTrainer for orpo (orpo.py), KTOTrainer for kto (kto.py), judged by held-out
+reward accuracy and margin (KTO: margin; its examples are unpaired).
 """
 
 import sys
 
 from hftrain.errors import exit_on_user_error
-from hftrain.kto import KTOPreferenceTrainer, kto_config
 from hftrain.lifecycle import Method, run
-from hftrain.orpo import ORPOPreferenceTrainer, orpo_config
-from hftrain.preference import PreferenceTrainer, dpo_config, load_policy, policy_peft_config
-
-# preference.loss_type -> (the run's arguments, the trainer); every other loss is DPOTrainer's.
-TRAINERS = {"orpo": (orpo_config, ORPOPreferenceTrainer), "kto": (kto_config, KTOPreferenceTrainer)}
+from hftrain.methods import method_of
+from hftrain.methods.policy import load_policy, policy_peft_config
 
 
 class DPO(Method):
@@ -32,16 +28,16 @@ class DPO(Method):
                 "eval_log_odds_chosen", "eval_nll_loss", "eval_kl", "eval_loss")
 
     def arguments(self, recipe, kwargs):
-        return TRAINERS.get(recipe.preference.loss_type, (dpo_config,))[0](recipe, **kwargs)
+        return method_of(recipe).arguments(recipe, **kwargs)
 
     def model(self, run):
         return load_policy(run.recipe.model)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
-        trainer = TRAINERS.get(run.recipe.preference.loss_type, (None, PreferenceTrainer))[1]
-        return trainer(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
-                       processing_class=tokenizer, peft_config=policy_peft_config(run.recipe.model),
-                       callbacks=callbacks)
+        trainer_class = method_of(run.recipe).trainer_class  # DPOTrainer's, ORPO's or KTO's, with hftrain's mixins
+        return trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
+                             processing_class=tokenizer, peft_config=policy_peft_config(run.recipe.model),
+                             callbacks=callbacks)
 
 
 def main(argv: list[str] | None = None) -> None:

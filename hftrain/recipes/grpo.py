@@ -6,13 +6,13 @@
 
 The run's order is hftrain/lifecycle.py's; this holds what GRPO adds: TRL's GRPOConfig, the policy (the reference is
 TRL's: the LoRA adapter disabled, or a frozen copy), the reward functions and TRL's GRPOTrainer with hftrain's mixins
-(hftrain/grpo.py). It is judged as SFT is: exact match of greedy answers to held-out prompts, before and after.
+(hftrain/methods/grpo.py). It is judged as SFT is: exact match of greedy answers to held-out prompts, before and after.
 """
 
 import sys
 
 from hftrain.errors import exit_on_user_error
-from hftrain.grpo import GroupTrainer, grpo_config, load_policy, policy_peft_config
+from hftrain.methods.grpo import GroupTrainer, grpo_config, load_policy, policy_peft_config
 from hftrain.lifecycle import run
 from hftrain.recipes.sft import SFT
 from hftrain.rewards import load_rewards

@@ -21,9 +21,11 @@ import warnings
 import torch
 from trl.import_utils import TRLExperimentalWarning
 
-from . import losses
-from .config import HFTrainOptions, Recipe
-from .trainer import RUN_MIXINS
+from .. import losses
+from ..config import HFTrainOptions, Recipe
+from ..trainer import RUN_MIXINS
+from .base import Method, first_rows
+from .dpo import read_pairs
 
 # hftrain checks what it uses of the experimental ORPO against the installed TRL (tests/test_upstream_contract.py): the
 # warning that the API may change is for code that does not.
@@ -99,3 +101,10 @@ def nll_tokens(batch: dict) -> torch.Tensor:
 class ORPOPreferenceTrainer(*RUN_MIXINS, OddsRatioExactMixin, ORPOTrainer):
     """TRL's ORPOTrainer (its tokenising, loss terms, metrics and eval) with hftrain's checkpoints, guards and
     compression, and the exact loss; `args` is an HFORPOConfig (orpo_config)."""
+
+
+METHOD = Method(name="orpo", script="dpo", section="preference", example="preference: {loss_type: orpo, beta: 0.1}",
+                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "orpo",
+                read=read_pairs, unit="pairs",
+                show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n), arguments=orpo_config,
+                trainer_class=ORPOPreferenceTrainer)

@@ -34,9 +34,11 @@ from trl import KTOConfig, KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from . import losses
-from .config import HFTrainOptions, Recipe
-from .trainer import RUN_MIXINS
+from .. import losses
+from ..config import HFTrainOptions, Recipe
+from ..data.unpaired import build_unpaired_data
+from ..trainer import RUN_MIXINS
+from .base import Method, first_rows, has_template
 
 
 @dataclasses.dataclass
@@ -131,3 +133,16 @@ class GlobalKLMixin:
 class KTOPreferenceTrainer(*RUN_MIXINS, GlobalKLMixin, KTOTrainer):
     """TRL's KTOTrainer (its tokenising, KL completions, loss, metrics and eval) with hftrain's checkpoints, guards and
     compression, and the exact KL reference point and loss; `args` is an HFKTOConfig (kto_config)."""
+
+
+def read_examples(recipe: Recipe, tokenizer, world_size: int, seed: int):
+    """Examples labelled desirable or not (pairs split in two), checked, measured as TRL will truncate them, shuffled
+    once (data.unpaired)."""
+    return build_unpaired_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer)
+
+
+METHOD = Method(name="kto", script="dpo", section="preference", example="preference: {loss_type: kto, beta: 0.1}",
+                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "kto",
+                read=read_examples, show=lambda recipe, tokenizer, n: first_rows(
+                    METHOD, recipe, tokenizer, n, "examples, in training order (label true: desirable, false: "
+                    "undesirable)"), arguments=kto_config, trainer_class=KTOPreferenceTrainer)

@@ -27,13 +27,16 @@ import dataclasses
 
 from trl import GRPOConfig, GRPOTrainer
 
-from . import distributed
-from .config import HFTrainOptions, ModelSection, Recipe
-from .data.templates import template_kwargs
-from .errors import RewardError
-from .modeling import load_model, lora_config
-from .patches.transformers import mark_fsdp_managed
-from .trainer import RUN_MIXINS
+from .. import distributed
+from ..config import HFTrainOptions, Recipe
+from ..data.prompts import PromptData, build_prompt_data, preview_prompts
+from ..data.templates import template_kwargs
+from ..errors import LaunchError, RewardError
+from ..patches.transformers import mark_fsdp_managed
+from ..rewards import dry_run, load_rewards
+from ..trainer import RUN_MIXINS
+from .base import Method
+from .policy import load_policy, policy_peft_config  # noqa: F401 (the recipe script's names)
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
 
@@ -60,16 +63,6 @@ def grpo_config(recipe: Recipe, **kwargs) -> HFGRPOConfig:
         use_vllm=g.generation == "vllm", vllm_mode="colocate", chat_template_kwargs=recipe.data.chat_template_kwargs,
         shuffle_dataset=recipe.training_value("train_sampling_strategy") != "sequential", disable_dropout=True,
         remove_unused_columns=False, model_init_kwargs={"revision": m.revision} if m.revision else None)
-
-
-def load_policy(cfg: ModelSection):
-    """The model to tune; with model.lora the base model, which TRL wraps with `policy_peft_config` and uses, the fresh
-    adapter disabled, as the reference (no copy). As preference.load_policy (a sibling layer: not imported)."""
-    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None))
-
-
-def policy_peft_config(cfg: ModelSection):
-    return lora_config(cfg) if cfg.lora is not None else None
 
 
 class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
@@ -107,3 +100,30 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         self._metrics[mode]["advantages/abs_mean"].append(advantages.abs().mean().item())
         self._metrics[mode]["advantages/std"].append(advantages.std().item() if advantages.numel() > 1 else 0.0)
         return out
+
+
+def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PromptData:
+    """GRPO's data phase: every prompt read and checked, every reward function importable and answering the first
+    prompts (their references and empty completions as the completions) with one number each, and one optimizer
+    step's worth of prompts present. Nothing here loads the model."""
+    g = recipe.grpo
+    exact = next((f"grpo.rewards.{i} (exact_match)" for i, r in enumerate(g.rewards) if r.function == "exact_match"),
+                 None)
+    data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
+                             exact_match=recipe.eval.exact_match, needs_reference=exact)
+    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
+    per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
+        "gradient_accumulation_steps") // g.num_generations
+    if len(data.train) < per_step:
+        raise LaunchError(f"one optimizer step samples grpo.num_generations {g.num_generations} completions of each "
+                          f"of {per_step} prompts and the data has {len(data.train)}: lower the batch or add prompts")
+    distributed.print0(f"hftrain: {len(data.train)} training prompts" + (
+        f", {len(data.eval_examples)} held out for exact match" if data.eval_examples else ""))
+    return data
+
+
+METHOD = Method(name="grpo", script="grpo", section="grpo", example="grpo: {rewards: [{function: exact_match}]}",
+                selects=lambda recipe: recipe.grpo is not None, read=read_prompts, unit="prompts",
+                counts_its_steps=True, show=lambda recipe, tokenizer, n: preview_prompts(
+                    recipe.data, tokenizer, recipe.grpo.max_completion_length, n), arguments=grpo_config,
+                trainer_class=GroupTrainer)

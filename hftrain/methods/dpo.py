@@ -22,24 +22,14 @@ import dataclasses
 import torch
 from trl import DPOConfig, DPOTrainer
 
-from . import losses
-from .config import HFTrainOptions, ModelSection, PreferenceSection, Recipe
-from .modeling import load_model, lora_config
-from .trainer import RUN_MIXINS
+from .. import losses
+from ..config import HFTrainOptions, PreferenceSection, Recipe
+from ..data.preference import build_preference_data
+from ..trainer import RUN_MIXINS
+from .base import Method, first_rows, has_template
+from .policy import load_policy, policy_peft_config  # noqa: F401 (the recipe script's names)
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
-
-
-def load_policy(cfg: ModelSection):
-    """The model to tune; with model.lora the base model, for TRL to wrap with `policy_peft_config`: TRL computes the
-    reference with that fresh adapter disabled (no copy). A model wrapped beforehand would make TRL copy the adapter
-    as a 'ref' adapter, for adapters trained earlier."""
-    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None))
-
-
-def policy_peft_config(cfg: ModelSection):
-    """The LoraConfig TRL wraps the policy with (model.lora), or None."""
-    return lora_config(cfg) if cfg.lora is not None else None
 
 
 def trl_loss(p: PreferenceSection) -> str:
@@ -110,3 +100,15 @@ class PreferenceTrainer(*RUN_MIXINS, PairMeanMixin, DPOTrainer):
             return {"ref_chosen_logps": gamma / self.beta * kept, "ref_rejected_logps": 0.0}
 
         return dataset.map(add, desc=f"SimPO margin for the {name} dataset")
+
+
+def read_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int):
+    """Prompt/chosen/rejected pairs, each row checked and measured as TRL will truncate them (data.preference)."""
+    return build_preference_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer)
+
+
+METHOD = Method(name="dpo", script="dpo", section="preference", example="preference: {loss_type: sigmoid, beta: 0.1}",
+                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type not in
+                ("orpo", "kto"), read=read_pairs, unit="pairs",
+                show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n), arguments=dpo_config,
+                trainer_class=PreferenceTrainer)

@@ -1,0 +1,21 @@
+"""The training methods, one module each (sft, dpo: DPO, IPO and SimPO; orpo; kto; grpo), each owning its trainer,
+its TRL config where it has one, its data phase and how `hftrain data` shows its rows (base.Method); policy.py holds
+the policy the TRL-based methods share. The registry below is what the CLI, the run's set-up and preflight iterate:
+adding a method is a module here with its METHOD, listed in METHODS.
+"""
+
+from ..config import Recipe
+from . import dpo, grpo, kto, orpo, sft
+from .base import Method
+
+# In the order they are asked whether a recipe selects them: SFT, which takes any recipe, last.
+METHODS: tuple[Method, ...] = (kto.METHOD, orpo.METHOD, dpo.METHOD, grpo.METHOD, sft.METHOD)
+SCRIPTS = tuple(dict.fromkeys(m.script for m in METHODS))  # hftrain sft / dpo / grpo
+
+
+def method_of(recipe: Recipe) -> Method:
+    """The method a recipe trains with (its preference: or grpo: section, else SFT)."""
+    return next(m for m in METHODS if m.selects(recipe))
+
+
+__all__ = ["METHODS", "SCRIPTS", "Method", "method_of"]

@@ -1,0 +1,42 @@
+"""What a training method is to the rest of hftrain: how a recipe selects it, the recipe script that runs it, its data
+phase and how `hftrain data` shows its rows. The CLI, the run's set-up and preflight iterate the registry
+(methods/__init__.py) instead of branching on names."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import Recipe
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # sft, dpo (sigmoid, ipo, simpo), orpo, kto, grpo
+    script: str  # the recipe script that runs it: `hftrain <script>`, hftrain.recipes.<script>
+    section: str | None  # the recipe section that selects it (preference, grpo), None for SFT
+    example: str | None  # that section as a user writes it, for the refusal of a script run without it
+    selects: Callable[[Recipe], bool]
+    # The data phase before the model loads: (recipe, tokenizer, data-parallel ranks, seed) -> the run's data, every
+    # row read and checked (errors name the file and row). `unit`: what a training row is called in messages.
+    read: Callable
+    unit: str = "examples"
+    counts_its_steps: bool = False  # read() checks that one optimizer step's worth is there (else preflight does)
+    show: Callable | None = None  # (recipe, tokenizer, n) -> what `hftrain data` prints
+    arguments: Callable | None = None  # (recipe, **TrainingArguments values) -> the run's arguments (TRL's config)
+    trainer_class: type | None = None
+
+
+def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:
+    """The first n training rows as the trainer gets them, one JSON object per line (pairs, KTO's examples); `note`
+    (on stderr) says what they are."""
+    data = method.read(recipe, tokenizer, 1, recipe.training_value("seed"))
+    if note:
+        print(f"hftrain: the first {min(n, len(data.train))} training {note}", file=sys.stderr)
+    return "\n".join(json.dumps(data.train[i], ensure_ascii=False) for i in range(min(n, len(data.train))))
+
+
+def has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
