@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from hftrain.checkpoints import newest_complete
 from tests.support import free_port
-from hftrain.manifest import manifest_problems, read_manifest
+from hftrain.checkpoints.manifest import manifest_problems, read_manifest
 from tests.references import SAVE, STEPS, reference_recipe
 
 from .conftest import (ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, assert_no_process_left, processes_mentioning,
