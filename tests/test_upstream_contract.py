@@ -57,6 +57,9 @@ CONTRACT = [
      "orpo: the step's pairs and chosen tokens"),
     ("trl:KTOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "kto: the step's examples"),
     ("trl:KTOTrainer", "_compute_kl_logps", ["model", "batch"], "kto: the step's KL reference point"),
+    ("trl:KTOTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
+     "data.unpaired.check_example_lengths: examples measured as TRL truncates them (self: its _tokenizer and "
+     "calculate_KL)"),
     *[(owner, name, params, f"{where} under {owner.split(':')[1]}")
       for owner in ("trl.experimental.orpo:ORPOTrainer", "trl:KTOTrainer")
       for name, params, where in (("_save_checkpoint", ["model", "trial"], "checkpointing"),
