@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
+import tempfile
+import time
 
 from . import distributed
 from .lifetime import Terminated
@@ -68,6 +71,47 @@ class HubError(UserError, ValueError):
 INTERRUPTED, TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
+# How long a rank other than its machine's first waits, after a user error, for that first rank to say it.
+SILENT_RANK_GRACE_S = 30
+# A marker older than this process's start (its import of this module) is another job's.
+_IMPORTED_AT = time.time()
+
+
+def _said_marker() -> str:
+    """A file the machine's first rank writes once it has said the error: its siblings share the launcher's process
+    (their parent) and its restart count."""
+    name = f"hftrain-error-said-{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def say_once_per_machine(message: str) -> None:
+    """Every rank usually hits the same error: the machine's first rank says it, once per machine. A sibling that
+    exited at once could beat it, and the launcher would then end the first rank (SIGTERM) before it printed: the
+    job failed with no message (seen in CI). So a sibling exits only once the first rank has said it (its marker,
+    newer than this process), or, after the grace (the error was its own alone), says it itself. Every rank still
+    ends by itself, within moments of the others. The process group is shut down after the message."""
+    marker = _said_marker()
+    if distributed.is_local_main_process():
+        print(message, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            open(marker, "w").close()
+    else:
+        deadline = time.monotonic() + SILENT_RANK_GRACE_S
+        while not _newer_than(marker, _IMPORTED_AT):
+            if time.monotonic() > deadline:
+                print(f"[rank {os.environ.get('RANK', '?')}] {message}", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.02)
+    distributed.shutdown(wait=False)
+
+
+def _newer_than(path: str, when: float) -> bool:
+    try:
+        return os.path.getmtime(path) >= when
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def exit_on_user_error():
     """User errors end the process with status 2 and one message; Ctrl-C (SIGINT) with 130 and SIGTERM (for a run no
@@ -75,10 +119,7 @@ def exit_on_user_error():
     try:
         yield
     except UserError as e:
-        # Every rank hits the same error; one copy per machine (each machine's log says why it stopped).
-        if distributed.is_local_main_process():
-            print(f"hftrain: error: {e}", file=sys.stderr, flush=True)
-        distributed.shutdown(wait=False)
+        say_once_per_machine(f"hftrain: error: {e}")  # and shuts the process group down
         raise SystemExit(2) from None
     except (KeyboardInterrupt, Terminated) as e:
         name, status = ("SIGINT (Ctrl-C)", INTERRUPTED) if isinstance(e, KeyboardInterrupt) else ("SIGTERM", TERMINATED)

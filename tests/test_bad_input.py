@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from hftrain.errors import exit_on_user_error
+from hftrain.errors import DataError, exit_on_user_error
 
 from .conftest import DEMO_TRAIN, REPO
 
@@ -629,3 +629,25 @@ def test_check_accepts_what_the_run_accepts(tmp_path, tiny_model_dir, capsys):
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["model"]["name_or_path"] == tiny_model_dir
     assert not os.path.exists(w.out)
+
+
+def _end_on_error(capsys, monkeypatch, local_rank: int) -> str:
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("RANK", str(local_rank))
+    with pytest.raises(SystemExit) as e, exit_on_user_error():
+        raise DataError("data.sources.0.path: no such file")
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_sibling_rank_waits_for_its_machines_first_rank_to_say_the_error(capsys, monkeypatch, tmp_path):
+    """A sibling rank that exited first could have the launcher end rank 0 before it printed (CI saw a job fail with no
+    message): the sibling exits silently once rank 0 has said it, and says it itself, named, when rank 0 never does."""
+    from hftrain import errors
+    monkeypatch.setattr(errors.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(errors, "SILENT_RANK_GRACE_S", 0.3)
+    assert _end_on_error(capsys, monkeypatch, 1) == "[rank 1] hftrain: error: data.sources.0.path: no such file\n"
+    assert _end_on_error(capsys, monkeypatch, 0) == "hftrain: error: data.sources.0.path: no such file\n"
+    assert _end_on_error(capsys, monkeypatch, 1) == ""  # rank 0's marker: said once
+    os.utime(errors._said_marker(), (errors._IMPORTED_AT - 60, errors._IMPORTED_AT - 60))  # another job's marker
+    assert _end_on_error(capsys, monkeypatch, 1).startswith("[rank 1] hftrain: error:")
