@@ -178,7 +178,7 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     info["metrics"] = metrics
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
-            save_merged(trainer.model, tokenizer, out)
+            save_merged(trainer.model, tokenizer, out, recipe.model)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()
     check_ranks_agree(info)

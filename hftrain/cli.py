@@ -154,7 +154,8 @@ def _launch(ns) -> int:
 def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
     m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
-    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype)
+    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
+                        quantization=m.quantization)
     sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
                 bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)

@@ -15,6 +15,7 @@ from .distributed import print0
 from .errors import ModelError
 from .fileio import safetensors_problem
 from .moe.upcycle import upcycle
+from .quantization import bitsandbytes_problem, bnb_config, device_map, merged_model, prepare_for_training
 
 
 def _path_problem(name_or_path: str, key: str) -> str | None:
@@ -196,9 +197,9 @@ def join_packed_rows(model) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):
-    """The model of `cfg` (safetensors only), upcycled to MoE, with LoRA. `sequence_parallel` > 1: packed rows are
-    split by sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered)."""
+def _from_pretrained(cfg: ModelSection, quantized: bool):
+    """The base of `cfg` as transformers loads it (safetensors only: a pickle checkpoint could run code on load),
+    quantised by bitsandbytes when asked (placed whole on this rank's device, as accelerate requires)."""
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
     _raise_if(_folder_problem(cfg.name_or_path, "model.name_or_path"))
@@ -207,13 +208,24 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    # Weights are read from safetensors only: a pickle checkpoint could run code on load.
+    if quantized:
+        _raise_if(bitsandbytes_problem())
+        kwargs.update(quantization_config=bnb_config(cfg), device_map=device_map())
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
-                                                     **kwargs)
+        return AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
+                                                    **kwargs)
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
         raise ModelError(f"model.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
+
+
+def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):
+    """The model of `cfg`, quantised (QLoRA's base) or upcycled to MoE, with LoRA. `sequence_parallel` > 1: packed
+    rows are split by sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it
+    registered)."""
+    model = _from_pretrained(cfg, quantized=cfg.quantization is not None)
+    if cfg.quantization is not None:
+        model = prepare_for_training(model)
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
@@ -241,9 +253,13 @@ def lora_config(cfg: ModelSection):
                       target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save)
 
 
-def save_merged(model, tokenizer, output_dir: str) -> str:
-    """base + LoRA merged into a plain model in output_dir/merged (safetensors)."""
-    merged = model.merge_and_unload()
+def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection) -> str:
+    """base + LoRA merged into a plain model in output_dir/merged (safetensors). A quantised base is dequantised
+    first, into a full-precision copy of the base in model.dtype (quantization.merge says why)."""
+    if cfg.quantization is not None:
+        merged = merged_model(model, _from_pretrained(cfg, quantized=False))
+    else:
+        merged = model.merge_and_unload()
     path = os.path.join(output_dir, "merged")
     merged.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -198,3 +198,9 @@ def release(path: str) -> None:
     fd = _held.pop(os.path.realpath(path), None)
     if fd is not None:
         os.close(fd)
+
+
+def release_all() -> None:
+    """Give back every output_dir this process holds (several runs in one process: the next may resume one)."""
+    for path in list(_held):
+        release(path)

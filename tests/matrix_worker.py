@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 
-from hftrain import distributed
+from hftrain import distributed, outdir
 from hftrain.launch import setup
 
 _shutdown = distributed.shutdown
@@ -79,6 +79,7 @@ def run_variant(variant: dict) -> bool:
             status = {"ok": False, "error": f"exit status {e.code}{cause}"}
     except BaseException:  # noqa: BLE001 - reported under the variant's name, then the launch ends
         status = {"ok": False, "error": traceback.format_exc()[-6000:]}
+    outdir.release_all()  # as a launch's end would: a later variant may resume the folder
     with open(f"{variant['status']}.rank{distributed.rank()}.json", "w") as fh:
         json.dump(status, fh)
     if not status["ok"]:

@@ -21,6 +21,7 @@ from .sections import (
                        ModelSection,
                        MoeSection,
                        PreferenceSection,
+                       QuantizationSection,
                        Recipe,
                        RewardSpec,
                        StrategySection,
@@ -40,7 +41,7 @@ __all__ = [
     "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
     "recipe_problems", "strategy_problems", "CompressionSection", "DataSection", "DataSource", "EvalSection",
     "GrpoSection", "RewardSpec", "HubSection", "LoraSection", "ModelSection", "MoeSection", "PreferenceSection",
-    "Recipe", "StrategySection", "UpcycleSection",
+    "QuantizationSection", "Recipe", "StrategySection", "UpcycleSection",
     "resolved_strategy", "strategy_of_deepspeed_config", "TRAINING_DEFAULTS", "arguments_kwargs",
     "arguments_problem", "HFTrainingArguments", "HFTrainOptions",
 ]

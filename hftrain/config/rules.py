@@ -10,14 +10,15 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, REDUCE_DTYPES, SEQUENCE_PARALLEL_ATTENTION,
-                         SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
+from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, QUANTIZED_STRATEGIES, REDUCE_DTYPES,
+                         SEQUENCE_PARALLEL_ATTENTION, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
 from .data_rules import Problems, data_problems
 from .fields import is_number
 from .grpo_rules import GRPO_STRATEGIES, grpo_problems
 from .preference_rules import PREFERENCE_STRATEGIES, preference_problems
 from .sections import (COMPRESSION_OPTIONS, STRATEGY_OPTIONS, CompressionSection, GrpoSection, HubSection,
-                       LoraSection, MoeSection, PreferenceSection, Recipe, StrategySection, UpcycleSection)
+                       LoraSection, MoeSection, PreferenceSection, QuantizationSection, Recipe, StrategySection,
+                       UpcycleSection)
 
 # Where preference tuning's loss is tested exact (tests/test_preference.py); the offloading strategies are not yet.
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
@@ -51,6 +52,8 @@ def recipe_problems(recipe: Recipe) -> Problems:
             if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
                 out.append((f"model.lora.{key}", "holds lm_head, which training.loss_impl: chunked cannot compute "
                             "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
+    if recipe.model is not None and isinstance(recipe.model.quantization, QuantizationSection):
+        out += quantization_problems(recipe)
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
     if isinstance(recipe.preference, PreferenceSection):
@@ -137,6 +140,11 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
                     f"tested), not '{name}': launch with one of those accelerate_configs"))
     if isinstance(s, StrategySection) and _num(s.sequence_parallel) and s.sequence_parallel > 1:
         out += sequence_parallel_problems(recipe, s.sequence_parallel)
+    if recipe.model is not None and recipe.model.quantization is not None and name not in QUANTIZED_STRATEGIES:
+        out.append(("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
+                    f"its exactness is tested), not '{name}': ZeRO and FSDP would have to shard bitsandbytes' packed "
+                    "weights and their quantisation constants. The base is about a quarter of its 16-bit size, so "
+                    "use strategy.name: ddp, or remove model.quantization to shard a full-precision base"))
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
@@ -288,6 +296,25 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
             out.append(("moe.upcycle", "cannot be combined with model.lora: the copied experts would stay frozen "
                         "and identical; train all weights, or upcycle with `hftrain moe upcycle` and put LoRA on "
                         "the result"))
+
+
+def quantization_problems(recipe: Recipe) -> Problems:
+    """model.quantization (QLoRA): a quantised base is frozen, so only an adapter trains; 4-bit-only keys are
+    refused with bits 8 rather than ignored."""
+    q, out = recipe.model.quantization, []
+    if recipe.model.lora is None:
+        out.append(("model.quantization", "a quantised base cannot be trained itself (its weights are packed "
+                    "integers that no optimizer updates): add model.lora (QLoRA: the adapter trains, the base stays "
+                    "frozen), or remove model.quantization to train all weights"))
+    if q.bits == 8:
+        for key in ("type", "double_quant", "storage_dtype"):
+            if getattr(q, key) is not None:
+                out.append((f"model.quantization.{key}", "applies to bits: 4 only (bitsandbytes' 8-bit layers have "
+                            "no such setting); remove it, or set model.quantization.bits: 4"))
+    if isinstance(recipe.moe, MoeSection) and recipe.moe.upcycle is not None:
+        out.append(("moe.upcycle", "cannot copy a quantised base's layers into experts: upcycle the full-precision "
+                    "model with `hftrain moe upcycle`, then quantise the result"))
+    return out
 
 
 def hub_problems(hub: HubSection, lora) -> Problems:

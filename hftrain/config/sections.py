@@ -38,6 +38,19 @@ class LoraSection:
 
 
 @dataclass
+class QuantizationSection:
+    """A base loaded quantised by bitsandbytes (QLoRA): passed to transformers' BitsAndBytesConfig."""
+    bits: Literal[4, 8] = _f(4, "4 (QLoRA's 4-bit base) or 8 (LLM.int8, which also quantises activations).")
+    type: Literal["nf4", "fp4"] | None = _f(None, "4-bit data type; default nf4 (bits 4 only).")
+    double_quant: bool | None = _f(None, "Quantise the quantisation constants too (bits 4 only); default true.")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "Dtype the 4-bit layers compute in; auto: model.dtype (float32 where that is auto too).")
+    storage_dtype: Literal["uint8", "float32", "bfloat16", "float16"] | None = _f(
+        None, "Dtype the packed 4-bit weights are stored in (bits 4 only); default uint8. FSDP needs it equal to "
+        "the other weights' dtype to shard them.")
+
+
+@dataclass
 class ModelSection:
     name_or_path: str = _f(help="Local folder or Hub id of the causal LM to fine-tune.")
     tokenizer_name_or_path: str | None = _f(None, "Tokenizer folder or Hub id; defaults to name_or_path.")
@@ -47,6 +60,8 @@ class ModelSection:
     trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint. Off unless you trust it.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     lora: LoraSection | None = _f(None, "Train a LoRA adapter through peft instead of all weights.")
+    quantization: QuantizationSection | None = _f(
+        None, "Load the base quantised by bitsandbytes (QLoRA), e.g. {bits: 4, type: nf4}; needs model.lora.")
 
 
 @dataclass

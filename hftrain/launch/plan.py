@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.sections import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
+from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers
 
 GiB = 2**30
@@ -62,8 +63,9 @@ class ModelFacts:
     hidden: int
     layers: int
     vocab: int
-    weight_bytes: int  # bytes per parameter of the loaded weights
+    weight_bytes: int  # bytes per parameter of the loaded weights (of the adapter's, over a quantised base)
     largest_tensor: int = 0  # elements of the largest single parameter
+    param_bytes: float | None = None  # all parameters' bytes where they are not weight_bytes each (a quantised base)
 
 
 @dataclass
@@ -89,7 +91,8 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
     """(params, grads, optimizer) bytes of the whole model before partitioning."""
     if strategy in ("ddp", "fsdp"):
         p = f.weight_bytes
-        return p * f.params, p * f.trainable, 2 * p * f.trainable
+        params = p * f.params if f.param_bytes is None else f.param_bytes
+        return params, p * f.trainable, 2 * p * f.trainable
     if mixed:  # DeepSpeed keeps an fp32 copy of the gradient partition beside the optimizer states
         return 2 * f.params, 2 * f.trainable, 16 * f.trainable
     master = 0 if strategy == "zero3" else 4  # a redundant fp32 master copy (module docstring)
@@ -135,25 +138,33 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
 
 
 def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code: bool = False,
-                dtype: str = "auto") -> ModelFacts:
-    """Parameter counts from the model's config, built on the meta device (no weights are read)."""
+                dtype: str = "auto", quantization=None) -> ModelFacts:
+    """Parameter counts from the model's config, built on the meta device (no weights are read). `quantization`
+    (model.quantization, QLoRA): bitsandbytes' packed linear weights (all but the output head, as transformers
+    quantises them), the other weights in float32 (peft's preparation), the adapter in float32."""
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     params = sum(p.numel() for p in model.parameters())
     trainable = params
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
     if lora_r:
         # LoRA on every linear layer: r * (in + out) parameters each.
-        trainable = sum(lora_r * (m.in_features + m.out_features) for m in model.modules()
-                        if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings())
+        trainable = sum(lora_r * (m.in_features + m.out_features) for m in linears)
     layers = [m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", []) or [])]
     largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=params)
     largest = max(largest, model.get_input_embeddings().weight.numel())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     wdtype = getattr(config, "dtype", None) if dtype == "auto" else dtype
     weight_bytes = 2 if str(wdtype).replace("torch.", "") in ("bfloat16", "float16") else 4
+    param_bytes = None
+    if quantization is not None:
+        packed = sum(m.weight.numel() for m in linears)
+        weight_bytes = 4
+        param_bytes = (quantized_linear_bytes(packed, quantization.bits, quantization.double_quant is not False)
+                       + 4 * (params - packed) + 4 * trainable)
     return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
-                      weight_bytes, max(p.numel() for p in model.parameters()))
+                      weight_bytes, max(p.numel() for p in model.parameters()), param_bytes)
 
 
 def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:

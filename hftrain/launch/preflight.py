@@ -23,6 +23,7 @@ from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..methods import method_of
 from ..modeling import load_tokenizer, path_problems
+from ..quantization import bitsandbytes_problem
 from ..sequence_parallel import heads_problem
 from . import libraries
 from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable, vllm_problems
@@ -194,6 +195,10 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
             out += libraries.trainer_problems(recipe, accelerator_available())
     if model_ok and not any(k.startswith("model.lora") for k in skip):
         out += libraries.lora_problems(recipe)
+    if m is not None and m.quantization is not None and "model.quantization" not in skip:
+        missing = bitsandbytes_problem()
+        if missing:
+            out.append(("model.quantization", missing))
     if recipe.eval is not None and "eval.max_new_tokens" not in skip:
         msg = libraries.generation_problem(recipe.eval.max_new_tokens)
         if msg:

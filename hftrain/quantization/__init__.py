@@ -1,0 +1,14 @@
+"""A base quantised by bitsandbytes, trained through a LoRA adapter (QLoRA: Dettmers et al. 2023).
+
+transformers loads the base (its BitsAndBytesConfig), peft prepares it for training and trains the adapter;
+bitsandbytes owns the kernels. What is hftrain's: the recipe's spelling (config.QuantizationSection), the
+machine's check, the memory plan's bytes per parameter, and a merged model made from the *dequantised* base (the
+weights the adapter was trained against), since peft's own merge into 4-bit layers quantises the sum again.
+"""
+
+from .load import bitsandbytes_problem, bnb_config, compute_dtype, device_map, prepare_for_training
+from .memory import quantized_linear_bytes
+from .merge import merged_model
+
+__all__ = ["bitsandbytes_problem", "bnb_config", "compute_dtype", "device_map", "prepare_for_training",
+           "quantized_linear_bytes", "merged_model"]

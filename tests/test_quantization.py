@@ -1,0 +1,177 @@
+"""QLoRA (issue 39): a base quantised by bitsandbytes, trained through a LoRA adapter.
+
+Exact against its definition: with fp32 compute, the 4-bit model's loss and adapter gradients are those of the same
+LoRA on the dequantised base (transformers' own PreTrainedModel.dequantize, not hftrain's code); the merged model
+loads with from_pretrained and gives the QLoRA model's logits; the recipe's rules refuse what cannot run; the memory
+plan counts a 4-bit base as measured. Runs across ranks: tests/test_quantization_runs.py.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from hftrain.config import LoraSection, ModelSection, QuantizationSection, RecipeError, load_recipe
+from hftrain.launch import plan as memory_plan
+from hftrain.launch.preflight import check_recipe
+from hftrain.modeling import load_model, save_merged
+
+bnb = pytest.importorskip("bitsandbytes")
+
+LORA = LoraSection(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+
+
+def section(model_dir, **quantization) -> ModelSection:
+    return ModelSection(name_or_path=model_dir, dtype="float32", lora=LORA,
+                        quantization=QuantizationSection(**quantization))
+
+
+def perturbed(model, seed=0):
+    """LoRA's B starts at zero (the adapter is then a no-op and A gets no gradient): random B, so both matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def lora_on_dequantised_base(qlora, cfg: ModelSection):
+    """The definition: the same adapter on the base's dequantised weights, in full precision, by transformers and
+    peft alone."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.quantization import bnb_config
+
+    base = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, quantization_config=bnb_config(cfg),
+                                                dtype=torch.float32, device_map={"": "cpu"}).dequantize(torch.float32)
+    ref = get_peft_model(base, qlora.peft_config["default"])
+    set_peft_model_state_dict(ref, get_peft_model_state_dict(qlora))
+    return ref
+
+
+def loss_and_grads(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("quant", [{"type": "nf4"}, {"type": "fp4"}, {"type": "nf4", "double_quant": False}],
+                         ids=["nf4", "fp4", "nf4-single-quant"])
+def test_qlora_loss_and_adapter_gradients_are_lora_on_the_dequantised_base(tiny_model_dir, quant):
+    cfg = section(tiny_model_dir, bits=4, **quant)
+    qlora = perturbed(load_model(cfg))
+    layer = qlora.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.dtype == torch.uint8
+    assert layer.weight.quant_state.quant_type == quant["type"]
+    ref = lora_on_dequantised_base(qlora, cfg)
+    ids = torch.randint(0, qlora.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss, grads = loss_and_grads(qlora, ids)
+    ref_loss, ref_grads = loss_and_grads(ref, ids)
+    assert len(grads) == len(ref_grads) == 4 * 7 and set(grads) == set(ref_grads)  # A and B of 7 linears x 2 layers
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-5, rtol=1e-5), name
+        assert g.abs().max() > 0, name
+    # Negative control: LoRA on the original full-precision weights is another model, far outside the tolerance.
+    full = perturbed(load_model(dataclasses.replace(cfg, quantization=None)))
+    assert abs(loss_and_grads(full, ids)[0] - loss) > 1e-3
+
+
+def test_an_8bit_base_is_int8_and_within_llm_int8_tolerance_of_its_dequantised_base(tiny_model_dir):
+    """LLM.int8 quantises the activations too (to int8, outliers aside): equal to its dequantised base only to that
+    tolerance, stated here (a 0.5% relative loss difference), not to 1e-5."""
+    cfg = section(tiny_model_dir, bits=8)
+    qlora = perturbed(load_model(cfg))
+    assert isinstance(qlora.get_base_model().model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear8bitLt)
+    ids = torch.randint(0, qlora.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss, grads = loss_and_grads(qlora, ids)
+    ref_loss, _ = loss_and_grads(lora_on_dequantised_base(qlora, cfg), ids)
+    assert loss == pytest.approx(ref_loss, rel=5e-3)
+    assert all(g.abs().max() > 0 for g in grads.values())
+
+
+def test_the_merged_model_loads_and_gives_the_qlora_models_logits(tiny_model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = section(tiny_model_dir, bits=4, type="nf4")
+    qlora = perturbed(load_model(cfg))
+    ids = torch.randint(0, qlora.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = qlora(input_ids=ids).logits
+    path = save_merged(qlora, tokenizer, str(tmp_path), cfg)
+    merged = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert not hasattr(merged.config, "quantization_config")
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # Negative control: peft's own merge into the 4-bit layers quantises the sum again.
+    requantised = qlora.merge_and_unload()
+    with torch.no_grad():
+        assert (requantised(input_ids=ids).logits - want).abs().max() > 1e-3
+
+
+def _recipe(tmp_path, model_dir, **model) -> str:
+    tree = {"model": {"name_or_path": model_dir, **model}, "data": {"sources": [{"path": "d.jsonl"}]},
+            "training": {"output_dir": str(tmp_path / "o")}}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(tree))
+    return str(p)
+
+
+def test_rules_refuse_what_a_quantised_base_cannot_do(tmp_path, tiny_model_dir):
+    with pytest.raises(RecipeError) as e:
+        eight_bits = {"bits": 8, "type": "nf4", "storage_dtype": "uint8"}
+        load_recipe(_recipe(tmp_path, tiny_model_dir, quantization=eight_bits), ["strategy.name=zero3"])
+    msg = str(e.value)
+    assert "model.quantization: a quantised base cannot be trained itself" in msg and "add model.lora" in msg
+    assert "model.quantization.type: applies to bits: 4 only" in msg
+    assert "model.quantization.storage_dtype: applies to bits: 4 only" in msg
+    assert "model.quantization: a quantised base trains under ddp" in msg and "not 'zero3'" in msg
+    with pytest.raises(RecipeError, match=r"model.quantization.bits: .*one of 4, 8"):
+        load_recipe(_recipe(tmp_path, tiny_model_dir, quantization={"bits": 3}, lora={"r": 4}))
+    recipe = load_recipe(_recipe(tmp_path, tiny_model_dir, quantization={"bits": 4}, lora={"r": 4}))
+    assert recipe.model.quantization == QuantizationSection(bits=4)
+
+
+def test_check_refuses_a_quantised_base_where_bitsandbytes_is_missing(tmp_path, tiny_model_dir, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
+                        find_spec(name, *a))
+    with pytest.raises(RecipeError, match=r"r.yaml: model.quantization needs bitsandbytes, which is not installed "
+                                          r"here: `pip install bitsandbytes`"):
+        check_recipe(_recipe(tmp_path, tiny_model_dir, quantization={"bits": 4}, lora={"r": 4}))
+
+
+def test_the_memory_plan_counts_a_4bit_base_as_loaded(tiny_model_dir):
+    """The plan's parameter, gradient and Adam bytes (ddp, one rank) against the tensors of the loaded model and of
+    an optimizer after one step: within 15%."""
+    cfg = section(tiny_model_dir, bits=4, type="nf4")
+    model = perturbed(load_model(cfg))
+    facts = memory_plan.model_facts(tiny_model_dir, lora_r=LORA.r, quantization=cfg.quantization)
+    row = next(r for r in memory_plan.plan(facts, 1, 1, 1, 16, False, False) if r.strategy == "ddp")
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    opt.step()
+    tensors = [*model.parameters(), *model.buffers()]
+    quant_states = [s for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+                    for s in _quant_state_tensors(m.weight.quant_state)]
+    measured = (sum(t.numel() * t.element_size() for t in [*tensors, *quant_states])
+                + sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+                + sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if v.dim()))
+    assert row.gpu_model_states == pytest.approx(measured, rel=0.15)
+    full = memory_plan.model_facts(tiny_model_dir, lora_r=LORA.r)
+    assert facts.params == full.params and facts.trainable == full.trainable
+
+
+def _quant_state_tensors(state):
+    out = [state.absmax, state.code]
+    if state.nested:
+        out += [state.state2.absmax, state.state2.code]
+    return out

@@ -1,0 +1,127 @@
+"""QLoRA runs (issue 39) across ranks, several checks per launch (tests/matrix_worker.py): 2 ranks x GA1 under DDP
+equal 1 rank x GA2 (losses and the saved adapter), a resume from a checkpoint ends where the uninterrupted run ends,
+the merged model of a 2-rank run loads and matches the adapter on its base, and DPO trains a quantised policy (its
+reference: the base, the adapter disabled). In-process exactness: tests/test_quantization.py."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from .conftest import DEMO_TRAIN, REPO, assert_close_rel, launch_prefix, run_matrix
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.launches
+
+SFT, DPO = "hftrain.recipes.sft", "hftrain.recipes.dpo"
+PAIRS_TRAIN = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
+QUANT = {"bits": 4, "type": "nf4"}
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0}
+SFT_LORA = dict(LORA, modules_to_save=["lm_head"])  # a fully trained module beside the adapter, merged too
+
+
+def _write(tmp, name, tree) -> str:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def sft_recipe(tmp, name, model_dir, lora=SFT_LORA, out=None, **training) -> str:
+    return _write(tmp, name, {
+        "model": {"name_or_path": model_dir, "dtype": "float32", "quantization": QUANT, "lora": lora},
+        "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 48},
+        "eval": {"exact_match": 0},
+        "training": {"output_dir": str(tmp / (out or name)), "max_steps": 3, "per_device_train_batch_size": 2,
+                     "optim": "adamw_torch", "learning_rate": 1e-2, "lr_scheduler_type": "constant",
+                     "max_grad_norm": 1.0, "logging_steps": 1, "save_steps": 2, "report_to": "none",
+                     "train_sampling_strategy": "sequential", "seed": 0, "disable_tqdm": True, **training}})
+
+
+def dpo_recipe(tmp, name, model_dir) -> str:
+    return _write(tmp, name, {
+        "model": {"name_or_path": model_dir, "dtype": "float32", "quantization": QUANT, "lora": LORA},
+        "data": {"sources": [{"path": PAIRS_TRAIN}], "max_length": 48},
+        "preference": {"loss_type": "sigmoid", "beta": 0.1},
+        "training": {"output_dir": str(tmp / name), "max_steps": 2, "per_device_train_batch_size": 2,
+                     "learning_rate": 1e-2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+                     "seed": 0, "disable_tqdm": True}})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("qlora")
+    two = {"2x_ga1": (SFT, [sft_recipe(tmp, "2x_ga1", tiny_model_dir, lora=dict(SFT_LORA, merge=True))]),
+           "resumed": (SFT, [sft_recipe(tmp, "resumed", tiny_model_dir)]),  # its checkpoint-2 is resumed below
+           "dpo": (DPO, [dpo_recipe(tmp, "dpo", tiny_model_dir)])}
+    resumed = sft_recipe(tmp, "resume", tiny_model_dir, out="resumed",
+                         resume_from_checkpoint=str(tmp / "resumed" / "checkpoint-2"))
+    two["resume"] = (SFT, [resumed])
+    one = {"1x_ga2": (SFT, [sft_recipe(tmp, "1x_ga2", tiny_model_dir, gradient_accumulation_steps=2,
+                                       per_device_train_batch_size=2)])}
+    results = run_matrix(launch_prefix(2, "ddp"), two, tmp / "m2", ranks=2)
+    results.update(run_matrix(launch_prefix(1), one, tmp / "m1", ranks=1))
+    return tmp, results
+
+
+def losses(out) -> list[float]:
+    state = json.load(open(out / "trainer_state.json"))
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+def test_two_ranks_ga1_equal_one_rank_ga2(runs):
+    tmp, results = runs
+    results["2x_ga1"].check()
+    results["1x_ga2"].check()
+    info = json.load(open(tmp / "2x_ga1" / "run_info.json"))
+    assert info["world_size"] == 2 and info["wrapper"] == "DistributedDataParallel"
+    assert len(losses(tmp / "2x_ga1")) == 3
+    assert losses(tmp / "2x_ga1") == pytest.approx(losses(tmp / "1x_ga2"), rel=1e-5)
+    a = load_file(str(tmp / "2x_ga1" / "adapter_model.safetensors"))
+    b = load_file(str(tmp / "1x_ga2" / "adapter_model.safetensors"))
+    assert a and all("lora_" in k or k == "base_model.model.lm_head.weight" for k in a)
+    assert_close_rel(a, b)
+    assert not os.path.exists(tmp / "2x_ga1" / "model.safetensors")  # the adapter only: the base stays as it was
+
+
+def test_a_resume_restores_the_adapter_and_optimizer_exactly(runs):
+    tmp, results = runs
+    results["resumed"].check()
+    results["resume"].check()
+    whole = load_file(str(tmp / "resumed" / "adapter_model.safetensors"))
+    # The same folder resumed: its final adapter was written again by the resumed run's last step.
+    assert losses(tmp / "resumed")[-1] == pytest.approx(losses(tmp / "2x_ga1")[-1], rel=1e-5)
+    ref = load_file(str(tmp / "2x_ga1" / "adapter_model.safetensors"))
+    assert_close_rel(whole, ref)
+
+
+def test_the_merged_model_of_a_two_rank_run_loads_and_matches_the_adapter(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tmp, results = runs
+    results["2x_ga1"].check()
+    out = tmp / "2x_ga1"
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        json.load(open(out / "adapter_config.json"))["base_model_name_or_path"], dtype=torch.float32,
+        device_map={"": "cpu"}, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                       bnb_4bit_use_double_quant=True,
+                                                                       bnb_4bit_compute_dtype=torch.float32))
+    qlora = PeftModel.from_pretrained(base, str(out))
+    ids = torch.randint(0, merged.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, qlora(input_ids=ids).logits, atol=1e-5)
+
+
+def test_dpo_trains_a_quantised_policy_against_its_base(runs):
+    tmp, results = runs
+    results["dpo"].check()
+    out = tmp / "dpo"
+    state = json.load(open(out / "trainer_state.json"))
+    logged = [h for h in state["log_history"] if "loss" in h]
+    assert len(logged) == 2 and all(h["loss"] == h["loss"] for h in logged)
+    assert logged[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the adapter starts as a no-op: policy = reference
+    assert os.path.exists(out / "adapter_model.safetensors")
