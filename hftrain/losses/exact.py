@@ -20,12 +20,10 @@ import torch
 
 from ..data.collate import PackedRows, make_collator
 from . import maths as losses
+from .global_batch import GlobalBatchMixin
 
 
-class ExactLossMixin:
-    # The loss is already normalised over the whole accumulated batch: the Trainer must not divide it again.
-    loss_is_scaled_for_ga = True
-
+class ExactLossMixin(GlobalBatchMixin):
     def __init__(self, *args, **kwargs):
         # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term (moe.attach registers some)
         self.aux_losses: dict[str, tuple[Callable, float]] = {}
@@ -50,7 +48,7 @@ class ExactLossMixin:
         local = torch.zeros(2, dtype=torch.long, device=device)
         for tokens, seqs in counts:
             local += torch.tensor([tokens, seqs], device=device)
-        total = self.accelerator.gather(local.unsqueeze(0)).sum(0) if self.args.world_size > 1 else local
+        total = self.global_sum(local)
         self._last_counts = (int(total[0]), int(total[1]))
         count = total[0] if self.args.loss_averaging == "token" else total[1]
         return count.clamp(min=1)
@@ -71,11 +69,7 @@ class ExactLossMixin:
             tokens, seqs = self._batch_counts(inputs, self.args.device)
             num_items_in_batch = max(tokens if mode == "token" else seqs, 1)
         outputs, loss_sum = self._loss_sum(model, inputs, mode)
-        # The ranks the engine averages gradients over: every rank but tensor-parallel copies. With sequence
-        # parallelism too: each rank's loss_sum is its slice's share, ZeRO averages over all ranks
-        # (patches.deepspeed.average_gradients_over_sequence_ranks), and the slices' gradients add up.
-        dp_size = self.accelerator.num_processes // self.get_tp_size()
-        total = losses.normalise(loss_sum, num_items_in_batch, dp_size)
+        total = self.step_share(loss_sum, num_items_in_batch)
         if model.training:
             for name, (fn, coef) in self.aux_losses.items():
                 aux = fn(outputs)

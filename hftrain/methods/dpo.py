@@ -23,6 +23,7 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from .. import losses
+from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, PreferenceSection, Recipe
 from ..data.preference import build_preference_data
 from ..trainer import RUN_MIXINS
@@ -60,26 +61,23 @@ def dpo_config(recipe: Recipe, **kwargs) -> HFDPOConfig:
                        max_length=recipe.data.max_length, truncation_mode="keep_start", disable_dropout=True)
 
 
-class PairMeanMixin:
+class PairMeanMixin(GlobalBatchMixin):
     """The preference loss as the exact mean over the pairs of the optimizer step's global batch
     (losses.pair_mean_share), from the per-micro-batch mean a TRL trainer returns."""
-
-    loss_is_scaled_for_ga = True  # compute_loss returns the share of the global mean (losses/maths.py)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The pairs of the optimizer step over every micro-batch and rank (a batch holds chosen then rejected rows)."""
         if not batch_samples or "input_ids" not in batch_samples[0]:
             return None
-        local = torch.tensor(sum(b["input_ids"].shape[0] // 2 for b in batch_samples), device=device)
-        return self.accelerator.gather(local.reshape(1)).sum() if self.args.world_size > 1 else local
+        return self.global_sum(torch.tensor(sum(b["input_ids"].shape[0] // 2 for b in batch_samples), device=device))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs)
         if not model.training or num_items_in_batch is None:  # eval: the micro-batch's mean, as TRL returns it
             return out
         loss, outputs = out if return_outputs else (out, None)
-        dp_size = self.accelerator.num_processes // self.get_tp_size()
-        loss = losses.pair_mean_share(loss, inputs["input_ids"].shape[0] // 2, num_items_in_batch, dp_size)
+        loss = losses.pair_mean_share(loss, inputs["input_ids"].shape[0] // 2, num_items_in_batch,
+                                      self.data_parallel_size())
         return (loss, outputs) if return_outputs else loss
 
 

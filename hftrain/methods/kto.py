@@ -34,7 +34,7 @@ from trl import KTOConfig, KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from .. import losses
+from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from ..data.unpaired import build_unpaired_data
 from ..trainer import RUN_MIXINS
@@ -55,10 +55,9 @@ def kto_config(recipe: Recipe, **kwargs) -> HFKTOConfig:
                        max_length=recipe.data.max_length, disable_dropout=True)
 
 
-class GlobalKLMixin:
+class GlobalKLMixin(GlobalBatchMixin):
     """KTO's KL reference point and loss exact over the optimizer step's global batch (the module docstring)."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses/maths.py)
     step_kl: torch.Tensor | None = None  # the optimizer step's KL reference point z (training)
     _kl_calls: int | None = None  # KL forwards TRL asked for in the loss being computed (None: TRL's own forwards)
 
@@ -66,8 +65,7 @@ class GlobalKLMixin:
         """The examples of the optimizer step over every micro-batch and rank."""
         if not batch_samples or "label" not in batch_samples[0]:
             return None
-        local = torch.tensor(sum(len(b["label"]) for b in batch_samples), device=device)
-        return self.accelerator.gather(local.reshape(1)).sum() if self.args.world_size > 1 else local
+        return self.global_sum(torch.tensor(sum(len(b["label"]) for b in batch_samples), device=device))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """One optimizer step's micro-batches, and its KL reference point over all of them."""
@@ -85,8 +83,7 @@ class GlobalKLMixin:
             ratio = self._compute_kl_logps(model, batch) - self._reference_kl_logps(batch)
             total += torch.stack([ratio.double().sum(), torch.tensor(ratio.numel(), dtype=torch.float64,
                                                                       device=total.device)])
-        if self.args.world_size > 1:
-            total = self.accelerator.gather(total.unsqueeze(0)).sum(0)
+        total = self.global_sum(total)
         return (total[0] / total[1]).clamp(min=0).float()
 
     def _reference_kl_logps(self, batch: dict) -> torch.Tensor:
@@ -125,8 +122,7 @@ class GlobalKLMixin:
         if not exact:  # eval: the eval batch's loss and KL, as TRL computes them
             return out
         loss, outputs = out if return_outputs else (out, None)
-        dp_size = self.accelerator.num_processes // self.get_tp_size()
-        loss = losses.normalise(loss * len(inputs["label"]), num_items_in_batch, dp_size)
+        loss = self.step_share(loss * len(inputs["label"]), num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -22,6 +22,7 @@ import torch
 from trl.import_utils import TRLExperimentalWarning
 
 from .. import losses
+from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from ..trainer import RUN_MIXINS
 from .base import Method, first_rows
@@ -49,10 +50,9 @@ def orpo_config(recipe: Recipe, **kwargs) -> HFORPOConfig:
                         disable_dropout=True)
 
 
-class OddsRatioExactMixin:
+class OddsRatioExactMixin(GlobalBatchMixin):
     """ORPO's loss exact over the optimizer step's global batch (the module docstring), from TRL's two terms."""
 
-    loss_is_scaled_for_ga = True  # compute_loss returns the micro-batch's share of the global loss (losses/maths.py)
     _orpo_terms: dict | None = None
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
@@ -61,7 +61,7 @@ class OddsRatioExactMixin:
             return None
         local = torch.tensor([[b["chosen_attention_mask"].shape[0], int(nll_tokens(b))] for b in batch_samples],
                              device=device).sum(0)
-        return self.accelerator.gather(local.unsqueeze(0)).sum(0) if self.args.world_size > 1 else local
+        return self.global_sum(local)
 
     def concatenated_forward(self, model, batch):
         out = super().concatenated_forward(model, batch)
@@ -82,9 +82,8 @@ class OddsRatioExactMixin:
         _, outputs = out if return_outputs else (out, None)
         terms, self._orpo_terms = self._orpo_terms, None
         pairs, tokens = num_items_in_batch[0], num_items_in_batch[1]
-        dp_size = self.accelerator.num_processes // self.get_tp_size()
-        loss = (losses.normalise(terms["nll"] * nll_tokens(inputs), tokens, dp_size)
-                - losses.normalise(terms["odds_ratio"].sum(), pairs, dp_size))
+        loss = (self.step_share(terms["nll"] * nll_tokens(inputs), tokens)
+                - self.step_share(terms["odds_ratio"].sum(), pairs))
         if "aux" in terms:  # a router's load-balancing loss (MoE), TRL's coefficient: its mean over the micro-batches
             steps = self.current_gradient_accumulation_steps
             loss = loss + losses.aux_loss_term(terms["aux"], self.aux_loss_coef, steps)
