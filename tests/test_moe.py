@@ -220,6 +220,34 @@ def tiny_mixtral_dir(tmp_path_factory):
     return str(tmp / "mixtral")
 
 
+def tiny_biased_moe(model_type: str, tokenizer_dir: str, out: str) -> str:
+    """A tiny DeepSeek-V3 or GLM-4.5 (routers choosing by score plus a bias, two groups of 4 experts, a shared
+    expert, the first layer dense) with the tokenizer of `tokenizer_dir`; routers with large weights, so that no
+    routing is a near tie that rounding could flip between batch layouts."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    keys = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if model_type == "deepseek_v3":  # the head sizes a DeepSeek-V3 config builds with (FEASIBILITY.md)
+        keys.update(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                    head_dim=8, rope_interleave=True)
+    else:
+        keys.update(head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **keys))
+    with torch.no_grad():
+        for router in routers(model):
+            router.weight.normal_(0.0, 1.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+BIASED = ("deepseek_v3", "glm4_moe")
+BIAS_RATE = 0.05  # large enough to change routings within the runs' 3 steps (the default is the paper's 0.001)
 AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "1x_ga4": (1, 4, "recipes/sft.py", {}),
     "2x_ga2": (2, 2, "recipes/sft.py", {}),
@@ -228,6 +256,9 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "2x_ga2_ep_unscaled": (2, 2, "tests/moe_ep_unscaled.py", {"expert_parallel_size": 2}),
     "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py", {}),
     "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
+    # aux-loss-free balancing: the biases moved from the global batch's loads (moe/balance.py)
+    **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"bias_update_rate": BIAS_RATE, "family": family})
+       for family in BIASED for world, ga in ((1, 4), (2, 2))},
 }
 
 
@@ -239,18 +270,22 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
 
     tmp = tmp_path_factory.mktemp("aux")
     data = uneven_data(tmp / "uneven.jsonl")
+    models = {f: tiny_biased_moe(f, tiny_mixtral_dir, str(tmp / f)) for f in BIASED}
     launches: dict[tuple[int, str], dict] = {}
     for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
+        family = extra.get("family")
+        extra = {k: v for k, v in extra.items() if k != "family"}
+        moe_keys = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01} if family is None else {}
         tree = {
-            "model": {"name_or_path": tiny_mixtral_dir, "dtype": "float32"},
+            "model": {"name_or_path": models[family] if family else tiny_mixtral_dir, "dtype": "float32"},
             "data": {"sources": [{"path": data}], "max_length": 64},
             "training": {"output_dir": str(out), "max_steps": 3, "per_device_train_batch_size": 2,
                          "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.5,
                          "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
                          "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
                          "seed": 0, "report_to": "none", "disable_tqdm": True},
-            "moe": {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01, **extra},
+            "moe": {**moe_keys, **extra},
         }
         rec = tmp / f"{name}.yaml"
         rec.write_text(yaml.safe_dump(tree))
@@ -280,7 +315,7 @@ def aux_outputs(out, world, stdout) -> dict:
     if world > 1:
         assert info["wrapper"] == "DistributedDataParallel"
     logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
-    return {"losses": [h["loss"] for h in logs], "aux": [h["moe_aux_loss"] for h in logs],
+    return {"losses": [h["loss"] for h in logs], "aux": [h.get("moe_aux_loss") for h in logs],
             "final": load_file(str(out / "model.safetensors")), "stdout": stdout, "info": info}
 
 
@@ -305,6 +340,24 @@ def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
         assert abs(a - b) > 1e-2 * abs(b)
     assert max_rel(bad1["final"], bad2["final"]) > 1e-3
     assert max_rel(bad2["final"], base["final"]) > 1e-3
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("family", BIASED)
+def test_bias_balancing_is_invariant_to_world_size_and_accumulation(aux_runs, family):
+    """DeepSeek-V3 and GLM-4.5 (no aux loss; routers with a bias): 2 ranks x GA2 move the biases as 1 rank x GA4
+    does (the loads of the global batch), and train alike."""
+    base, other = aux_runs[f"1x_ga4_{family}"], aux_runs[f"2x_ga2_{family}"]
+    assert f"'bias_balancing': '2 routers, rate {BIAS_RATE}'" in base["stdout"]
+    biases = {k: v for k, v in base["final"].items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == 2 and all(v.abs().max() > 0 for v in biases.values())
+    # 3 steps of +-rate (or 0) each: every bias is a multiple of the rate, at most 3 of them
+    assert all(torch.allclose(v / BIAS_RATE, (v / BIAS_RATE).round(), atol=1e-4) for v in biases.values())
+    assert max(v.abs().max() for v in biases.values()) <= 3 * BIAS_RATE + 1e-6
+    for k, v in biases.items():
+        assert torch.equal(other["final"][k], v), k
+    assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(other["final"], base["final"]) <= 1e-5
 
 
 @pytest.mark.launches

@@ -271,6 +271,8 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
             out.append((f"moe.{key}", f"must be >= 0, got {v}"))
     if _num(m.capacity_factor) and m.capacity_factor <= 0:
         out.append(("moe.capacity_factor", f"must be > 0, got {m.capacity_factor}"))
+    if _num(m.bias_update_rate) and m.bias_update_rate < 0:
+        out.append(("moe.bias_update_rate", f"must be >= 0 (0: off), got {m.bias_update_rate}"))
     if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
         out.append(("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}"))
     if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:

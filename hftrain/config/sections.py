@@ -325,6 +325,11 @@ class MoeSection:
         None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "
         "are dropped (logged as moe/dropped_tokens). Unset: no dropping."
     )
+    bias_update_rate: float | None = _f(
+        None, "Aux-loss-free balancing (DeepSeek-V3's): after each step every expert's router bias moves by this "
+        "much towards balance, from the global batch's loads. Unset: 0.001 (the paper's) for routers with a bias "
+        "(DeepSeek-V3, GLM-4.5), off for the others; 0: off."
+    )
 
 
 @dataclass

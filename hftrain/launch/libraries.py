@@ -40,6 +40,7 @@ from ..config.sections import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
 from ..modeling import local_config, lora_config
+from ..moe.balance import bias_rate_problem
 from .resume import meta_model
 from .strategies import render
 
@@ -230,6 +231,17 @@ def launch_problems(recipe: Recipe, strategy: StrategySection, script: list[str]
     return [(keys[0] if keys else "strategy.name",
              f"{named or 'strategy'}: accelerate launch refuses {'it' if len(keys) == 1 else 'this launch'} ({why}); "
              f"change {'it' if len(keys) == 1 else 'them'} to a value it accepts")]
+
+
+# -- MoE ------------------------------------------------------------------------------------------------------------
+def moe_bias_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """moe.bias_update_rate asked of a model whose routers have no bias: the model built from its config on the meta
+    device (moe.balance, as the run's attach refuses it)."""
+    config = local_config(recipe.model)
+    if config is None:
+        return []
+    problem = bias_rate_problem(meta_model(config, recipe.model.trust_remote_code), recipe.moe.bias_update_rate)
+    return [("moe.bias_update_rate", problem)] if problem else []
 
 
 # -- peft -----------------------------------------------------------------------------------------------------------

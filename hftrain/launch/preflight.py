@@ -195,6 +195,10 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
             out += libraries.trainer_problems(recipe, accelerator_available())
     if model_ok and not any(k.startswith("model.lora") for k in skip):
         out += libraries.lora_problems(recipe)
+    moe = recipe.moe
+    if model_ok and moe is not None and _typed(moe.bias_update_rate, (int, float)) and moe.bias_update_rate > 0 and (
+            "moe.bias_update_rate" not in skip):
+        out += libraries.moe_bias_problems(recipe)
     if m is not None and m.quantization is not None and "model.quantization" not in skip:
         missing = bitsandbytes_problem()
         if missing:

@@ -1,5 +1,5 @@
-"""Mixture of experts: upcycling dense models to native MoE classes, router aux / z losses, router health, expert
-parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer."""
+"""Mixture of experts: upcycling dense models to native MoE classes, router aux / z losses, aux-loss-free balancing of
+biased routers, router health, expert parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from ..distributed import print0
 from ..errors import MoeError
 from . import expert_parallel as ep
 from .aux import MaskTap, model_aux_loss, z_loss
+from .balance import DEFAULT_RATE, BiasBalancer, bias_rate_problem, biased_routers
 from .blocks import check_moe_model, register_zero3_leaf_modules, routers, unwrap
 from .health import RouterHealthCallback
 
 
 def attach(trainer, cfg=None) -> dict:
-    """Wire MoE into an SFTTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
-    the aux / z losses through `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and
-    accumulation) and the router-health callback. Returns what was done (for the log)."""
+    """Wire MoE into an SFTTrainer before train(): ZeRO-3 leaf modules for any MoE block, the bias balancing of
+    routers that have a bias (with or without a `moe:` section), and with a `moe:` section the aux / z losses through
+    `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and accumulation) and the router-health
+    callback. Returns what was done (for the log)."""
     model = unwrap(trainer.model)
     done: dict = {}
     if is_deepspeed_zero3_enabled():
@@ -26,6 +28,7 @@ def attach(trainer, cfg=None) -> dict:
             done["zero3_leaf_modules"] = leaves
     if cfg is not None:
         _attach_section(trainer, model, cfg, done)
+    _attach_bias_balancing(trainer, model, cfg, done)
     if done:
         print0(f"hftrain: moe: {done}")
     return done
@@ -52,6 +55,21 @@ def _attach_section(trainer, model, cfg, done: dict) -> None:
         cb = RouterHealthCallback(base)
         trainer.add_callback(cb)  # its pop_logs() joins each training log (CommHookMixin.log)
         done["router_health"] = len(cb.layers)
+
+
+def _attach_bias_balancing(trainer, model, cfg, done: dict) -> None:
+    """Aux-loss-free balancing (balance.py): on by default where the routers have a bias, refused where asked of a
+    model without one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rate = None if cfg is None else cfg.bias_update_rate
+    problem = bias_rate_problem(base, rate)
+    if problem:
+        raise MoeError(problem)
+    rate = DEFAULT_RATE if rate is None else rate
+    if rate and biased_routers(base):
+        balancer = BiasBalancer(base, rate)
+        trainer.add_callback(balancer)
+        done["bias_balancing"] = f"{len(balancer.routers)} routers, rate {rate}"
 
 
 def _expert_parallel(trainer, model, cfg) -> str:
