@@ -1,7 +1,7 @@
 """Real chat templates of model families, each with an oracle (the same template with {% generation %} markers), and
 tokenizers to render them: a byte-level BPE trained here (no Hub), with each family's control tokens added as single
 ids, its bos/eos, and the stop tokens of its model's generation_config.json (stop_ids reads that file beside the
-tokenizer, as it would for a model from the Hub).
+tokenizer, as it would for a model from the Hub; one family has none, as a tokenizer saved alone).
 
 The templates are TRL's (every *_training.jinja TRL ships, with the original it patches) and tests/data/templates
 (each file's first line names its model; the oracles of the families TRL has none for are in
@@ -37,6 +37,7 @@ class Family:
     eos: str
     stop: tuple[str, ...] = ()  # generation_config.json eos_token_id, as tokens (the eos alone when empty)
     kwargs: dict = field(default_factory=dict)
+    generation_config: bool = True  # whether a generation_config.json lies beside the tokenizer
 
 
 def _trl(name: str, bos, eos, stop=(), **kwargs) -> Family:
@@ -90,6 +91,11 @@ FAMILIES = {f.name: f for f in [
     _local("mistral", os.path.join(ORACLES, "mistral_training.jinja"), "<s>", "</s>"),
     Family("qwen3_0_6b", os.path.join(LOCAL, "qwen3.jinja"), os.path.join(TRL_TEMPLATES, "qwen3_training.jinja"), None,
            "<|im_end|>", CHATML_STOP),
+    # GLM-4.5 from a tokenizer alone (no generation_config.json beside it): its eos_token is <|endoftext|>, and the
+    # template's turn-ending tokens (<|user|>, <|observation|>) are known from the template only.
+    Family("glm4moe_tokenizer_only", os.path.join(TRL_TEMPLATES, "glm4moe.jinja"),
+           os.path.join(TRL_TEMPLATES, "glm4moe_training.jinja"), None, "<|endoftext|>",
+           ("<|endoftext|>", "<|user|>", "<|observation|>"), generation_config=False),
 ]}
 
 # Control tokens as templates write them: <|x|>, <｜x｜>, [INST], Gemma 4's <|x> and <x|>, and tags of one word
@@ -134,8 +140,9 @@ def tokenizer_for(family: Family, folder: str, trim_offsets: bool = False, oracl
     backend.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=trim_offsets),
                                                   backend.post_processor])
     os.makedirs(folder, exist_ok=True)
-    stop = [tok.convert_tokens_to_ids(t) for t in (family.stop or (family.eos,))]
-    with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as fh:
-        json.dump({"eos_token_id": stop}, fh)
+    if family.generation_config:
+        stop = [tok.convert_tokens_to_ids(t) for t in (family.stop or (family.eos,))]
+        with open(os.path.join(folder, "generation_config.json"), "w", encoding="utf-8") as fh:
+            json.dump({"eos_token_id": stop}, fh)
     tok.name_or_path = folder
     return tok

@@ -39,10 +39,11 @@ def test_messages_golden_assistant_only(tokenizer):
     assert tokenizer.decode(out["input_ids"]) == (
         "<|im_start|>user\nreverse: a b c<|im_end|>\n<|im_start|>assistant\nc b a<|im_end|>\n"
     )
-    assert trainable_text(tokenizer, out) == "c b a<|im_end|>\n"
-    # The mask is one contiguous block at the end: prompt tokens -100, then every token of the answer.
+    assert trainable_text(tokenizer, out) == "c b a<|im_end|>"
+    # The mask is one contiguous block: prompt tokens -100, then every token of the answer up to its stop token (the
+    # "\n" the template writes after it is never generated).
     n_masked = out["labels"].index(next(x for x in out["labels"] if x != IGNORE_INDEX))
-    assert out["labels"] == [IGNORE_INDEX] * n_masked + out["input_ids"][n_masked:]
+    assert out["labels"] == [IGNORE_INDEX] * n_masked + out["input_ids"][n_masked:-1] + [IGNORE_INDEX]
     assert tokenizer.decode(out["input_ids"][:n_masked]) == ("<|im_start|>user\nreverse: a b c<|im_end|>\n"
                                                              "<|im_start|>assistant\n")
 
@@ -50,7 +51,7 @@ def test_messages_golden_assistant_only(tokenizer):
 def test_messages_multi_turn_masks_every_assistant_turn(tokenizer):
     msgs = CHAT + [{"role": "user", "content": "reverse: d e"}, {"role": "assistant", "content": "e d"}]
     out = tokenize_example({"messages": msgs}, tokenizer, train_on_prompt=False)
-    assert trainable_text(tokenizer, out) == "c b a<|im_end|>\ne d<|im_end|>\n"
+    assert trainable_text(tokenizer, out) == "c b a<|im_end|>e d<|im_end|>"
 
 
 def test_messages_all_tokens_when_assistant_only_off(tokenizer):

@@ -152,3 +152,39 @@ def test_the_templates_doc_shows_what_hftrain_data_prints_for_a_qwen3_row(tmp_pa
     shown = _doc_example(doc, title)
     kept = [ln for ln in printed if not ln.lstrip().startswith(("statistics of", "tokens per example", "longer than"))]
     assert shown == kept[:len(shown)], "\n".join(kept)
+
+
+GLM_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "It is sunny."},
+    {"role": "user", "content": "And Rome?"}, {"role": "assistant", "content": "Rainy."},
+    {"role": "user", "content": "Berlin?"}, {"role": "assistant", "content": "Cloudy."}]}
+
+
+def test_the_templates_doc_shows_glm_rows_train_their_stop_tokens(tmp_path, monkeypatch, capsys):
+    """docs/templates.md's GLM-4.5 example is `hftrain data`'s output on a multi-turn row, with the GLM-4.5 chat
+    template and a tokenizer saved alone (no generation_config.json beside it, issue 38): every turn is trained with
+    the <|user|> that ends it, the last one too."""
+    import json
+
+    import yaml
+
+    from hftrain.cli import main
+
+    from .template_families import FAMILIES, tokenizer_for
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer_for(FAMILIES["glm4moe_tokenizer_only"], "glm").save_pretrained("glm")
+    assert not os.path.exists(os.path.join("glm", "generation_config.json"))
+    (tmp_path / "glm.jsonl").write_text(json.dumps(GLM_ROW) + "\n")
+    (tmp_path / "glm.yaml").write_text(yaml.safe_dump({
+        "model": {"name_or_path": "glm"}, "data": {"sources": [{"path": "glm.jsonl"}], "max_length": 512},
+        "training": {"output_dir": "out"}}))
+    capsys.readouterr()
+    assert main(["data", "glm.yaml", "--examples", "1"]) == 0
+    printed = [ln for ln in capsys.readouterr().out.split("\n") if ln.strip()]
+    with open(os.path.join(REPO, "docs", "templates.md"), encoding="utf-8") as fh:
+        shown = _doc_example(fh.read(), "Example (`hftrain data glm.yaml --examples 1` on a GLM-4.5 row")
+    kept = [ln for ln in printed if not ln.lstrip().startswith(("statistics of", "tokens per example", "longer than",
+                                                                 "hftrain: warning"))]  # printed when not cached
+    assert shown == kept[:len(shown)], "\n".join(kept)
+    assert sum(ln.count("<|user|>]]") for ln in kept) == 3  # each turn's stop token trained, the last one appended

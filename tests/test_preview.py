@@ -16,7 +16,7 @@ MSGS = [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "cont
 def test_marked_text_brackets_exactly_the_labelled_tokens(tokenizer):
     out = tokenize_example({"messages": MSGS}, tokenizer, train_on_prompt=False)
     text = marked(tokenizer, out["input_ids"], out["labels"])
-    assert text == "<|im_start|>user\nreverse: a b<|im_end|>\n<|im_start|>assistant\n[[b a<|im_end|>\n]]"
+    assert text == "<|im_start|>user\nreverse: a b<|im_end|>\n<|im_start|>assistant\n[[b a<|im_end|>]]\n"
     trained = text[text.index("[[") + 2:text.index("]]")]
     assert trained == tokenizer.decode([t for t in out["labels"] if t != IGNORE_INDEX])
     assert "[[" not in marked(tokenizer, out["input_ids"], [IGNORE_INDEX] * len(out["labels"]))
@@ -57,6 +57,6 @@ def test_a_multi_turn_qwen3_reasoning_conversation_trains_every_turn(tmp_path):
     assert "writes assistant message(s) 1 differently once later messages follow" in report
     assert "example 1 of 2, trains message(s) [1]" in report and "example 2 of 2, trains message(s) [3]" in report
     for thought, answer in (("I should look it up.", "It is sunny."), ("Clouds.", "Rain.")):
-        assert f"<|im_start|>assistant\n[[<think>\n{thought}\n</think>\n\n{answer}<|im_end|>\n]]" in report
+        assert f"<|im_start|>assistant\n[[<think>\n{thought}\n</think>\n\n{answer}<|im_end|>]]\n" in report
     last = preview(DataSection(sources=[DataSource(path=str(path))], train_turns="last"), tok, examples=1)
     assert "layout messages, 1 rows\n" in last and "[[<think>\nI should" not in last

@@ -104,29 +104,30 @@ def shifted(out: dict) -> dict:
     return {"input_ids": out["input_ids"], "labels": [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], mask)]}
 
 
-# family: (conversation, tools, the template's assistant header, what each assistant turn trains, kwargs)
+# family: (conversation, tools, the template's assistant header, what each assistant turn trains, kwargs). A turn is
+# trained up to its last stop token: what the template writes after it ("\n") is never generated.
 CASES = {
     "qwen2_5": (AGENT, TOOLS, "<|im_start|>assistant\n",
-                [QWEN_CALL + "<|im_end|>\n", "It is sunny.<|im_end|>\n", "Rain.<|im_end|>\n"], {}),
+                [QWEN_CALL + "<|im_end|>", "It is sunny.<|im_end|>", "Rain.<|im_end|>"], {}),
     # Reasoning in every turn after the last user query: Qwen3 keeps it there, so those turns are prefix-stable.
     "qwen3": ([SYSTEM, ASK, {"role": "assistant", "content": "<think>\nI should look it up.\n</think>\n\n",
                              "tool_calls": [CALL]},
                TOOL_RESULT,
                {"role": "assistant", "content": "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny."}],
               TOOLS, "<|im_start|>assistant\n",
-              ["<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>\n",
-               "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>\n"], {}),
+              ["<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>",
+               "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>"], {}),
     "llama3_1": (AGENT, TOOLS, "<|start_header_id|>assistant<|end_header_id|>\n\n",
                  ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>",
                   "Rain.<|eot_id|>"], {}),
     "llama3_2": (AGENT, TOOLS, "<|start_header_id|>assistant<|end_header_id|>\n\n",
                  ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>",
                   "Rain.<|eot_id|>"], {"date_string": FIXED_DATE}),
-    "gemma": (PLAIN, None, "<start_of_turn>model\n", ["It is sunny.<end_of_turn>\n", "Rain.<end_of_turn>\n"], {}),
+    "gemma": (PLAIN, None, "<start_of_turn>model\n", ["It is sunny.<end_of_turn>", "Rain.<end_of_turn>"], {}),
     "mistral": (PLAIN, None, "[/INST]", ["It is sunny.</s>", "Rain.</s>"], {}),
     # eos_token only after the conversation's last message: trained there, and nowhere else.
     "phi3_5": ([SYSTEM] + PLAIN, None, "<|assistant|>\n",
-               ["It is sunny.<|end|>\n", "Rain.<|end|>\n<|endoftext|>"], {}),
+               ["It is sunny.<|end|>", "Rain.<|end|>\n<|endoftext|>"], {}),
 }
 
 
@@ -154,15 +155,15 @@ def test_tool_calls_trained_tool_results_and_tools_block_not():
 def test_qwen3_enable_thinking_reaches_every_rendering():
     tok, msgs = family("qwen3"), [ASK, SUNNY]
     out = tokenize_example({"messages": msgs}, tok, False)
-    check(tok, out, msgs, "<|im_start|>assistant\n", ["<think>\n\n</think>\n\nIt is sunny.<|im_end|>\n"])
+    check(tok, out, msgs, "<|im_start|>assistant\n", ["<think>\n\n</think>\n\nIt is sunny.<|im_end|>"])
     out = tokenize_example({"messages": msgs}, tok, False, {"enable_thinking": False})
     # The empty think block is now the generation prompt's: given to the model, not trained.
-    check(tok, out, msgs, "<|im_start|>assistant\n<think>\n\n</think>\n\n", ["It is sunny.<|im_end|>\n"],
+    check(tok, out, msgs, "<|im_start|>assistant\n<think>\n\n</think>\n\n", ["It is sunny.<|im_end|>"],
           enable_thinking=False)
 
 
-THINK_CALL = "<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>\n"
-THINK_SUNNY = "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>\n"
+THINK_CALL = "<think>\nI should look it up.\n</think>\n\n" + QWEN_CALL + "<|im_end|>"
+THINK_SUNNY = "<think>\nThe tool says sunny.\n</think>\n\nIt is sunny.<|im_end|>"
 
 
 def test_qwen3_turns_the_template_rewrites_are_trained_as_generated():
@@ -173,7 +174,7 @@ def test_qwen3_turns_the_template_rewrites_are_trained_as_generated():
     msgs = CASES["qwen3"][0] + [AGAIN, RAIN]
     first, last = tokenize_examples({"messages": msgs, "tools": TOOLS}, tok, False)
     check(tok, first, msgs[:5], "<|im_start|>assistant\n", [THINK_CALL, THINK_SUNNY], TOOLS)
-    check(tok, last, msgs, "<|im_start|>assistant\n", ["<think>\n\n</think>\n\nRain.<|im_end|>\n"], TOOLS)
+    check(tok, last, msgs, "<|im_start|>assistant\n", ["<think>\n\n</think>\n\nRain.<|im_end|>"], TOOLS)
     assert "I should look it up" not in tok.decode(last["input_ids"])  # the history as the model sees it later
     with pytest.raises(ValueError, match="becomes 2 examples"):
         tokenize_example({"messages": msgs, "tools": TOOLS}, tok, False)
@@ -209,6 +210,23 @@ def test_deepseek_r1_trains_from_where_its_generation_prompt_and_turn_part():
         tokenize_example({"messages": field, "row": 3}, tok, False, source="data.sources.0 (r1.jsonl)")
     out = tokenize_example({"messages": inline}, tok, True)  # whole-text training: what the template writes
     assert out["labels"] == out["input_ids"]
+
+
+def test_a_turn_written_without_its_generation_prompt_is_refused():
+    """DeepSeek-R1's template writes only the first tool-calling turn of a conversation with its header: a second one
+    follows the user's message with no <｜Assistant｜>, so it would be trained on text the model is never prompted
+    for (issue 38: hftrain trained it, as the oracle does). The row is refused naming the row, the turn, the prompt
+    and the fix; a conversation with one tool-calling turn is trained."""
+    tok = family("deepseek_r1")
+    call = {"role": "assistant", "content": "", "tool_calls": [dict(CALL, function=dict(
+        CALL["function"], arguments='{"city": "Paris"}'))]}
+    one = [ASK, call, TOOL_RESULT, SUNNY]
+    assert len(tokenize_examples({"messages": one, "tools": TOOLS}, tok, False)) == 1
+    with pytest.raises(DataError, match=r"^data.sources.0 \(r1.jsonl\), row 2: the chat template writes assistant "
+                                        r"message 5 without its generation prompt: the model is prompted with "
+                                        r"'<｜Assistant｜><think>\\n' there, .* Fix: split the row"):
+        tokenize_examples({"messages": one + [AGAIN, call, TOOL_RESULT, RAIN], "tools": TOOLS, "row": 2}, tok,
+                          False, source="data.sources.0 (r1.jsonl)")
 
 
 @pytest.mark.parametrize("name, msgs, said, fix", [
@@ -291,7 +309,7 @@ def test_chat_template_kwargs_reach_the_dataset_build(tmp_path):
     path.write_text(json.dumps({"messages": [ASK, SUNNY]}) + "\n")
     cfg = DataSection(sources=[DataSource(path=str(path))], chat_template_kwargs={"enable_thinking": False})
     row = build_datasets(cfg, family("qwen3")).train[0]
-    assert family("qwen3").decode([t for t in row["labels"] if t != IGNORE_INDEX]) == "It is sunny.<|im_end|>\n"
+    assert family("qwen3").decode([t for t in row["labels"] if t != IGNORE_INDEX]) == "It is sunny.<|im_end|>"
     cfg = DataSection(sources=[DataSource(path=str(path))], chat_template_kwargs={"tools": []})
     with pytest.raises(DataError, match=r"data.chat_template_kwargs: \['tools'\] are arguments hftrain sets"):
         build_datasets(cfg, family("qwen3"))
@@ -334,9 +352,9 @@ def test_the_fine_tuned_model_stops_where_turns_end():
     base.eos_token, base.chat_template = "<|endoftext|>", family("qwen2_5").chat_template
     im_end = base.convert_tokens_to_ids("<|im_end|>")
     model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=base.eos_token_id))
-    assert stop_at_end_of_turn(model, base) == im_end
+    assert stop_at_end_of_turn(model, base) == [im_end]
     assert model.generation_config.eos_token_id == [base.eos_token_id, im_end]
-    assert stop_at_end_of_turn(model, base) is None and model.generation_config.eos_token_id[-1] == im_end
+    assert stop_at_end_of_turn(model, base) == [] and model.generation_config.eos_token_id[-1] == im_end
 
 
 @pytest.mark.parametrize("trim_offsets", [False, True])
@@ -353,25 +371,39 @@ def test_labels_do_not_depend_on_the_offset_convention(trim_offsets):
     assert tok.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == " 2 + 3 = 5.<|im_end|>"
     chat = tokenize_example({"messages": [{"role": "user", "content": "Sum?"},
                                           {"role": "assistant", "content": "2 + 3 = 5."}]}, tok, False)
-    assert tok.decode([t for t in chat["labels"] if t != IGNORE_INDEX]) == "2 + 3 = 5.<|im_end|>\n"
+    assert tok.decode([t for t in chat["labels"] if t != IGNORE_INDEX]) == "2 + 3 = 5.<|im_end|>"
 
 
-def test_glm_trains_the_next_roles_token_that_ends_its_turn(tmp_path):
+@pytest.mark.parametrize("generation_config", [True, False])
+def test_glm_trains_the_next_roles_token_that_ends_its_turn(tmp_path, capsys, generation_config):
     """GLM-4-MoE ends an assistant turn with nothing: the next role's token (<|user|>, <|observation|>) stops
-    generation (its generation_config.json eos_token_id). That token is trained: the one that follows the turn, or
-    after the last message the one the template writes after such a turn (issue 27 point 5)."""
+    generation (its generation_config.json eos_token_id). That token is trained after every turn: the one that
+    follows the turn, or after the last message the one the template writes after such a turn (issue 27 point 5).
+    Without the generation config (a tokenizer saved alone, issue 38) the template says the same: those tokens are
+    what it ends a turn with, so they are trained, the run is warned that generation does not stop at them, and
+    the fine-tuned model's generation config gets them."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hftrain.data.templates import stop_at_end_of_turn
+
     glm = FAMILIES_ORACLE["glm4moe"]
     tok = tokenizer_for(glm, str(tmp_path / "glm"))
-    agent = [ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]}, TOOL_RESULT, SUNNY]
+    if not generation_config:
+        (tmp_path / "glm" / "generation_config.json").unlink()
+    agent = [ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]}, TOOL_RESULT, SUNNY, AGAIN, RAIN]
     out = tokenize_example({"messages": agent, "tools": TOOLS}, tok, False)
-    runs = trained_runs(tok, out)
-    assert runs[0].endswith("</tool_call><|observation|>") and runs[1] == "\n<think></think>\nIt is sunny.<|user|>"
-    assert tok.decode(out["input_ids"]).endswith("It is sunny.<|user|>")  # appended after the last message
-    # the stop tokens come from the generation config: without it the template's text alone is trained
-    bare = tokenizer_for(glm, str(tmp_path / "glm_bare"))
-    (tmp_path / "glm_bare" / "generation_config.json").unlink()
-    assert trained_runs(bare, tokenize_example({"messages": [ASK, SUNNY]}, bare, False)) == [
-        "\n<think></think>\nIt is sunny."]
+    assert trained_runs(tok, out) == [
+        "\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call><|observation|>", "\n<think></think>\nIt is sunny.<|user|>", "\n<think></think>\nRain.<|user|>"]
+    assert tok.decode(out["input_ids"]).endswith("Rain.<|user|>")  # appended after the last message
+    warned = "ends each assistant turn with '<|user|>' / '<|observation|>'" in capsys.readouterr().out
+    assert warned != generation_config  # said only when generation does not stop there
+    user, observation = tok.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=tok.eos_token_id))
+    assert stop_at_end_of_turn(model, tok) == [user, observation]
+    assert model.generation_config.eos_token_id == [tok.eos_token_id, user, observation]
 
 
 def trained_runs(tok, out: dict) -> list[str]:

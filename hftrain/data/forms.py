@@ -7,7 +7,8 @@ data.chat_template_kwargs), never from the template's name or a table of familie
 - whether it takes a tool call's arguments as an object or as JSON text (DeepSeek's templates concatenate strings,
   most others write the object with tojson and would write JSON text quoted a second time);
 - what it writes right after an assistant turn when a user message or a tool result follows (GLM-4-MoE ends a turn
-  with nothing, the next role's token follows: that token is what the model generates to stop).
+  with nothing, the next role's token follows: that token is what the model generates to stop);
+- its generation prompt after a user message: how it opens an assistant turn (<|im_start|>assistant\n).
 
 template_messages then hands a canonical conversation to the template in the forms it reads: content parts kept
 where the template iterates over them and joined where it cannot, arguments as given where the template takes that
@@ -19,8 +20,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
+
 from ..errors import DataError
-from .templates import TEMPLATE_ERRORS
+
+# What a template (or the data it is handed) can raise: raise_exception's TemplateError, and the TypeError /
+# KeyError / ... of a template that meets a message shape it does not expect (a dict where it adds strings).
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 # Words that appear in a rendering only when the template writes the probe's field.
 WORD = {"system": "hftrainsys", "user": "hftrainuser", "assistant": "hftrainreply", "tool": "hftrainresult"}
@@ -38,11 +44,13 @@ class Forms:
     arguments: tuple[str, ...]  # the forms ("object", "string") in which it writes a tool call's arguments
     after_turn: str  # what it writes after an assistant turn when a user message follows
     after_call: str  # ... after an assistant turn with tool calls, when the tool result follows
+    turn_header: str  # its generation prompt after a user message (how it opens an assistant turn)
 
 
-def _render(tokenizer, msgs: list[dict], kwargs: dict, tools=None) -> str | None:
+def _render(tokenizer, msgs: list[dict], kwargs: dict, tools=None, add_generation_prompt: bool = False) -> str | None:
     try:
-        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
     except TEMPLATE_ERRORS:
         return None
 
@@ -109,7 +117,10 @@ def _probe(tokenizer, kwargs: dict) -> Forms:
               "content": _as(content.get("tool", ("text",))[0], NEXT_WORD)}
     after_call = _after(_render(tokenizer, [user, called], kwargs), _render(tokenizer, [user, called, result], kwargs),
                         NEXT_WORD)
-    return Forms(content, reasoning, arguments, after_turn, after_call)
+    prompted = _render(tokenizer, [user], kwargs, add_generation_prompt=True)
+    plain = _render(tokenizer, [user], kwargs)
+    header = prompted[len(plain):] if prompted and plain is not None and prompted.startswith(plain) else ""
+    return Forms(content, reasoning, arguments, after_turn, after_call, header)
 
 
 def _content_in(content, accepted: tuple[str, ...]):

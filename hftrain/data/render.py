@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..constants import IGNORE_INDEX
 from .forms import template_messages
 from .offsets import encode
-from .templates import apply, end_of_turn, has_generation_marker, stop_ids, template_kwargs, warn_eos_once, where
+from .templates import apply, has_generation_marker, template_kwargs, turn_stop_ids, warn_eos_once, where
 from .turns import Example, conversation_examples
 
 
@@ -53,7 +53,7 @@ def _generation_masked(canon: dict, tokenizer, kwargs: dict, at: str) -> dict:
     enc = apply(tokenizer, msgs, canon.get("tools"), kwargs, at, tokenize=True, return_dict=True,
                 return_assistant_tokens_mask=True)
     ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
-    ends = stop_ids(tokenizer)[0] | {end_of_turn(tokenizer, kwargs)}
+    ends = turn_stop_ids(tokenizer, kwargs)
     for k in range(len(ids) - 1):
         if enc["assistant_masks"][k] and not enc["assistant_masks"][k + 1] and ids[k + 1] in ends:
             mask[k + 1] = 1

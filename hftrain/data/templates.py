@@ -1,6 +1,6 @@
 """Chat templates as hftrain calls them: every call gets the tools and data.chat_template_kwargs, a template's
-refusal becomes a DataError naming the row and a fix, and the template's end-of-turn token is checked against the
-tokens that stop generation."""
+refusal becomes a DataError naming the row and a fix, and the tokens the template ends a turn with are checked
+against the tokens that stop generation (and added to the fine-tuned model's)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import re
 
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
-from jinja2.exceptions import TemplateError
 
 from ..distributed import print0
 from ..errors import DataError
+from .forms import TEMPLATE_ERRORS, forms
 
 # Templates that write today's date (Llama 3.2/3.3: strftime_now) get this one unless chat_template_kwargs sets
 # date_string, so the token ids of a row do not change with the day they are tokenised. It is the date Llama 3.1's
@@ -25,9 +25,6 @@ RESERVED_KWARGS = frozenset({"conversation", "tools", "documents", "chat_templat
                              "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
                              "sanitize_control_tokens"})
-# What a template (or the data it is handed) can raise: raise_exception's TemplateError, and the TypeError /
-# KeyError / ... of a template that meets a message shape it does not expect (a dict where it adds strings).
-TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 _warned: set = set()  # EOS warnings already printed in this process (one per template and tokenizer)
 
 
@@ -75,23 +72,33 @@ def has_generation_marker(tokenizer) -> bool:
     return isinstance(template, str) and bool(GENERATION_MARKER.search(template))
 
 
-def end_of_turn(tokenizer, kwargs: dict) -> int | None:
-    """The id of the special token the template writes right after an assistant turn's content (<|im_end|>,
-    <|eot_id|>, <end_of_turn>, </s>), found by rendering a probe conversation; None when the template ends turns
-    with ordinary text or cannot render the probe."""
+def _first_special(tokenizer, text: str) -> int | None:
+    """The id of the first token of `text` when it is a special (or added) token, else None."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    return ids[0] if ids and ids[0] in special else None
+
+
+def end_of_turn_ids(tokenizer, kwargs: dict) -> list[int]:
+    """The special tokens that end an assistant turn as the template writes it, found by rendering probe
+    conversations: the one right after a turn's content (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>); for a
+    template that writes nothing after a turn and lets the next message's role token end it (GLM-4-MoE), the token
+    it writes first when a user message follows (<|user|>) and when a tool result follows a tool call
+    (<|observation|>). Empty when the template ends turns with ordinary text or cannot render the probe."""
     probe = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
     try:
         text = tokenizer.apply_chat_template(probe, tokenize=False, **kwargs)
     except TEMPLATE_ERRORS:
-        return None
+        return []
     if "PONG" not in text:
-        return None
+        return []
     after = text[text.rindex("PONG") + len("PONG"):]
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    if not ids:
-        return None
-    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-    return ids[0] if ids[0] in special else None
+    if after:
+        first = _first_special(tokenizer, after)
+        return [] if first is None else [first]
+    f = forms(tokenizer, kwargs)
+    return list(dict.fromkeys(t for t in (_first_special(tokenizer, f.after_turn),
+                                          _first_special(tokenizer, f.after_call)) if t is not None))
 
 
 def _generation_config(name_or_path: str) -> str | None:
@@ -126,20 +133,25 @@ def stop_ids(tokenizer) -> tuple[set[int], str]:
     return ids, (" and ".join(said) or "no eos token") + note
 
 
+def turn_stop_ids(tokenizer, kwargs: dict) -> set[int]:
+    """The tokens a trained turn ends with: those that stop generation (stop_ids) and those the template ends a
+    turn with (end_of_turn_ids; stop_at_end_of_turn makes the fine-tuned model stop at them too)."""
+    return stop_ids(tokenizer)[0] | set(end_of_turn_ids(tokenizer, kwargs))
+
+
 def eos_problem(tokenizer, kwargs: dict) -> str | None:
-    """A warning when the template ends assistant turns with a token that does not stop generation."""
-    eot = end_of_turn(tokenizer, kwargs)
-    if eot is None:
-        return None
+    """A warning when the template ends assistant turns with tokens that do not stop generation."""
     ids, said = stop_ids(tokenizer)
-    if eot in ids:
+    missing = [t for t in end_of_turn_ids(tokenizer, kwargs) if t not in ids]
+    if not missing:
         return None
-    token = tokenizer.convert_ids_to_tokens(eot)
-    return (f"hftrain: warning: the chat template ends each assistant turn with {token!r} (id {eot}), which is "
-            f"trained, but generation stops at {said}: the fine-tuned model will write {token!r} and then go on "
-            f"instead of stopping. hftrain adds {eot} to eos_token_id in the fine-tuned model's "
-            "generation_config.json; for the base model add it to its generation_config.json too, or set the "
-            f"tokenizer's eos_token to {token!r}, or use a chat template that ends turns with the eos_token")
+    tokens = " / ".join(repr(tokenizer.convert_ids_to_tokens(t)) for t in missing)
+    numbers = f"{'ids' if len(missing) > 1 else 'id'} {', '.join(map(str, missing))}"
+    return (f"hftrain: warning: the chat template ends each assistant turn with {tokens} ({numbers}), which is "
+            f"trained, but generation stops at {said}: the model will write {tokens} and then go on instead of "
+            f"stopping. hftrain adds {missing} to eos_token_id in the fine-tuned model's generation_config.json; for "
+            "the base model add them to its generation_config.json too, or set the tokenizer's eos_token, or use a "
+            "chat template that ends turns with the eos_token")
 
 
 def warn_eos_once(tokenizer, kwargs: dict) -> None:
@@ -153,19 +165,19 @@ def warn_eos_once(tokenizer, kwargs: dict) -> None:
         print0(problem)
 
 
-def stop_at_end_of_turn(model, tokenizer, chat_template_kwargs: dict | None = None) -> int | None:
-    """Make the model's generation stop where the template ends an assistant turn: the end-of-turn token is added
-    to `model.generation_config.eos_token_id` (saved with the fine-tuned model) when it is not there yet. Returns
-    the id added, or None."""
+def stop_at_end_of_turn(model, tokenizer, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Make the model's generation stop where the template ends an assistant turn: the end-of-turn tokens
+    (end_of_turn_ids) are added to `model.generation_config.eos_token_id` (saved with the fine-tuned model) when they
+    are not there yet. Returns the ids added."""
     config = getattr(model, "generation_config", None)
     if config is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    eot = end_of_turn(tokenizer, template_kwargs(tokenizer, chat_template_kwargs))
+        return []
+    ends = end_of_turn_ids(tokenizer, template_kwargs(tokenizer, chat_template_kwargs))
     ids = config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if eot is None or eot in ids:
-        return None
-    config.eos_token_id = ids + [eot]
-    print0(f"hftrain: generation stops at {tokenizer.convert_ids_to_tokens(eot)!r} (id {eot}) too: added to "
-           "generation_config.eos_token_id")
-    return eot
+    added = [t for t in ends if t not in ids]
+    if added:
+        config.eos_token_id = ids + added
+        print0(f"hftrain: generation stops at {tokenizer.convert_ids_to_tokens(added)} (ids {added}) too: added to "
+               "generation_config.eos_token_id")
+    return added

@@ -4,9 +4,11 @@ conversation becomes.
 Every assistant turn is trained as the template writes it when that turn is the conversation's last message (what
 the model generates after the generation prompt). Its span runs from the end of the generation prompt (the
 conversation before it rendered with add_generation_prompt; or, where the template writes its turns without the
-prompt's last piece, e.g. DeepSeek-R1's "<think>\\n", where the two part) to the end of the conversation rendered up
-to and including it: its reasoning, content or tool calls, the end-of-turn token and what the template writes after
-it (a newline).
+prompt's last piece, e.g. DeepSeek-R1's "<think>\\n", where the two part) through its reasoning, content or tool
+calls to its last stop token. What the template writes after that token (a newline) is never generated, and not
+trained. A turn the template writes without any of its generation prompt is refused (DeepSeek's templates write a
+second tool-calling turn with no header), unless it opens with the template's turn header where the generation
+prompt is empty (DiffusionGemma after tool results): the header is then the model's given.
 
 A template that rewrites earlier turns once later messages follow (Qwen3, GLM-4-MoE and gpt-oss drop their
 reasoning; gpt-oss ends them with <|end|> instead of <|return|>) does not write such a turn in the whole conversation
@@ -14,9 +16,10 @@ as it was generated. Such a turn is trained in an example of its own: the conver
 Every turn the whole conversation writes as generated is trained there, so a prefix-stable template gives one
 example per conversation (no extra cost), and a conversation of k assistant turns on Qwen3 gives at most k.
 
-End of turn: a span holds a token that stops generation (the tokenizer's eos, and the eos_token_id of the
-generation_config.json beside the tokenizer: templates.stop_ids). A template that ends a turn with nothing and lets
-the next role's token stop generation (GLM-4-MoE: <|user|>, <|observation|>) gets that token trained: the one
+End of turn: a span ends with a token that stops generation (the tokenizer's eos, the eos_token_id of the
+generation_config.json beside the tokenizer, and the tokens the template ends a turn with: templates.turn_stop_ids).
+A template that ends a turn with nothing and lets the next role's token stop generation (GLM-4-MoE: <|user|>,
+<|observation|>; known from its generation config, or from the template alone) gets that token trained: the one
 that follows the span, or, after the last message, the one the template writes after such a turn (forms.py).
 
 Nothing is trained that the template does not write: every message's text must be in its rendering (assistant
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from ..errors import DataError
 from .forms import REASONING_FIELDS, forms, template_messages
 from .offsets import encode
-from .templates import apply, stop_ids
+from .templates import apply, turn_stop_ids
 
 EXCERPT = 40  # characters of each side shown where two renderings part
 PROBE = "hftrainprobe"  # the words a turn is rendered with to find where it begins (Conversation.start)
@@ -92,7 +95,10 @@ class Conversation:
         generation prompt; or where the prompt and the turn part, when the template writes its turns without the
         prompt's last piece (DeepSeek-R1's "<think>\\n"); or, when the template writes the messages before the turn
         differently once the turn follows (gpt-oss drops a tool call's reasoning once a final answer follows), the
-        end of the generation prompt's text where the turn begins (found by rendering the turn with other words)."""
+        end of the generation prompt's text where the turn begins (found by rendering the turn with other words).
+        Where the turn then opens with the template's turn header that this generation prompt does not give
+        (DiffusionGemma after tool results: an empty prompt, "<|turn>model\n" written), the header is the prompt:
+        the model does not write it."""
         if i not in self._starts:
             prompt, end = self.text(i, prompt=True), self.text(i + 1)
             k = _common(prompt, end)
@@ -100,11 +106,34 @@ class Conversation:
                 base = self.text(i)
                 if not (end.startswith(base) and k >= len(base)):
                     k = self._rewritten_start(i, prompt[_common(base, prompt):], prompt, end)
+                elif k == len(base):
+                    k = self._after_header(i, prompt[k:], end, k)
+            elif self._opens_with_header(end, k) and self.text(i) == prompt:  # an empty generation prompt
+                k = self._after_header(i, "", end, k)
             if len(end) <= k:
                 raise DataError(f"{self.at}: assistant message {i} adds no text after the template's generation "
                                 "prompt; give it content or tool calls, or remove it")
             self._starts[i] = k
         return self._starts[i]
+
+    def _after_header(self, i: int, gen: str, end: str, k: int) -> int:
+        """Where the turn starts when the template writes none of its generation prompt `gen` before it (it follows
+        the text before the turn at `k`): after the template's turn header, when the turn opens with it (the
+        header is the prompt then); otherwise the row is refused, since the turn is written differently from the
+        way the model is prompted for it (DeepSeek's templates write only the first tool-calling turn of a
+        conversation with its header)."""
+        if self._opens_with_header(end, k):
+            return k + len(forms(self.tokenizer, self.kwargs).turn_header)
+        raise DataError(
+            f"{self.at}: the chat template writes assistant message {i} without its generation prompt: the model is "
+            f"prompted with {gen!r} there, the template writes {end[k:k + EXCERPT]!r}, so the turn would be trained "
+            "on text the model is never prompted for. Fix: split the row so that each conversation holds such a turn "
+            "only where the template writes it after its generation prompt (DeepSeek's templates: one tool-calling "
+            "assistant turn per conversation), or set data.chat_template to a template that writes every turn so")
+
+    def _opens_with_header(self, end: str, k: int) -> bool:
+        header = forms(self.tokenizer, self.kwargs).turn_header
+        return bool(header) and end.startswith(header, k)
 
     def _rewritten_start(self, i: int, gen: str, prompt: str, end: str) -> int:
         other = dict(self.msgs[i], content=_probe(self.msgs[i]["content"]))
@@ -156,10 +185,12 @@ class Conversation:
         return None
 
     def close(self, text: str, s: int, e: int, i: int) -> tuple[str, int]:
-        """(text, span end) with the token that ends the turn in generation inside the span (module docstring)."""
-        stops = stop_texts(self.tokenizer)
-        if any(t in text[s:e] for t in stops):
-            return text, e
+        """(text, span end): the span ends with the turn's last stop token, the one that ends it in generation;
+        nothing the template writes after it is trained (module docstring)."""
+        stops = stop_texts(self.tokenizer, self.kwargs)
+        last = _last_stop(text, s, e, stops)
+        if last is not None:
+            return text, last
         rest = text[e:].lstrip()
         gap = len(text) - e - len(rest)
         found = next((t for t in stops if rest.startswith(t)), None)
@@ -182,16 +213,23 @@ class Conversation:
         return ex
 
 
-def stop_texts(tokenizer) -> list[str]:
-    """The text of each token that stops generation (templates.stop_ids), longest first."""
-    key = (id(tokenizer), len(tokenizer), tokenizer.eos_token, getattr(tokenizer, "name_or_path", None))
+def stop_texts(tokenizer, kwargs: dict) -> list[str]:
+    """The text of each token a trained turn ends with (templates.turn_stop_ids), longest first."""
+    key = (id(tokenizer), len(tokenizer), tokenizer.eos_token, getattr(tokenizer, "name_or_path", None),
+           tokenizer.chat_template, json.dumps(kwargs, sort_keys=True, default=str))
     if _stops.get(key, (None,))[0] is not tokenizer:
-        texts = {tokenizer.decode([i]) for i in stop_ids(tokenizer)[0]}
+        texts = {tokenizer.decode([i]) for i in turn_stop_ids(tokenizer, kwargs)}
         _stops[key] = (tokenizer, sorted((t for t in texts if t), key=len, reverse=True))
     return _stops[key][1]
 
 
 _stops: dict = {}
+
+
+def _last_stop(text: str, s: int, e: int, stops: list[str]) -> int | None:
+    """The end of the last stop token in text[s:e], or None when it holds none."""
+    ends = [at + len(t) for t in stops if (at := text.rfind(t, s, e)) >= 0]
+    return max(ends, default=None)
 
 
 def conversation_examples(msgs: list[dict], tools, tokenizer, kwargs: dict, at: str,
