@@ -14,6 +14,7 @@ from .config import ModelSection
 from .distributed import print0
 from .errors import ModelError
 from .fileio import safetensors_problem
+from .kernels import apply_liger, liger_problem
 from .moe.upcycle import upcycle
 from .quantization import bitsandbytes_problem, bnb_config, device_map, merged_model, prepare_for_training
 
@@ -220,10 +221,13 @@ def _from_pretrained(cfg: ModelSection, quantized: bool):
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):
-    """The model of `cfg`, quantised (QLoRA's base) or upcycled to MoE, with LoRA. `sequence_parallel` > 1: packed
-    rows are split by sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it
-    registered)."""
+    """The model of `cfg`, quantised (QLoRA's base) or upcycled to MoE, with liger's kernels, with LoRA.
+    `sequence_parallel` > 1: packed rows are split by sequence_parallel.DocumentAttention, never joined into one row
+    (Ulysses checks the rows it registered)."""
     model = _from_pretrained(cfg, quantized=cfg.quantization is not None)
+    if cfg.kernels == "liger":
+        _raise_if(liger_problem(model.config.model_type))
+        apply_liger(model)
     if cfg.quantization is not None:
         model = prepare_for_training(model)
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)

@@ -62,6 +62,8 @@ class ModelSection:
     lora: LoraSection | None = _f(None, "Train a LoRA adapter through peft instead of all weights.")
     quantization: QuantizationSection | None = _f(
         None, "Load the base quantised by bitsandbytes (QLoRA), e.g. {bits: 4, type: nf4}; needs model.lora.")
+    kernels: Literal["liger"] | None = _f(
+        None, "Fused GPU kernels: liger (liger-kernel's RMSNorm, RoPE, SwiGLU; hftrain's loss is kept). CUDA only.")
 
 
 @dataclass

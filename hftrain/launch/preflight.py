@@ -22,7 +22,8 @@ from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
 from ..methods import method_of
-from ..modeling import load_tokenizer, path_problems
+from ..kernels import liger_problem
+from ..modeling import load_tokenizer, local_config, path_problems
 from ..quantization import bitsandbytes_problem
 from ..sequence_parallel import heads_problem
 from . import libraries
@@ -199,6 +200,11 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
     if model_ok and moe is not None and _typed(moe.bias_update_rate, (int, float)) and moe.bias_update_rate > 0 and (
             "moe.bias_update_rate" not in skip):
         out += libraries.moe_bias_problems(recipe)
+    if model_ok and m.kernels == "liger" and "model.kernels" not in skip:
+        config = local_config(m)
+        problem = liger_problem(getattr(config, "model_type", None)) if config is not None else None
+        if problem:
+            out.append(("model.kernels", problem))
     if m is not None and m.quantization is not None and "model.quantization" not in skip:
         missing = bitsandbytes_problem()
         if missing:
