@@ -5,9 +5,11 @@ killed build leaves in it. launch.preflight reports them with the recipe's other
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -71,8 +73,15 @@ def vllm_problems() -> list[str]:
 
 def extensions_dir() -> str:
     """Where DeepSpeed's JIT-compiled ops live: $TORCH_EXTENSIONS_DIR, else the cache hftrain names (launch.setup
-    exports it, so the build and every later run agree) rather than wherever torch's default cache happens to be."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/hftrain/torch_extensions")
+    exports it, so the build and every later run agree) rather than wherever torch's default cache happens to be.
+
+    One folder per Python environment: an op's build commands hold the paths of the environment's torch and DeepSpeed
+    headers, so an op built by one environment is rebuilt (minutes) when another loads it, and two environments
+    sharing one folder (a checkout and a CI clone on the same machine) would take turns rebuilding every op."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return os.path.expanduser(f"~/.cache/hftrain/torch_extensions/{environment}")
 
 
 # A DeepSpeed op builds in minutes; a build lock older than this was left by a build that was killed.
