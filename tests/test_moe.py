@@ -328,8 +328,9 @@ def max_rel(a: dict, b: dict) -> float:
 def test_aux_loss_is_invariant_to_world_size_and_accumulation(aux_runs):
     base, other = aux_runs["1x_ga4"], aux_runs["2x_ga2"]
     for name, r in aux_runs.items():
-        print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4",
-              max_rel(r["final"], base["final"]))
+        if set(r["final"]) == set(base["final"]):  # the runs of the tiny Mixtral (not the bias-balanced families)
+            print(name, "losses", r["losses"], "aux", r["aux"], "weights rel. to 1x_ga4",
+                  max_rel(r["final"], base["final"]))
     assert len(base["losses"]) == 3 and min(base["aux"]) > 1.0  # the aux term is a sizeable part of the loss
     assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert max_rel(other["final"], base["final"]) <= 1e-5

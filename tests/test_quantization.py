@@ -75,9 +75,10 @@ def test_qlora_loss_and_adapter_gradients_are_lora_on_the_dequantised_base(tiny_
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-5, rtol=1e-5), name
         assert g.abs().max() > 0, name
-    # Negative control: LoRA on the original full-precision weights is another model, far outside the tolerance.
+    # Negative control: LoRA on the original full-precision weights is another model, outside the tolerance by more
+    # than 10x (measured 3.7e-4 to over 1e-3 on this tiny model's loss, depending on the 4-bit type).
     full = perturbed(load_model(dataclasses.replace(cfg, quantization=None)))
-    assert abs(loss_and_grads(full, ids)[0] - loss) > 1e-3
+    assert abs(loss_and_grads(full, ids)[0] - loss) > 1e-4
 
 
 def test_an_8bit_base_is_int8_and_within_llm_int8_tolerance_of_its_dequantised_base(tiny_model_dir):

@@ -1,9 +1,11 @@
 """QLoRA runs (issue 39) across ranks, several checks per launch (tests/matrix_worker.py): 2 ranks x GA1 under DDP
 equal 1 rank x GA2 (losses and the saved adapter), a resume from a checkpoint ends where the uninterrupted run ends,
-the merged model of a 2-rank run loads and matches the adapter on its base, and DPO trains a quantised policy (its
-reference: the base, the adapter disabled). In-process exactness: tests/test_quantization.py."""
+the merged model of a 2-rank run loads and matches the adapter on its base, and DPO, ORPO, KTO and GRPO train a
+quantised policy (DPO's and KTO's reference: the base, the adapter disabled). In-process exactness:
+tests/test_quantization.py."""
 
 import json
+import math
 import os
 
 import pytest
@@ -40,14 +42,25 @@ def sft_recipe(tmp, name, model_dir, lora=SFT_LORA, out=None, **training) -> str
                      "train_sampling_strategy": "sequential", "seed": 0, "disable_tqdm": True, **training}})
 
 
-def dpo_recipe(tmp, name, model_dir) -> str:
+def policy_recipe(tmp, name, model_dir, method: dict) -> str:
+    """A preference method ({"preference": ...}) or GRPO ({"grpo": ...}) on a quantised policy, 2 steps."""
+    data = PAIRS_TRAIN if "preference" in method else DEMO_TRAIN
     return _write(tmp, name, {
         "model": {"name_or_path": model_dir, "dtype": "float32", "quantization": QUANT, "lora": LORA},
-        "data": {"sources": [{"path": PAIRS_TRAIN}], "max_length": 48},
-        "preference": {"loss_type": "sigmoid", "beta": 0.1},
-        "training": {"output_dir": str(tmp / name), "max_steps": 2, "per_device_train_batch_size": 2,
+        "data": {"sources": [{"path": data}], "max_length": 48},
+        **method,
+        "training": {"output_dir": str(tmp / name), "max_steps": 2, "per_device_train_batch_size": 4,
                      "learning_rate": 1e-2, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
                      "seed": 0, "disable_tqdm": True}})
+
+
+POLICY_METHODS = {  # name: (module, recipe section)
+    "dpo": (DPO, {"preference": {"loss_type": "sigmoid", "beta": 0.1}}),
+    "orpo": (DPO, {"preference": {"loss_type": "orpo", "beta": 0.1}}),
+    "kto": (DPO, {"preference": {"loss_type": "kto", "beta": 0.1}}),
+    "grpo": ("hftrain.recipes.grpo", {"grpo": {"rewards": [{"function": "exact_match"}], "num_generations": 4,
+                                                "max_completion_length": 8}}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +68,8 @@ def runs(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("qlora")
     two = {"2x_ga1": (SFT, [sft_recipe(tmp, "2x_ga1", tiny_model_dir, lora=dict(SFT_LORA, merge=True))]),
            "resumed": (SFT, [sft_recipe(tmp, "resumed", tiny_model_dir)]),  # its checkpoint-2 is resumed below
-           "dpo": (DPO, [dpo_recipe(tmp, "dpo", tiny_model_dir)])}
+           **{name: (module, [policy_recipe(tmp, name, tiny_model_dir, method)])
+              for name, (module, method) in POLICY_METHODS.items()}}
     resumed = sft_recipe(tmp, "resume", tiny_model_dir, out="resumed",
                          resume_from_checkpoint=str(tmp / "resumed" / "checkpoint-2"))
     two["resume"] = (SFT, [resumed])
@@ -116,12 +130,18 @@ def test_the_merged_model_of_a_two_rank_run_loads_and_matches_the_adapter(runs):
         assert torch.allclose(merged(input_ids=ids).logits, qlora(input_ids=ids).logits, atol=1e-5)
 
 
-def test_dpo_trains_a_quantised_policy_against_its_base(runs):
+@pytest.mark.parametrize("method", sorted(POLICY_METHODS))
+def test_the_trl_methods_train_a_quantised_policy(runs, method):
+    """DPO, ORPO, KTO and GRPO load their policy quantised (methods/policy.py) and train its adapter; DPO's and
+    KTO's reference is the base with the adapter disabled, so their first loss is the value at policy = reference."""
     tmp, results = runs
-    results["dpo"].check()
-    out = tmp / "dpo"
-    state = json.load(open(out / "trainer_state.json"))
-    logged = [h for h in state["log_history"] if "loss" in h]
-    assert len(logged) == 2 and all(h["loss"] == h["loss"] for h in logged)
-    assert logged[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the adapter starts as a no-op: policy = reference
-    assert os.path.exists(out / "adapter_model.safetensors")
+    results[method].check()
+    out = tmp / method
+    logged = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
+    assert len(logged) == 2 and all(math.isfinite(h["loss"]) for h in logged)
+    at_reference = {"dpo": math.log(2), "kto": 0.5}  # sigmoid loss at margin 0; KTO's 1 - sigmoid(0) at z = 0
+    if method in at_reference:
+        assert logged[0]["loss"] == pytest.approx(at_reference[method], abs=1e-3)
+    adapter = load_file(str(out / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert yaml.safe_load(open(out / "recipe.yaml"))["model"]["quantization"]["bits"] == 4
