@@ -33,10 +33,15 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def local_rank() -> int:
+    """This process's index on its machine (LOCAL_RANK as the launcher exported it; unset: a lone process, 0)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def is_local_main_process() -> bool:
-    """The first process of this machine (LOCAL_RANK 0 as the launcher exported it; unset: a lone process). The
-    main process is one (every launcher gives global rank 0 local rank 0)."""
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+    """The first process of this machine. The main process is one (every launcher gives global rank 0 local rank
+    0)."""
+    return local_rank() == 0
 
 
 def print0(*args, **kwargs) -> None:

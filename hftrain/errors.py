@@ -80,7 +80,7 @@ _IMPORTED_AT = time.time()
 def _said_marker() -> str:
     """A file the machine's first rank writes once it has said the error: its siblings share the launcher's process
     (their parent) and its restart count."""
-    name = f"hftrain-error-said-{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    name = f"hftrain-error-said-{os.getppid()}-{distributed.elastic_restart_count()}"
     return os.path.join(tempfile.gettempdir(), name)
 
 
@@ -99,7 +99,7 @@ def say_once_per_machine(message: str) -> None:
         deadline = time.monotonic() + SILENT_RANK_GRACE_S
         while not _newer_than(marker, _IMPORTED_AT):
             if time.monotonic() > deadline:
-                print(f"[rank {os.environ.get('RANK', '?')}] {message}", file=sys.stderr, flush=True)
+                print(f"[rank {distributed.rank()}] {message}", file=sys.stderr, flush=True)
                 break
             time.sleep(0.02)
     distributed.shutdown(wait=False)

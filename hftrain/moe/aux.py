@@ -25,6 +25,15 @@ class MaskTap:
         return m.reshape(-1).float()
 
 
+def expert_loads(indices: torch.Tensor, flat_mask: torch.Tensor | None, experts: int) -> torch.Tensor:
+    """Tokens routed to each expert (float64, [experts]) from a router's top-k indices [tokens, k], real tokens only
+    (`flat_mask`: MaskTap.flat; None: every token counts). Router health and the bias balancing count with it."""
+    weight = (torch.ones(indices.shape[0], dtype=torch.float64, device=indices.device) if flat_mask is None
+              else flat_mask.to(indices.device, torch.float64))
+    loads = torch.zeros(experts, dtype=torch.float64, device=indices.device)
+    return loads.index_add_(0, indices.reshape(-1), weight.repeat_interleave(indices.shape[-1]))
+
+
 def z_loss(router_logits: tuple[torch.Tensor, ...], flat_mask: torch.Tensor | None) -> torch.Tensor:
     """Router z-loss (Zoph et al. 2022, ST-MoE): mean over layers and real tokens of logsumexp(router logits)^2.
     Hand-written because transformers' `router_z_loss_func` (switch_transformers) takes no padding mask."""

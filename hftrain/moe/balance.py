@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from .aux import MaskTap
+from .aux import MaskTap, expert_loads
 from .blocks import routers
 
 # The paper's bias update speed (gamma) for most of its pre-training.
@@ -54,10 +54,7 @@ class BiasBalancer(TrainerCallback):
                 if self.loads is None:
                     experts = getattr(module, BIAS).shape[0]
                     self.loads = torch.zeros(len(self.routers), experts, dtype=torch.float64, device=indices.device)
-                mask = self.tap.flat(indices.shape[0])
-                weight = torch.ones(indices.shape, dtype=torch.float64, device=indices.device) if mask is None \
-                    else mask.to(indices.device, torch.float64).unsqueeze(-1).expand(indices.shape)
-                self.loads[i].index_add_(0, indices.reshape(-1), weight.reshape(-1))
+                self.loads[i] += expert_loads(indices, self.tap.flat(indices.shape[0]), self.loads.shape[1])
         return hook
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..fileio import pyplot, save_figure
-from .aux import MaskTap
+from .aux import MaskTap, expert_loads
 from .blocks import moe_blocks, routers
 
 
@@ -53,7 +53,7 @@ class RouterStats:
                 ent = -(probs * torch.log(probs.clamp(min=1e-20))).sum(-1)
                 self.sums[i] += (ent * w).sum().double()
                 self.sums[n + i] += w.sum().double()
-                self.counts[i].index_add_(0, indices.reshape(-1), w.repeat_interleave(indices.shape[-1]).double())
+                self.counts[i] += expert_loads(indices, mask, self.counts[i].numel())
         return hook
 
     def _dropped_hook(self, module, args, output):

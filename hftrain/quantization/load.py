@@ -4,11 +4,11 @@ rank loads it on, and peft's preparation for training."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from ..config import ModelSection, QuantizationSection
+from ..distributed import local_rank
 
 # The install line named when bitsandbytes is missing (the version the suite is tested with: constraints.txt).
 INSTALL = "pip install bitsandbytes"  # or: pip install hftrain[qlora]
@@ -48,7 +48,7 @@ def device_map() -> dict[str, int | str]:
     """A quantised model is placed at load time, whole on each rank's own device (accelerate refuses to train one
     that lies elsewhere): the rank's GPU (LOCAL_RANK, as the launcher exported it), else the CPU."""
     if torch.cuda.is_available():
-        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        return {"": local_rank()}
     return {"": "cpu"}
 
 
