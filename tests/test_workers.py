@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 
@@ -330,3 +331,27 @@ def test_a_worker_of_deepspeeds_launcher_dies_with_the_runner_too(marker):
     finally:
         proc.kill()
         proc.wait()
+
+
+ORPHANED_WORKER = """
+import os, sys, time
+while os.getppid() != 1:  # its launcher ends before it imports hftrain (the moment the kernel's signal misses)
+    time.sleep(0.05)
+import hftrain  # noqa: E402
+open(sys.argv[1], "w").write("still running")
+"""
+
+
+@pytest.mark.launches
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re-parenting to init is read from /proc")
+def test_an_elastic_worker_whose_launcher_ended_before_it_imported_hftrain_ends_at_the_import(tmp_path):
+    """torch elastic's worker arms the parent-death signal at hftrain's first import; a launcher already gone by then
+    left it re-parented to init and training on (seen once in the chaos test): it ends at the import instead."""
+    wrote = tmp_path / "wrote.txt"
+    launcher = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+                "stderr=open(sys.argv[3], 'w'))")
+    subprocess.run([PY, "-c", launcher, ORPHANED_WORKER, str(wrote), str(tmp_path / "stderr.txt")], check=True,
+                   cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TORCHELASTIC_RUN_ID="orphan-test"), timeout=60)
+    assert_no_process_left(str(wrote), within=30)
+    assert not wrote.exists(), "the orphaned worker went on past hftrain's import"
+    assert "launcher ended before it started" in (tmp_path / "stderr.txt").read_text()
