@@ -257,11 +257,22 @@ def lora_config(cfg: ModelSection):
                       target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save)
 
 
+def _whole(model, output_dir: str, cfg: ModelSection):
+    """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP shards it (each rank holds a
+    piece of every weight) the base quantised again from its files (bitsandbytes quantises the same weights to the
+    same packed values) with the adapter output_dir holds, as saved."""
+    if not any(hasattr(p, "to_local") for p in model.parameters()):
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_from_pretrained(cfg, quantized=True), output_dir)
+
+
 def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection) -> str:
     """base + LoRA merged into a plain model in output_dir/merged (safetensors). A quantised base is dequantised
     first, into a full-precision copy of the base in model.dtype (quantization.merge says why)."""
     if cfg.quantization is not None:
-        merged = merged_model(model, _from_pretrained(cfg, quantized=False))
+        merged = merged_model(_whole(model, output_dir, cfg), _from_pretrained(cfg, quantized=False))
     else:
         merged = model.merge_and_unload()
     path = os.path.join(output_dir, "merged")

@@ -201,8 +201,24 @@ def test_non_finite_weights_are_named():
     # A ZeRO-3 parameter is an empty placeholder; its partition (ds_tensor) is what this rank holds.
     part = torch.nn.Parameter(torch.empty(0))
     part.ds_tensor = torch.tensor([1.0, float("nan")])
-    fake = SimpleNamespace(named_parameters=lambda: [("w", part)])
+    fake = SimpleNamespace(named_parameters=lambda: [("w", part)], modules=lambda: [])
     assert guards.nonfinite_parameters(fake) == ["w"]
+
+
+def test_a_quantised_bases_packed_weights_are_not_read_as_numbers():
+    """bitsandbytes' 4-bit weights stored as float32 (what FSDP needs to shard them) show packed bytes as floats, NaN
+    patterns among them: not a diverged run (the FSDP QLoRA run refused its first checkpoint on them)."""
+    class Linear4bit(torch.nn.Linear):  # bitsandbytes' class name, which is what the guard goes by
+        pass
+
+    model = torch.nn.Sequential(Linear4bit(2, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    assert guards.nonfinite_parameters(model) == []
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")  # the layer's bias is a number of its own: still checked
+        model[1].weight[0, 0] = float("inf")
+    assert guards.nonfinite_parameters(model) == ["0.bias", "1.weight"]
 
 
 def test_checkpoint_and_final_save_refuse_non_finite_weights(tmp_path, tiny_model_dir):

@@ -131,11 +131,31 @@ def test_rules_refuse_what_a_quantised_base_cannot_do(tmp_path, tiny_model_dir):
     assert "model.quantization: a quantised base cannot be trained itself" in msg and "add model.lora" in msg
     assert "model.quantization.type: applies to bits: 4 only" in msg
     assert "model.quantization.storage_dtype: applies to bits: 4 only" in msg
-    assert "model.quantization: a quantised base trains under ddp" in msg and "not 'zero3'" in msg
+    assert "model.quantization: a quantised base trains under ddp, fsdp" in msg and "not 'zero3'" in msg
     with pytest.raises(RecipeError, match=r"model.quantization.bits: .*one of 4, 8"):
         load_recipe(_recipe(tmp_path, tiny_model_dir, quantization={"bits": 3}, lora={"r": 4}))
     recipe = load_recipe(_recipe(tmp_path, tiny_model_dir, quantization={"bits": 4}, lora={"r": 4}))
     assert recipe.model.quantization == QuantizationSection(bits=4)
+
+
+@pytest.mark.parametrize("quantization, training, refused", [
+    ({"bits": 4}, [], r"storage_dtype: is uint8 \(the default\): .* here float32 .*storage_dtype: float32"),
+    ({"bits": 4, "storage_dtype": "float32"}, ["training.bf16=true"],
+     "storage_dtype: is float32: .* here bfloat16 .*storage_dtype: bfloat16"),
+    ({"bits": 8}, [], "model.quantization.bits: FSDP shards a 4-bit base only"),
+    ({"bits": 4, "storage_dtype": "float32"}, [], None),
+    ({"bits": 4, "storage_dtype": "bfloat16"}, ["training.bf16=true"], None),
+])
+def test_fsdp_shards_a_4bit_base_stored_in_its_compute_dtype(tmp_path, tiny_model_dir, quantization, training,
+                                                             refused):
+    """FSDP shards a parameter as a tensor of its dtype and casts it to the dtype it computes in: the packed 4-bit
+    weights must be stored in that dtype (measured here: float32 storage under bf16 fails on its reshaped bytes)."""
+    path = _recipe(tmp_path, tiny_model_dir, quantization=quantization, lora={"r": 4})
+    if refused is None:
+        assert load_recipe(path, ["strategy.name=fsdp", *training]).model.quantization.bits == 4
+        return
+    with pytest.raises(RecipeError, match=refused):
+        load_recipe(path, ["strategy.name=fsdp", *training])
 
 
 def test_check_refuses_a_quantised_base_where_bitsandbytes_is_missing(tmp_path, tiny_model_dir, monkeypatch):

@@ -31,9 +31,9 @@ def _write(tmp, name, tree) -> str:
     return str(path)
 
 
-def sft_recipe(tmp, name, model_dir, lora=SFT_LORA, out=None, **training) -> str:
+def sft_recipe(tmp, name, model_dir, lora=SFT_LORA, out=None, quant=QUANT, **training) -> str:
     return _write(tmp, name, {
-        "model": {"name_or_path": model_dir, "dtype": "float32", "quantization": QUANT, "lora": lora},
+        "model": {"name_or_path": model_dir, "dtype": "float32", "quantization": quant, "lora": lora},
         "data": {"sources": [{"path": DEMO_TRAIN}], "max_length": 48},
         "eval": {"exact_match": 0},
         "training": {"output_dir": str(tmp / (out or name)), "max_steps": 3, "per_device_train_batch_size": 2,
@@ -74,9 +74,16 @@ def runs(tmp_path_factory, tiny_model_dir):
                          resume_from_checkpoint=str(tmp / "resumed" / "checkpoint-2"))
     two["resume"] = (SFT, [resumed])
     one = {"1x_ga2": (SFT, [sft_recipe(tmp, "1x_ga2", tiny_model_dir, gradient_accumulation_steps=2,
-                                       per_device_train_batch_size=2)])}
+                                       per_device_train_batch_size=2)]),
+           "1x_ga2_lora": (SFT, [sft_recipe(tmp, "1x_ga2_lora", tiny_model_dir, lora=LORA,
+                                            gradient_accumulation_steps=2, per_device_train_batch_size=2)])}
+    # FSDP shards the packed 4-bit weights stored as float32 (its compute dtype here). The adapter alone: peft's
+    # modules_to_save copy of a tied lm_head is refused by FSDP2 ("shared with a parameter already managed").
+    fsdp = {"fsdp_2x_ga1": (SFT, [sft_recipe(tmp, "fsdp_2x_ga1", tiny_model_dir, lora=dict(LORA, merge=True),
+                                             quant=dict(QUANT, storage_dtype="float32"))])}
     results = run_matrix(launch_prefix(2, "ddp"), two, tmp / "m2", ranks=2)
     results.update(run_matrix(launch_prefix(1), one, tmp / "m1", ranks=1))
+    results.update(run_matrix(launch_prefix(2, "fsdp"), fsdp, tmp / "mf", ranks=2))
     return tmp, results
 
 
@@ -100,6 +107,24 @@ def test_two_ranks_ga1_equal_one_rank_ga2(runs):
     assert not os.path.exists(tmp / "2x_ga1" / "model.safetensors")  # the adapter only: the base stays as it was
 
 
+def test_fsdp_shards_the_4bit_base_and_two_ranks_ga1_equal_one_rank_ga2(runs):
+    """FSDP2 holds each rank's shard of the packed weights (the run's wrapper is FSDP's), trains the adapter as one
+    rank with GA2 does, saves checkpoints past the finite-weights guard (which once read the packed bytes as floats
+    and found NaN patterns) and merges a model that gives the adapter's logits (the base quantised again on the main
+    process: its weights are sharded)."""
+    tmp, results = runs
+    results["fsdp_2x_ga1"].check()
+    results["1x_ga2_lora"].check()
+    out = tmp / "fsdp_2x_ga1"
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == 2 and info["wrapper"].startswith("FSDP"), info["wrapper"]
+    assert (out / "checkpoint-2").is_dir()
+    assert losses(out) == pytest.approx(losses(tmp / "1x_ga2_lora"), rel=1e-5)
+    assert_close_rel(load_file(str(out / "adapter_model.safetensors")),
+                     load_file(str(tmp / "1x_ga2_lora" / "adapter_model.safetensors")))
+    _assert_merged_matches_the_adapter(out)
+
+
 def test_a_resume_restores_the_adapter_and_optimizer_exactly(runs):
     tmp, results = runs
     results["resumed"].check()
@@ -112,12 +137,15 @@ def test_a_resume_restores_the_adapter_and_optimizer_exactly(runs):
 
 
 def test_the_merged_model_of_a_two_rank_run_loads_and_matches_the_adapter(runs):
+    tmp, results = runs
+    results["2x_ga1"].check()
+    _assert_merged_matches_the_adapter(tmp / "2x_ga1")
+
+
+def _assert_merged_matches_the_adapter(out):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    tmp, results = runs
-    results["2x_ga1"].check()
-    out = tmp / "2x_ga1"
     merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(
         json.load(open(out / "adapter_config.json"))["base_model_name_or_path"], dtype=torch.float32,

@@ -140,11 +140,8 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
                     f"tested), not '{name}': launch with one of those accelerate_configs"))
     if isinstance(s, StrategySection) and _num(s.sequence_parallel) and s.sequence_parallel > 1:
         out += sequence_parallel_problems(recipe, s.sequence_parallel)
-    if recipe.model is not None and recipe.model.quantization is not None and name not in QUANTIZED_STRATEGIES:
-        out.append(("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
-                    f"its exactness is tested), not '{name}': ZeRO and FSDP would have to shard bitsandbytes' packed "
-                    "weights and their quantisation constants. The base is about a quarter of its 16-bit size, so "
-                    "use strategy.name: ddp, or remove model.quantization to shard a full-precision base"))
+    if recipe.model is not None and recipe.model.quantization is not None:
+        out += quantized_strategy_problems(recipe, name)
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
         if name != "ddp":
@@ -298,6 +295,31 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
             out.append(("moe.upcycle", "cannot be combined with model.lora: the copied experts would stay frozen "
                         "and identical; train all weights, or upcycle with `hftrain moe upcycle` and put LoRA on "
                         "the result"))
+
+
+def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
+    """Where a quantised base trains: DDP, and FSDP (2) when it can shard the packed 4-bit weights. FSDP shards a
+    parameter as a tensor of its dtype, so the packed weights must be stored in a float dtype, and in the one FSDP
+    computes in: it casts parameters to its compute dtype, which turns the packed bytes into other numbers (float32
+    storage under bf16 fails or, in another shape, trains on garbage). With uint8, accelerate leaves them unsharded."""
+    q = recipe.model.quantization
+    if name not in QUANTIZED_STRATEGIES:
+        return [("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
+                 f"its exactness is tested), not '{name}': ZeRO would have to partition bitsandbytes' packed weights "
+                 "and their quantisation constants. Use strategy.name: fsdp to shard a 4-bit base, or ddp")]
+    if name != "fsdp":
+        return []
+    if q.bits != 4:
+        return [("model.quantization.bits", "FSDP shards a 4-bit base only (bitsandbytes' 8-bit weights are integers "
+                 "with row statistics beside them): set model.quantization.bits: 4, or strategy.name: ddp")]
+    want = ("bfloat16" if recipe.training_value("bf16") is True else
+            "float16" if recipe.training_value("fp16") is True else "float32")
+    if q.storage_dtype != want:
+        return [("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under FSDP the "
+                 f"packed 4-bit weights must be stored in the dtype FSDP computes in, here {want} (uint8 is not "
+                 "sharded at all, another float dtype is cast and corrupted); set model.quantization.storage_dtype: "
+                 f"{want}")]
+    return []
 
 
 def quantization_problems(recipe: Recipe) -> Problems:

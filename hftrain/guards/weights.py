@@ -18,10 +18,21 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+PACKED_LAYERS = ("Linear4bit", "Linear8bitLt")  # bitsandbytes' layers (QLoRA): their weight holds packed integers
+
+
+def _packed_weights(model) -> set[int]:
+    """ids of the frozen quantised weights: packed integers, whatever dtype they are stored in (a float storage
+    dtype, which FSDP needs to shard them, shows their bytes as floats, some of them NaN patterns)."""
+    return {id(m.weight) for m in model.modules() if type(m).__name__ in PACKED_LAYERS}
+
+
 @torch.no_grad()
 def nonfinite_parameters(model) -> list[str]:
-    """Names of this rank's parameters (its shards) that hold a NaN or an infinity: one pass over the weights."""
-    named = [(n, _local(p)) for n, p in model.named_parameters()]
+    """Names of this rank's parameters (its shards) that hold a NaN or an infinity: one pass over the weights (not
+    a quantised base's packed weights, which are not numbers of their own and never change)."""
+    packed = _packed_weights(model)
+    named = [(n, _local(p)) for n, p in model.named_parameters() if id(p) not in packed]
     named = [(n, t) for n, t in named if t.numel() and t.is_floating_point()]
     if not named:
         return []
