@@ -17,7 +17,7 @@ from .config import Recipe, StrategySection
 from .constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE, SHARDED, ZERO_STAGE
 from .errors import LaunchError
 from .fileio import atomic_write, pyplot, save_figure
-from .modeling import save_merged
+from .modeling import loading_outside_zero3, save_merged
 
 CURVES_FILE = "curves.png"
 
@@ -178,7 +178,8 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     info["metrics"] = metrics
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
-            save_merged(trainer.model, tokenizer, out, recipe.model)
+            with loading_outside_zero3(trainer.args):
+                save_merged(trainer.model, tokenizer, out, recipe.model)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()
     check_ranks_agree(info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ from .errors import ModelError
 from .fileio import safetensors_problem
 from .kernels import apply_liger, liger_problem
 from .moe.upcycle import upcycle
-from .quantization import bitsandbytes_problem, bnb_config, device_map, merged_model, prepare_for_training
+from .quantization import bitsandbytes_problem, bnb_config, merged_model, placement, prepare_for_training
 
 
 def _path_problem(name_or_path: str, key: str) -> str | None:
@@ -211,7 +212,7 @@ def _from_pretrained(cfg: ModelSection, quantized: bool):
         kwargs["attn_implementation"] = cfg.attn_implementation
     if quantized:
         _raise_if(bitsandbytes_problem())
-        kwargs.update(quantization_config=bnb_config(cfg), device_map=device_map())
+        kwargs.update(quantization_config=bnb_config(cfg), **placement())
     try:
         return AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
                                                     **kwargs)
@@ -258,14 +259,29 @@ def lora_config(cfg: ModelSection):
 
 
 def _whole(model, output_dir: str, cfg: ModelSection):
-    """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP shards it (each rank holds a
-    piece of every weight) the base quantised again from its files (bitsandbytes quantises the same weights to the
-    same packed values) with the adapter output_dir holds, as saved."""
-    if not any(hasattr(p, "to_local") for p in model.parameters()):
+    """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP or ZeRO-3 shards it (each rank
+    holds a piece of every weight) the base quantised again from its files (bitsandbytes quantises the same weights
+    to the same packed values) with the adapter output_dir holds, as saved."""
+    if not any(hasattr(p, "to_local") or hasattr(p, "ds_id") for p in model.parameters()):  # FSDP2, ZeRO-3
         return model
     from peft import PeftModel
 
     return PeftModel.from_pretrained(_from_pretrained(cfg, quantized=True), output_dir)
+
+
+@contextlib.contextmanager
+def loading_outside_zero3(args):
+    """Models loaded in this block load whole on this process: a ZeRO-3 run's config (`args`, its TrainingArguments)
+    makes from_pretrained partition them with zero.Init, a collective that only the main process would reach (the
+    merge: a hang); it is registered again after."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if getattr(args, "hf_deepspeed_config", None) is not None:
+            set_hf_deepspeed_config(args.hf_deepspeed_config)
 
 
 def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection) -> str:

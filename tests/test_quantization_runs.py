@@ -64,7 +64,7 @@ POLICY_METHODS = {  # name: (module, recipe section)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir):
+def runs(tmp_path_factory, tiny_model_dir, deepspeed_ops):
     tmp = tmp_path_factory.mktemp("qlora")
     two = {"2x_ga1": (SFT, [sft_recipe(tmp, "2x_ga1", tiny_model_dir, lora=dict(SFT_LORA, merge=True))]),
            "resumed": (SFT, [sft_recipe(tmp, "resumed", tiny_model_dir)]),  # its checkpoint-2 is resumed below
@@ -84,6 +84,9 @@ def runs(tmp_path_factory, tiny_model_dir):
     results = run_matrix(launch_prefix(2, "ddp"), two, tmp / "m2", ranks=2)
     results.update(run_matrix(launch_prefix(1), one, tmp / "m1", ranks=1))
     results.update(run_matrix(launch_prefix(2, "fsdp"), fsdp, tmp / "mf", ranks=2))
+    zero3 = {"zero3_2x_ga1": (SFT, [sft_recipe(tmp, "zero3_2x_ga1", tiny_model_dir, lora=dict(LORA, merge=True),
+                                               quant=dict(QUANT, storage_dtype="float32"))])}
+    results.update(run_matrix(launch_prefix(2, "zero3"), zero3, tmp / "mz", ranks=2))
     return tmp, results
 
 
@@ -107,17 +110,18 @@ def test_two_ranks_ga1_equal_one_rank_ga2(runs):
     assert not os.path.exists(tmp / "2x_ga1" / "model.safetensors")  # the adapter only: the base stays as it was
 
 
-def test_fsdp_shards_the_4bit_base_and_two_ranks_ga1_equal_one_rank_ga2(runs):
-    """FSDP2 holds each rank's shard of the packed weights (the run's wrapper is FSDP's), trains the adapter as one
-    rank with GA2 does, saves checkpoints past the finite-weights guard (which once read the packed bytes as floats
-    and found NaN patterns) and merges a model that gives the adapter's logits (the base quantised again on the main
-    process: its weights are sharded)."""
+@pytest.mark.parametrize("strategy, wrapper", [("fsdp", "FSDP"), ("zero3", "DeepSpeedEngine")])
+def test_sharded_4bit_base_two_ranks_ga1_equal_one_rank_ga2(runs, strategy, wrapper):
+    """FSDP2 and ZeRO-3 hold each rank's shard of the packed weights (the run's wrapper is theirs), train the
+    adapter as one rank with GA2 does, save checkpoints past the finite-weights guard (which once read the packed
+    bytes as floats and found NaN patterns) and merge a model that gives the adapter's logits (the base quantised
+    again on the main process: its weights are sharded)."""
     tmp, results = runs
-    results["fsdp_2x_ga1"].check()
+    results[f"{strategy}_2x_ga1"].check()
     results["1x_ga2_lora"].check()
-    out = tmp / "fsdp_2x_ga1"
+    out = tmp / f"{strategy}_2x_ga1"
     info = json.load(open(out / "run_info.json"))
-    assert info["world_size"] == 2 and info["wrapper"].startswith("FSDP"), info["wrapper"]
+    assert info["world_size"] == 2 and info["wrapper"].startswith(wrapper), info["wrapper"]
     assert (out / "checkpoint-2").is_dir()
     assert losses(out) == pytest.approx(losses(tmp / "1x_ga2_lora"), rel=1e-5)
     assert_close_rel(load_file(str(out / "adapter_model.safetensors")),

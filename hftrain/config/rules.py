@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, QUANTIZED_STRATEGIES, REDUCE_DTYPES,
+from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, QUANTIZED_STRATEGIES, REDUCE_DTYPES, SHARDED,
                          SEQUENCE_PARALLEL_ATTENTION, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STAGE)
 from .data_rules import Problems, data_problems
 from .fields import is_number
@@ -298,27 +298,28 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
 
 
 def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
-    """Where a quantised base trains: DDP, and FSDP (2) when it can shard the packed 4-bit weights. FSDP shards a
-    parameter as a tensor of its dtype, so the packed weights must be stored in a float dtype, and in the one FSDP
-    computes in: it casts parameters to its compute dtype, which turns the packed bytes into other numbers (float32
-    storage under bf16 fails or, in another shape, trains on garbage). With uint8, accelerate leaves them unsharded."""
+    """Where a quantised base trains: DDP, FSDP (2) and ZeRO-3, the sharded two when they can shard the packed 4-bit
+    weights. They shard a parameter as a tensor of its dtype and cast it to the dtype they compute in, which turns
+    packed bytes into other numbers: the weights must be stored in that dtype (measured on an H200: float32 storage
+    under FSDP's bf16 trained without an error on gradients 2000x off; bench/qlora_fsdp.py)."""
     q = recipe.model.quantization
     if name not in QUANTIZED_STRATEGIES:
         return [("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
-                 f"its exactness is tested), not '{name}': ZeRO would have to partition bitsandbytes' packed weights "
-                 "and their quantisation constants. Use strategy.name: fsdp to shard a 4-bit base, or ddp")]
-    if name != "fsdp":
+                 f"its exactness is tested), not '{name}': ZeRO-1/2 and offload keep a full-precision copy that "
+                 "bitsandbytes' packed weights do not have. Use strategy.name: fsdp or zero3 to shard a 4-bit base, "
+                 "or ddp")]
+    if name not in SHARDED:
         return []
     if q.bits != 4:
-        return [("model.quantization.bits", "FSDP shards a 4-bit base only (bitsandbytes' 8-bit weights are integers "
-                 "with row statistics beside them): set model.quantization.bits: 4, or strategy.name: ddp")]
+        return [("model.quantization.bits", f"{name} shards a 4-bit base only (bitsandbytes' 8-bit weights are "
+                 "integers with row statistics beside them): set model.quantization.bits: 4, or strategy.name: ddp")]
     want = ("bfloat16" if recipe.training_value("bf16") is True else
             "float16" if recipe.training_value("fp16") is True else "float32")
     if q.storage_dtype != want:
-        return [("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under FSDP the "
-                 f"packed 4-bit weights must be stored in the dtype FSDP computes in, here {want} (uint8 is not "
-                 "sharded at all, another float dtype is cast and corrupted); set model.quantization.storage_dtype: "
-                 f"{want}")]
+        return [("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under {name} "
+                 f"the packed 4-bit weights must be stored in the dtype it computes in, here {want} (another float "
+                 "dtype is cast and corrupted, and uint8 is not tested sharded); set "
+                 f"model.quantization.storage_dtype: {want}")]
     return []
 
 

@@ -44,12 +44,16 @@ def bnb_config(cfg: ModelSection):
                               bnb_4bit_quant_storage=getattr(torch, q.storage_dtype or "uint8"))
 
 
-def device_map() -> dict[str, int | str]:
-    """A quantised model is placed at load time, whole on each rank's own device (accelerate refuses to train one
-    that lies elsewhere): the rank's GPU (LOCAL_RANK, as the launcher exported it), else the CPU."""
-    if torch.cuda.is_available():
-        return {"": local_rank()}
-    return {"": "cpu"}
+def placement() -> dict:
+    """Where a quantised model is put at load time (from_pretrained's keywords): whole on each rank's own device
+    (accelerate refuses to train one that lies elsewhere), the rank's GPU (LOCAL_RANK, as the launcher exported it)
+    or the CPU; under ZeRO-3 nowhere (transformers refuses a device_map there: DeepSpeed's zero.Init partitions the
+    weights as they load)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return {}
+    return {"device_map": {"": local_rank()} if torch.cuda.is_available() else {"": "cpu"}}
 
 
 def prepare_for_training(model):
