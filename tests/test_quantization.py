@@ -179,6 +179,20 @@ def test_sharding_strategies_take_a_4bit_base_stored_in_their_compute_dtype(tmp_
         load_recipe(path, [f"strategy.name={strategy}", *training])
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_a_quantised_policy_trains_under_ddp_only(tmp_path, tiny_model_dir, strategy):
+    """DPO, ORPO, KTO and GRPO on a quantised policy are tested under DDP (tests/test_quantization_runs.py): the
+    sharded strategies are refused for them rather than run untried."""
+    tree = {"model": {"name_or_path": tiny_model_dir, "quantization": {"bits": 4, "storage_dtype": "float32"},
+                      "lora": {"r": 4}},
+            "data": {"sources": [{"path": "d.jsonl"}]}, "preference": {"loss_type": "sigmoid"},
+            "training": {"output_dir": str(tmp_path / "o")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(RecipeError, match=rf"strategy.name: a quantised policy .* under ddp only, not '{strategy}'"):
+        load_recipe(str(tmp_path / "r.yaml"), [f"strategy.name={strategy}"])
+    assert load_recipe(str(tmp_path / "r.yaml"), ["strategy.name=ddp"]).preference is not None
+
+
 def test_check_refuses_a_quantised_base_where_bitsandbytes_is_missing(tmp_path, tiny_model_dir, monkeypatch):
     import importlib.util
 

@@ -305,9 +305,11 @@ def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
     q = recipe.model.quantization
     if name not in QUANTIZED_STRATEGIES:
         return [("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
-                 f"its exactness is tested), not '{name}': ZeRO-1/2 and offload keep a full-precision copy that "
-                 "bitsandbytes' packed weights do not have. Use strategy.name: fsdp or zero3 to shard a 4-bit base, "
-                 "or ddp")]
+                 f"its exactness is tested), not '{name}' (not tried with bitsandbytes' packed weights). Use "
+                 "strategy.name: fsdp or zero3 to shard a 4-bit base, or ddp")]
+    if name != "ddp" and (recipe.preference is not None or recipe.grpo is not None):
+        return [("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "
+                 f"'{name}': use strategy.name: ddp (the 4-bit base is about a quarter of its 16-bit size)")]
     if name not in SHARDED:
         return []
     if q.bits != 4:
