@@ -23,13 +23,15 @@ from collections import OrderedDict
 CLUSTER_MODULES = ("test_multinode", "test_slurm")
 EXCLUSIVE_UNITS = ("cluster",)  # units that run with no other unit beside them
 
-# Measured seconds of launches per unit (launch log, both workers busy, after the merges); the order matters, not
-# the values' precision.
+# Seconds of launches per unit, measured in a full run of the suite (launch log, both workers busy, 2026-11-26;
+# test_quantization_runs estimated after its FSDP and ZeRO-3 launches were added); the order matters, not the values'
+# precision.
 WEIGHTS_S = {
-    "test_resume": 730, "cluster": 450, "test_grpo_runs": 350, "test_preference": 340, "test_workers": 300,
-    "test_strategies": 290, "test_moe": 290, "test_sequence_parallel_runs": 250, "test_hub": 250, "test_guards": 240,
-    "test_eval": 150, "test_loss": 150, "test_e2e": 130, "test_compression": 90, "test_data_cache": 75,
-    "test_exit_codes": 70, "test_wheel": 60, "test_stream": 60, "test_checkpoints": 45, "test_bad_input": 10,
+    "cluster": 1860, "test_resume": 840, "test_workers": 480, "test_grpo_runs": 370, "test_moe": 330,
+    "test_preference": 280, "test_strategies": 270, "test_quantization_runs": 250, "test_loss": 245,
+    "test_guards": 225, "test_sequence_parallel_runs": 210, "test_hub": 200, "test_e2e": 150, "test_eval": 140,
+    "test_wheel": 120, "test_compression": 120, "test_exit_codes": 115, "test_data_cache": 60, "test_checkpoints": 50,
+    "test_stream": 30, "test_matrix": 27, "test_security": 18, "test_bad_input": 10,
 }
 
 
