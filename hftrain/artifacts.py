@@ -179,7 +179,7 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
             with loading_outside_zero3(trainer.args):
-                save_merged(trainer.model, tokenizer, out, recipe.model)
+                save_merged(trainer.model, tokenizer, out, recipe.model, sharded=strategy.name in SHARDED)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()
     check_ranks_agree(info)

@@ -258,11 +258,11 @@ def lora_config(cfg: ModelSection):
                       target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save)
 
 
-def _whole(model, output_dir: str, cfg: ModelSection):
+def _whole(model, output_dir: str, cfg: ModelSection, sharded: bool):
     """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP or ZeRO-3 shards it (each rank
     holds a piece of every weight) the base quantised again from its files (bitsandbytes quantises the same weights
     to the same packed values) with the adapter output_dir holds, as saved."""
-    if not any(hasattr(p, "to_local") or hasattr(p, "ds_id") for p in model.parameters()):  # FSDP2, ZeRO-3
+    if not sharded:
         return model
     from peft import PeftModel
 
@@ -284,11 +284,12 @@ def loading_outside_zero3(args):
             set_hf_deepspeed_config(args.hf_deepspeed_config)
 
 
-def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection) -> str:
+def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection, sharded: bool = False) -> str:
     """base + LoRA merged into a plain model in output_dir/merged (safetensors). A quantised base is dequantised
-    first, into a full-precision copy of the base in model.dtype (quantization.merge says why)."""
+    first, into a full-precision copy of the base in model.dtype (quantization.merge says why); `sharded`: the run's
+    strategy shards the weights (FSDP, ZeRO-3)."""
     if cfg.quantization is not None:
-        merged = merged_model(_whole(model, output_dir, cfg), _from_pretrained(cfg, quantized=False))
+        merged = merged_model(_whole(model, output_dir, cfg, sharded), _from_pretrained(cfg, quantized=False))
     else:
         merged = model.merge_and_unload()
     path = os.path.join(output_dir, "merged")

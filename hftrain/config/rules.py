@@ -302,27 +302,28 @@ def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
     weights. They shard a parameter as a tensor of its dtype and cast it to the dtype they compute in, which turns
     packed bytes into other numbers: the weights must be stored in that dtype (measured on an H200: float32 storage
     under FSDP's bf16 trained without an error on gradients 2000x off; bench/qlora_fsdp.py)."""
-    q = recipe.model.quantization
+    q, out = recipe.model.quantization, []
     if name not in QUANTIZED_STRATEGIES:
         return [("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
                  f"its exactness is tested), not '{name}' (not tried with bitsandbytes' packed weights). Use "
                  "strategy.name: fsdp or zero3 to shard a 4-bit base, or ddp")]
     if name != "ddp" and (recipe.preference is not None or recipe.grpo is not None):
-        return [("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "
-                 f"'{name}': use strategy.name: ddp (the 4-bit base is about a quarter of its 16-bit size)")]
+        out.append(("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "
+                    f"'{name}': use strategy.name: ddp (the 4-bit base is about a quarter of its 16-bit size)"))
     if name not in SHARDED:
-        return []
+        return out
     if q.bits != 4:
-        return [("model.quantization.bits", f"{name} shards a 4-bit base only (bitsandbytes' 8-bit weights are "
-                 "integers with row statistics beside them): set model.quantization.bits: 4, or strategy.name: ddp")]
+        return out + [("model.quantization.bits", f"{name} shards a 4-bit base only (bitsandbytes' 8-bit weights "
+                       "are integers with row statistics beside them): set model.quantization.bits: 4, or "
+                       "strategy.name: ddp")]
     want = ("bfloat16" if recipe.training_value("bf16") is True else
             "float16" if recipe.training_value("fp16") is True else "float32")
     if q.storage_dtype != want:
-        return [("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under {name} "
-                 f"the packed 4-bit weights must be stored in the dtype it computes in, here {want} (another float "
-                 "dtype is cast and corrupted, and uint8 is not tested sharded); set "
-                 f"model.quantization.storage_dtype: {want}")]
-    return []
+        out.append(("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under "
+                    f"{name} the packed 4-bit weights must be stored in the dtype it computes in, here {want} "
+                    "(another float dtype is cast and corrupted, and uint8 is not tested sharded); set "
+                    f"model.quantization.storage_dtype: {want}"))
+    return out
 
 
 def quantization_problems(recipe: Recipe) -> Problems:

@@ -46,8 +46,8 @@ class QuantizationSection:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
         "auto", "Dtype the 4-bit layers compute in; auto: model.dtype (float32 where that is auto too).")
     storage_dtype: Literal["uint8", "float32", "bfloat16", "float16"] | None = _f(
-        None, "Dtype the packed 4-bit weights are stored in (bits 4 only); default uint8. FSDP needs it equal to "
-        "the dtype FSDP computes in (float32, or bfloat16 / float16 with training.bf16 / fp16) to shard them.")
+        None, "Dtype the packed 4-bit weights are stored in (bits 4 only); default uint8. FSDP and ZeRO-3 need it "
+        "equal to the dtype they compute in (float32, or bfloat16 / float16 with training.bf16 / fp16).")
 
 
 @dataclass
