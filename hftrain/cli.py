@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from . import lifetime
 from .config import RecipeError, StrategySection, load_recipe
-from .config.sections import STRATEGY_DEFAULTS, resolved_strategy
+from .config.strategy import STRATEGY_DEFAULTS, resolved_strategy
 from .constants import STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
@@ -25,7 +25,7 @@ from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
-from .methods import method_of
+from .methods import METHODS, SCRIPTS, method_of
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
@@ -181,41 +181,44 @@ def _moe_upcycle(ns) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
+
+def _add_check(sub) -> None:
     c = sub.add_parser("check", allow_abbrev=False,
                        help="Validate a recipe as the run would (every problem at once: the recipe, its strategy, "
                        "paths, output_dir, resume, NVMe; then every data row), and print it resolved.")
-    c.add_argument("recipe", help="recipe YAML")
-    c.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    _recipe_arguments(c)
     c.add_argument("--no-data", dest="no_data", action="store_true",
                    help="skip the data phase (tokenizer and every row of every source)")
     c.set_defaults(fn=_check)
 
+
+def _add_prepare(sub) -> None:
     pr = sub.add_parser("prepare", allow_abbrev=False,
                         help="Read and tokenise the recipe's data into the datasets cache ahead of the job, with "
                         "data.num_proc processes (default: the cores available); the run then only memory-maps it. "
                         "On a shared filesystem the whole job reuses it.")
-    pr.add_argument("recipe", help="recipe YAML")
-    pr.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    _recipe_arguments(pr)
     pr.set_defaults(fn=_prepare)
 
+
+def _add_data(sub) -> None:
     d = sub.add_parser("data", allow_abbrev=False,
                        help="Show what the recipe trains on: per source its layout, token counts, truncation and "
                        "drops (from the prepared data, prepared first if need be; streaming: the first rows), and its "
                        "first examples rendered with the trained tokens between [[ and ]].")
-    d.add_argument("recipe", help="recipe YAML")
-    d.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    _recipe_arguments(d)
     d.add_argument("--examples", type=int, default=2, help="rendered examples per source (default 2)")
     d.set_defaults(fn=_data)
 
-    g = sub.add_parser(
-        "config", allow_abbrev=False,
-        help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, "
-             "or for --strategy NAME / --all.",
-    )
+
+def _add_config(sub) -> None:
+    g = sub.add_parser("config", allow_abbrev=False,
+                       help="Write the accelerate config (and DeepSpeed JSON) for a recipe's strategy, or for "
+                       "--strategy NAME / --all.")
     g.add_argument("recipe", nargs="?", help="recipe YAML (optional)")
     g.add_argument("overrides", nargs="*", help="section.key=value overrides")
     g.add_argument("--strategy", choices=STRATEGIES)
@@ -229,25 +232,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "method")
     g.set_defaults(fn=_config)
 
+
+def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", allow_abbrev=False,
                         help="Memory per GPU / node for every strategy, what fits, and a recommendation.")
-    pl.add_argument("recipe", help="recipe YAML")
-    pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    _recipe_arguments(pl)
     pl.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
     pl.add_argument("--nodes", type=int, default=1)
     pl.add_argument("--gpu-memory", dest="gpu_memory", type=float, default=None, help="GiB per GPU")
     pl.set_defaults(fn=_plan)
 
+
+def _training_commands() -> list[tuple[str, str]]:
+    """`hftrain launch` (the recipe's method) and one command per recipe script, described from the registry."""
+    by_section: dict[str | None, list[str]] = {}
+    for m in METHODS:
+        by_section.setdefault(m.section, []).append(m.name)
+    chosen = "; ".join(f"a {section}: section: {', '.join(names)}" for section, names in by_section.items() if section)
+    commands = [("launch", f"the recipe's method ({chosen}; else sft)")]
+    for script in reversed(SCRIPTS):  # sft first
+        names = ", ".join(m.name for m in METHODS if m.script == script)
+        commands.append((script, f"{names} (hftrain/recipes/{script}.py)"))
+    return commands
+
+
+def _add_training(sub) -> None:
     launch_help = ("Render the recipe's launcher config (into a private temporary folder) and run accelerate launch "
                    "with it; on several machines run it on each (--machine-rank K).")
-    for name, what in (("launch", "the recipe's method (dpo for a recipe with a preference: section, grpo for one "
-                                  "with a grpo: section, else sft)"),
-                       ("sft", "supervised fine-tuning (hftrain/recipes/sft.py)"),
-                       ("dpo", "preference tuning (hftrain/recipes/dpo.py)"),
-                       ("grpo", "online RL with verifiable rewards (hftrain/recipes/grpo.py)")):
+    for name, what in _training_commands():
         la = sub.add_parser(name, allow_abbrev=False, help=f"Train: {what}. {launch_help}")
-        la.add_argument("recipe", help="recipe YAML")
-        la.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        _recipe_arguments(la)
         if name == "launch":
             la.add_argument("--script", default=None, help="a training script of your own instead of the recipe's "
                             "method")
@@ -258,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
         la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
         la.set_defaults(fn=_launch, kind=None if name == "launch" else name, script=None)
 
+
+def _add_push(sub) -> None:
     pu = sub.add_parser("push", allow_abbrev=False,
                         help="Validate a finished run's output_dir, write its model card and upload it to the Hub.")
     pu.add_argument("output_dir", help="the run's training.output_dir")
@@ -273,10 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="validate and write the exact folder that would be uploaded, print its files; needs no token")
     pu.set_defaults(fn=_push)
 
-    t = sub.add_parser(
-        "tiny-model", allow_abbrev=False,
-        help="Build a tiny Llama-style model (random weights) with a tokenizer trained on data files. No Hub needed.",
-    )
+
+def _add_tiny_model(sub) -> None:
+    t = sub.add_parser("tiny-model", allow_abbrev=False, help="Build a tiny Llama-style model (random weights) with a "
+                       "tokenizer trained on data files. No Hub needed.")
     t.add_argument("--data", nargs="+", required=True,
                    help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
     t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
@@ -285,9 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_tiny_model)
 
+
+def _add_moe(sub) -> None:
     mo = sub.add_parser("moe", allow_abbrev=False, help="Mixture-of-experts tools.")
-    mosub = mo.add_subparsers(dest="moe_command", required=True)
-    up = mosub.add_parser(
+    up = mo.add_subparsers(dest="moe_command", required=True).add_parser(
         "upcycle", allow_abbrev=False,
         help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE: each chosen MLP becomes E copies + a router; "
         "outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM alone).",
@@ -300,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--seed", type=int, default=0, help="seed of the routers' random init")
     up.add_argument("--output", required=True, help="folder to write the MoE model (and the tokenizer) to")
     up.set_defaults(fn=_moe_upcycle)
+
+
+# Each subcommand registers itself: its parser, its options and the function that runs it (`fn`).
+COMMANDS = (_add_check, _add_prepare, _add_data, _add_config, _add_plan, _add_training, _add_push, _add_tiny_model,
+            _add_moe)
+TAKES_OVERRIDES = ("check", "config", "data", "launch", "plan", "prepare", *SCRIPTS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hftrain", allow_abbrev=False, description="Fine-tune LLMs from one YAML recipe.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for register in COMMANDS:
+        register(sub)
     return p
 
 
@@ -307,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come anywhere after the recipe, also after options: gather what argparse left over.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command in ("check", "config", "data", "launch", "sft", "dpo", "grpo", "plan", "prepare"):
+    if extra and ns.command in TAKES_OVERRIDES:
         ns.overrides = list(ns.overrides or []) + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -13,7 +13,7 @@ SHARDED = ZERO3 | {"fsdp"}  # no rank holds all parameters
 # (accelerate's DeepSpeedSequenceParallelConfig: eager and flex_attention are refused upstream).
 SEQUENCE_PARALLEL_STRATEGIES = ("zero2", "zero3")
 # Where a bitsandbytes-quantised base (QLoRA) is tested exact (tests/test_quantization*.py); FSDP and ZeRO-3 with
-# their storage dtype rule (config.rules.quantized_strategy_problems).
+# their storage dtype rule (config.strategy_rules.quantized_strategy_problems).
 QUANTIZED_STRATEGIES = ("ddp", "fsdp", "zero3")
 SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 OFFLOADED = frozenset({"zero3_offload", "zero_infinity"})  # optimizer states off the GPU, updated by DeepSpeed's Adam

@@ -9,7 +9,8 @@ from .loading import (
                        parse_recipe,
                        split_argv,
 )
-from .rules import recipe_problems, strategy_problems
+from .rules import recipe_problems
+from .strategy_rules import strategy_problems
 from .sections import (
                        CompressionSection,
                        DataSection,
@@ -24,11 +25,9 @@ from .sections import (
                        QuantizationSection,
                        Recipe,
                        RewardSpec,
-                       StrategySection,
                        UpcycleSection,
-                       resolved_strategy,
-                       strategy_of_deepspeed_config,
 )
+from .strategy import StrategySection, resolved_strategy, strategy_of_deepspeed_config
 from .training import (
                        TRAINING_DEFAULTS,
                        HFTrainingArguments,

@@ -30,9 +30,15 @@ _num = is_number
 def grpo_problems(recipe: Recipe) -> Problems:
     """Rules of the `grpo:` section, and what the rest of a GRPO recipe may not ask for. Whether the group size
     divides the global batch needs the number of processes: `grpo_batch_problem`."""
-    g, out = recipe.grpo, []
+    out: Problems = []
     if recipe.preference is not None:
         out.append(("grpo", "a recipe trains one method: remove the preference: section (recipes/dpo.py) or this one"))
+    return out + _section_problems(recipe.grpo) + _data_problems(recipe) + _other_section_problems(recipe)
+
+
+def _section_problems(g) -> Problems:
+    """The grpo: section's own values."""
+    out: Problems = []
     if _num(g.num_generations) and g.num_generations < 2:
         out.append(("grpo.num_generations", f"must be at least 2 (advantages compare completions of one prompt), "
                     f"got {g.num_generations}"))
@@ -61,20 +67,32 @@ def grpo_problems(recipe: Recipe) -> Problems:
     for i, r in enumerate(g.rewards if isinstance(g.rewards, list) else []):
         if isinstance(r, RewardSpec):
             out += _reward_problems(r, f"grpo.rewards.{i}")
-    d = recipe.data
-    if (d is not None and _num(d.max_length) and _num(g.max_completion_length)
-            and d.max_length <= g.max_completion_length):
+    return out
+
+
+def _data_problems(recipe: Recipe) -> Problems:
+    """The data: section's keys that bound or shape what GRPO samples from."""
+    g, d, out = recipe.grpo, recipe.data, []
+    if d is None:
+        return out
+    if _num(d.max_length) and _num(g.max_completion_length) and d.max_length <= g.max_completion_length:
         out.append(("data.max_length", f"bounds prompt + completion and must exceed grpo.max_completion_length "
                     f"({g.max_completion_length}), got {d.max_length}"))
-    for key, unset in (_SFT_ONLY_DATA.items() if d is not None else ()):
+    for key, unset in _SFT_ONLY_DATA.items():
         if getattr(d, key) != unset:
             out.append((f"data.{key}", "applies to supervised fine-tuning, not to GRPO (it trains on the "
                         "completions it samples): remove it"))
     for group in ("sources", "eval_sources"):
-        for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
+        for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format == "text":
                 out.append((f"data.{group}.{i}.format", "text rows hold no prompt to answer: GRPO reads messages, "
                             "sharegpt, alpaca or prompt_completion rows (the prompt, and the reference answer)"))
+    return out
+
+
+def _other_section_problems(recipe: Recipe) -> Problems:
+    """training:, model.lora and moe: keys that do not apply to GRPO."""
+    out: Problems = []
     if recipe.training.get("loss_averaging") not in ("token", None):
         out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; GRPO averages as "
                     "grpo.loss_type says: remove it"))

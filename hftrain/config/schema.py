@@ -74,26 +74,7 @@ def check(value: Any, tp, key: str, ctx: Ctx) -> tuple[bool, Any]:
     if tp is Any:
         return True, value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            return type(None) in args, None
-        enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
-        if enums and isinstance(value, bool) and not any(a is bool for a in args):
-            value = _yaml11_word(value, [m.value for e in enums for m in e])
-        if enums and isinstance(value, str):  # transformers' `SchedulerType | str`: the str must still be a member
-            return any(value in [m.value for m in e] for e in enums), value
-        for a in args:
-            if a is type(None):
-                continue
-            sub = Ctx(ctx.source, ctx.origins)
-            ok, conv = check(value, a, key, sub)
-            if ok and not sub.problems:
-                return True, conv
-        # A single non-null alternative: report its precise problems.
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1 and dataclasses.is_dataclass(real[0]) and isinstance(value, dict):
-            return check(value, real[0], key, ctx)
-        return False, value
+        return _check_union(value, typing.get_args(tp), key, ctx)
     if origin is Literal:
         if isinstance(value, bool):
             value = _yaml11_word(value, typing.get_args(tp))
@@ -103,16 +84,7 @@ def check(value: Any, tp, key: str, ctx: Ctx) -> tuple[bool, Any]:
             return False, value
         return True, build(tp, value, key, ctx)
     if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        out = []
-        for i, v in enumerate(value):
-            ok, conv = check(v, item_tp, f"{key}.{i}", ctx)
-            if not ok:
-                ctx.add(f"{key}.{i}", f"expected {type_name(item_tp)}, got {v!r}")
-            out.append(conv)
-        return True, out
+        return _check_list(value, tp, key, ctx)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             return False, value
@@ -120,9 +92,47 @@ def check(value: Any, tp, key: str, ctx: Ctx) -> tuple[bool, Any]:
         if args and args[1] is str and not all(isinstance(v, str) for v in value.values()):
             return False, value
         return True, value
+    return _check_scalar(value, tp)
+
+
+def _check_union(value: Any, args: tuple, key: str, ctx: Ctx) -> tuple[bool, Any]:
+    if value is None:
+        return type(None) in args, None
+    enums = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if enums and isinstance(value, bool) and not any(a is bool for a in args):
+        value = _yaml11_word(value, [m.value for e in enums for m in e])
+    if enums and isinstance(value, str):  # transformers' `SchedulerType | str`: the str must still be a member
+        return any(value in [m.value for m in e] for e in enums), value
+    for a in args:
+        if a is type(None):
+            continue
+        sub = Ctx(ctx.source, ctx.origins)
+        ok, conv = check(value, a, key, sub)
+        if ok and not sub.problems:
+            return True, conv
+    # A single non-null alternative: report its precise problems.
+    real = [a for a in args if a is not type(None)]
+    if len(real) == 1 and dataclasses.is_dataclass(real[0]) and isinstance(value, dict):
+        return check(value, real[0], key, ctx)
+    return False, value
+
+
+def _check_list(value: Any, tp, key: str, ctx: Ctx) -> tuple[bool, Any]:
+    if not isinstance(value, list):
+        return False, value
+    (item_tp,) = typing.get_args(tp) or (Any,)
+    out = []
+    for i, v in enumerate(value):
+        ok, conv = check(v, item_tp, f"{key}.{i}", ctx)
+        if not ok:
+            ctx.add(f"{key}.{i}", f"expected {type_name(item_tp)}, got {v!r}")
+        out.append(conv)
+    return True, out
+
+
+def _check_scalar(value: Any, tp) -> tuple[bool, Any]:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        values = [m.value for m in tp]
-        return value in values, value
+        return value in [m.value for m in tp], value
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:

@@ -29,7 +29,7 @@ from ..errors import DataError
 from ..fileio import atomic_write
 from .cache import cache_folder, code_version, damaged, digest, in_cache, intact, read_meta, writable_cache
 from .collate import make_collator
-from .layouts import content_text
+from .messages import content_text
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
 from .sources import Rows, read_rows, read_rows_sample
 from .stream import stream_dataset

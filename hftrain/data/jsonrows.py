@@ -85,78 +85,91 @@ def line_rows(path: str, key: str) -> Iterator[tuple[int, str, dict]]:
 
 def array_rows(path: str, key: str) -> Iterator[tuple[int, str, dict]]:
     """(index, the element's text, its object) of each element of a .json array, read a window at a time."""
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as fh:
-        buf, pos, line, eof, offset = "", 0, 1, False, 0
+        yield from _ArrayReader(fh, path, key).rows()
 
-        def more() -> None:
-            nonlocal buf, pos, eof, offset
-            raw = fh.read(CHUNK)
-            if offset == 0:
-                raw = raw.removeprefix(BOM)
-            try:
-                text = utf8.decode(raw, final=not raw)
-            except UnicodeDecodeError as e:
-                at = line + buf.count("\n", pos) + raw.count(b"\n", 0, e.start)
-                raise DataError(f"{key}.path: {path}:{at}: not UTF-8 ({e.reason}); save the file as UTF-8") from None
-            offset += len(raw)
-            eof = not raw
-            buf, pos = buf[pos:] + text, 0
 
-        def skip_blanks() -> None:
-            nonlocal pos, line
-            while True:
-                start = pos
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    pos += 1
-                line += buf.count("\n", start, pos)
-                if pos < len(buf) or eof:
-                    return
-                more()
+class _ArrayReader:
+    """A .json array split into its elements on a sliding window of the file: `buf` holds the text read and not yet
+    consumed from `pos`; `line` is the line of `pos`, for messages."""
 
-        def expect(chars: str, what: str) -> str:
-            skip_blanks()
-            if pos < len(buf) and buf[pos] in chars:
-                return buf[pos]
-            got = repr(buf[pos]) if pos < len(buf) else "the end of the file"
-            raise DataError(f"{key}.path: {path}:{line}: malformed JSON: expected {what}, got {got}")
+    def __init__(self, fh, path: str, key: str):
+        self.fh, self.path, self.key = fh, path, key
+        self.decoder = json.JSONDecoder()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.line, self.eof, self.offset = "", 0, 1, False, 0
 
-        more()
-        expect("[", "'[' (a .json file holds an array of rows, or one JSON object per line)")
-        pos += 1
+    def rows(self) -> Iterator[tuple[int, str, dict]]:
+        self.more()
+        self.expect("[", "'[' (a .json file holds an array of rows, or one JSON object per line)")
+        self.pos += 1
         index = 0
-        if expect("]{[\"-0123456789tfn", "a row or ']'") == "]":
-            pos += 1
+        if self.expect("]{[\"-0123456789tfn", "a row or ']'") == "]":
+            self.pos += 1
         else:
             while True:
-                skip_blanks()
-                while True:  # decode one element; read on while it may be cut by the window's end
-                    try:
-                        item, end = decoder.raw_decode(buf, pos)
-                        break
-                    except json.JSONDecodeError as e:
-                        if eof or len(buf) - pos > ROW_LIMIT:
-                            if not eof:
-                                raise too_large(f"{path} index {index}", key) from None
-                            at = line + buf.count("\n", pos, e.pos)
-                            column = e.pos - max(buf.rfind("\n", 0, e.pos), -1)
-                            raise DataError(f"{key}.path: {path}:{at}: malformed JSON: {e.msg} (column {column})"
-                                            ) from None
-                        more()
-                if end - pos > ROW_LIMIT:
-                    raise too_large(f"{path} index {index}", key)
-                text = buf[pos:end]
-                if not isinstance(item, dict):
-                    _object(text, path, f"{path} index {index}", key, line)
-                line += text.count("\n")
-                pos = end
-                yield index, text, item
+                yield index, *self.element(index)
                 index += 1
-                if expect(",]", "',' or ']' after a row") == "]":
-                    pos += 1
+                if self.expect(",]", "',' or ']' after a row") == "]":
+                    self.pos += 1
                     break
-                pos += 1
-        skip_blanks()
-        if pos < len(buf):
-            raise DataError(f"{key}.path: {path}:{line}: malformed JSON: text after the closing ']'")
+                self.pos += 1
+        self.skip_blanks()
+        if self.pos < len(self.buf):
+            raise DataError(f"{self.key}.path: {self.path}:{self.line}: malformed JSON: text after the closing ']'")
+
+    def element(self, index: int) -> tuple[str, dict]:
+        """The next element's text and object; reads on while it may be cut by the window's end."""
+        self.skip_blanks()
+        while True:
+            try:
+                item, end = self.decoder.raw_decode(self.buf, self.pos)
+                break
+            except json.JSONDecodeError as e:
+                if self.eof or len(self.buf) - self.pos > ROW_LIMIT:
+                    if not self.eof:
+                        raise too_large(f"{self.path} index {index}", self.key) from None
+                    at = self.line + self.buf.count("\n", self.pos, e.pos)
+                    column = e.pos - max(self.buf.rfind("\n", 0, e.pos), -1)
+                    raise DataError(f"{self.key}.path: {self.path}:{at}: malformed JSON: {e.msg} (column {column})"
+                                    ) from None
+                self.more()
+        if end - self.pos > ROW_LIMIT:
+            raise too_large(f"{self.path} index {index}", self.key)
+        text = self.buf[self.pos:end]
+        if not isinstance(item, dict):
+            _object(text, self.path, f"{self.path} index {index}", self.key, self.line)
+        self.line += text.count("\n")
+        self.pos = end
+        return text, item
+
+    def more(self) -> None:
+        raw = self.fh.read(CHUNK)
+        if self.offset == 0:
+            raw = raw.removeprefix(BOM)
+        try:
+            text = self.utf8.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:
+            at = self.line + self.buf.count("\n", self.pos) + raw.count(b"\n", 0, e.start)
+            raise DataError(f"{self.key}.path: {self.path}:{at}: not UTF-8 ({e.reason}); save the file as UTF-8"
+                            ) from None
+        self.offset += len(raw)
+        self.eof = not raw
+        self.buf, self.pos = self.buf[self.pos:] + text, 0
+
+    def skip_blanks(self) -> None:
+        while True:
+            start = self.pos
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            self.line += self.buf.count("\n", start, self.pos)
+            if self.pos < len(self.buf) or self.eof:
+                return
+            self.more()
+
+    def expect(self, chars: str, what: str) -> str:
+        self.skip_blanks()
+        if self.pos < len(self.buf) and self.buf[self.pos] in chars:
+            return self.buf[self.pos]
+        got = repr(self.buf[self.pos]) if self.pos < len(self.buf) else "the end of the file"
+        raise DataError(f"{self.key}.path: {self.path}:{self.line}: malformed JSON: expected {what}, got {got}")

@@ -84,16 +84,25 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
              + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
                 if lora else "") + ".", ""]
 
+    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter)
+    lines += _made_lines(output_dir, files, recipe, recipe_text, info, strategy, sources)
+    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _results_lines(info: dict, files: list[str]) -> list[str]:
     metrics = {k: v for k, v in (info.get("metrics") or {}).items() if isinstance(v, (int, float))}
-    lines += ["## Results", ""]
+    lines = ["## Results", ""]
     if metrics:
         lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items())]
     else:
         lines.append("No metrics were recorded (run_info.json is missing).")
     if "curves.png" in files:
         lines += ["", "![Loss, learning rate and throughput against the step](curves.png)"]
+    return lines
 
-    ident = repo_id or "<repo_id>"
+
+def _use_lines(ident: str, adapter: bool) -> list[str]:
+    """How to load and prompt it: the adapter through peft, anything else through transformers."""
     if adapter:
         use = (f"from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
                f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(ident)})\n"
@@ -105,16 +114,20 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     use += ('messages = [{"role": "user", "content": "Hello"}]\n'
             "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
             "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))\n")
-    lines += ["", "## Use", "", _fenced("python", use)]
+    return ["", "## Use", "", _fenced("python", use)]
 
+
+def _made_lines(output_dir: str, files: list[str], recipe: dict, recipe_text: str, info: dict, strategy: str,
+                sources: list[str]) -> list[str]:
+    """How it was made: the strategy and engine, world size, steps, data, the recipe and the launcher configs."""
     engine = ", ".join(f"{k} {info[k]}" for k in ("wrapper", "zero_stage", "offload_param", "offload_optimizer")
                        if info.get(k) is not None)
-    lines += ["## How it was made", "",
-              f"- strategy: `{strategy}`" + (f" ({engine})" if engine else ""),
-              f"- world size: {info.get('world_size', '?')} process(es)" + (
-                  f", backend {info['backend']}" if info.get("backend") else ""),
-              f"- optimizer steps: {info.get('global_step', '?')}",
-              f"- data: {', '.join(f'`{s}`' for s in sources) or '?'}"]
+    lines = ["## How it was made", "",
+             f"- strategy: `{strategy}`" + (f" ({engine})" if engine else ""),
+             f"- world size: {info.get('world_size', '?')} process(es)" + (
+                 f", backend {info['backend']}" if info.get("backend") else ""),
+             f"- optimizer steps: {info.get('global_step', '?')}",
+             f"- data: {', '.join(f'`{s}`' for s in sources) or '?'}"]
     for section in ("compression", "moe"):  # present in the recipe when the run used them
         if recipe.get(section):
             lines += [f"- {section}:", "", _fenced("yaml", yaml.safe_dump(recipe[section], sort_keys=False))]
@@ -125,5 +138,4 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
         for f in configs:
             lines += [f"`{f}`:", "", _fenced("json" if f.endswith(".json") else "yaml",
                                              open(os.path.join(output_dir, f), encoding="utf-8").read())]
-    lines += ["### Files", "", ", ".join(f"`{f}`" for f in files), ""]
-    return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return lines + ["### Files", "", ", ".join(f"`{f}`" for f in files), ""]

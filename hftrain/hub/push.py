@@ -257,7 +257,11 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
         print(f"hftrain: dry run: this folder is what `hftrain push` would upload to {hub.repo_id}", flush=True)
         return stage
 
-    api = HfApi(endpoint=endpoint, token=token)
+    return _upload(output_dir, stage, files, hub, HfApi(endpoint=endpoint, token=token), attempts, backoff_s)
+
+
+def _upload(output_dir: str, stage: str, files: list[str], hub, api, attempts: int, backoff_s: float) -> str:
+    """The staged folder uploaded, retried on the errors worth retrying; the commit URL."""
     message = hub.commit_message or f"hftrain: upload {os.path.basename(os.path.normpath(output_dir))}"
     retryable = _retryable_errors()
     last = None

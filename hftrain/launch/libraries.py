@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 
 from ..config import HFTrainingArguments, LoraSection, Recipe, StrategySection, arguments_kwargs
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.strategy import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
 from ..modeling import local_config, lora_config

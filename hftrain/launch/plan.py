@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers

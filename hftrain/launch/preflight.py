@@ -14,8 +14,8 @@ from typing import Callable
 from .. import checkpoints, outdir
 from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
 from ..config.grpo_rules import grpo_batch_problem
-from ..config.rules import strategy_problems
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.strategy_rules import strategy_problems
+from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
 from ..data.stream_position import stream_resume_problems
 from ..distributed import accelerator_available, print0, restart_count
@@ -181,9 +181,18 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
                          warn=lambda _m: None) -> tuple[list[str], StrategySection]:
     """What this machine says about the recipe: paths that cannot be loaded or written, a checkpoint that cannot be
     resumed, TrainingArguments' own rules, NVMe and DeepSpeed ops. Keys in `skip` already have a problem."""
-    out: list[tuple[str, str]] = []
-    m, t = recipe.model, recipe.training
+    m = recipe.model
     model_ok = m is not None and _typed(m.name_or_path, str) and not any(k.startswith("model.") for k in skip)
+    out = _model_problems(recipe, skip, model_ok) + _setting_problems(recipe, skip)
+    strategy, machine = _machine_problems(recipe, strategy, world, skip, model_ok)
+    out += machine + _output_problems(recipe, strategy, world, skip, model_ok, warn)
+    return [_message(recipe, k, msg) for k, msg in out], strategy
+
+
+def _model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple[str, str]]:
+    """The model's paths, the Trainer's and LoRA's own rules, the MoE bias, the kernels and bitsandbytes."""
+    out: list[tuple[str, str]] = []
+    m = recipe.model
     template = recipe.data.chat_template if recipe.data is not None else None
     if model_ok:
         out += path_problems(m, template if isinstance(template, str) else None)
@@ -209,6 +218,12 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         missing = bitsandbytes_problem()
         if missing:
             out.append(("model.quantization", missing))
+    return out
+
+
+def _setting_problems(recipe: Recipe, skip: set[str]) -> list[tuple[str, str]]:
+    """Values that generation and datasets' map refuse."""
+    out: list[tuple[str, str]] = []
     if recipe.eval is not None and "eval.max_new_tokens" not in skip:
         msg = libraries.generation_problem(recipe.eval.max_new_tokens)
         if msg:
@@ -217,6 +232,15 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
         msg = libraries.num_proc_problem(recipe.data.num_proc)
         if msg:
             out.append(("data.num_proc", msg))
+    return out
+
+
+def _machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str], model_ok: bool
+                      ) -> tuple[StrategySection, list[tuple[str, str]]]:
+    """The model's heads against sequence parallelism, NVMe's buffers sized to the model, and what this machine can
+    run of the strategy; the strategy comes back with the sizes filled in."""
+    out: list[tuple[str, str]] = []
+    m = recipe.model
     sp = strategy.sequence_parallel if _typed(strategy.sequence_parallel, int) else 1
     heads = _heads_problem(m.name_or_path, m.trust_remote_code, sp) if model_ok and sp > 1 else None
     if heads:
@@ -236,22 +260,30 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
     if not any(k.startswith("strategy.") for k in skip):
         machine = machine_strategy_problems(strategy, facts.params if facts else None)
         out += [(_strategy_key(msg), msg) for msg in machine]
-    output_dir = t.get("output_dir")
-    if _typed(output_dir, str) and output_dir and "training.output_dir" not in skip:
-        where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
-        if not where and "training.overwrite_output_dir" not in skip:
-            resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
-            owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))
-            where = [owned] if owned else []
-        out += [("training.output_dir", msg) for msg in where]
-        if "training.resume_from_checkpoint" not in skip:
-            now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
-                                     recipe.training_value("gradient_accumulation_steps"), strategy.name, sp)
-            out += [("training.resume_from_checkpoint", msg)
-                    for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
-                                               recipe.training_value("resume_weights_only") is True,
-                                               recipe if model_ok else None, warn)]
-    return [_message(recipe, k, msg) for k, msg in out], strategy
+    return strategy, out
+
+
+def _output_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str], model_ok: bool,
+                     warn) -> list[tuple[str, str]]:
+    """output_dir: writable, outside the inputs, owned by this run; the checkpoint to resume against this layout."""
+    output_dir = recipe.training.get("output_dir")
+    if not (_typed(output_dir, str) and output_dir and "training.output_dir" not in skip):
+        return []
+    where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
+    if not where and "training.overwrite_output_dir" not in skip:
+        resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
+        owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))
+        where = [owned] if owned else []
+    out = [("training.output_dir", msg) for msg in where]
+    if "training.resume_from_checkpoint" not in skip:
+        sp = strategy.sequence_parallel if _typed(strategy.sequence_parallel, int) else 1
+        now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
+                                 recipe.training_value("gradient_accumulation_steps"), strategy.name, sp)
+        out += [("training.resume_from_checkpoint", msg)
+                for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
+                                           recipe.training_value("resume_weights_only") is True,
+                                           recipe if model_ok else None, warn)]
+    return out
 
 
 def _heads_problem(name_or_path: str, trust_remote_code: bool, n: int) -> str | None:

@@ -15,7 +15,7 @@ import yaml
 
 from .. import outdir
 from ..config import StrategySection, resolved_strategy
-from ..config.sections import DEFAULT_PORT
+from ..config.strategy import DEFAULT_PORT
 from ..constants import OFFLOADED, ZERO_STAGE
 from ..fileio import atomic_write
 

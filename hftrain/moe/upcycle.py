@@ -78,6 +78,26 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
     seeded with `seed` so every rank builds the same model.
     """
     c = model.config
+    chosen, target = _checked_choice(c, num_experts, top_k, layers)
+    cfg = moe_config(c, num_experts, top_k, chosen)
+    std = c.initializer_range if router_init_std is None else router_init_std
+    state = _upcycled_state(model.state_dict(), c, target, chosen, num_experts, std, seed)
+    with no_init_weights():  # every weight is set below; skip the random init
+        moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype,
+                                               attn_implementation=c._attn_implementation)
+    missing, unexpected = moe.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:  # a transformers change in parameter names: never save a half-initialised model
+        raise RuntimeError(f"upcycling {c.model_type} -> {target}: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        moe.tie_weights()
+    moe.generation_config = model.generation_config
+    moe.train(model.training)
+    return moe
+
+
+def _checked_choice(c, num_experts: int, top_k: int, layers: Iterable[int] | None) -> tuple[list[int], str]:
+    """The layers to upcycle and the MoE model type, after the request is checked against the dense config."""
     if c.model_type not in UPCYCLE_TARGETS:
         raise MoeError(f"--model / moe.upcycle: model type {c.model_type!r} has no MoE counterpart in transformers "
                        f"that hftrain can upcycle to; supported: {supported()}")
@@ -95,9 +115,12 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
         raise MoeError(f"--layers / moe.upcycle.layers: {target} (the MoE class for {c.model_type}) has a sparse "
                        f"block in every layer and no per-layer dense MLP, so every layer must be upcycled; omit the "
                        f"option (families that allow a subset: {', '.join(sorted(PARTIAL_LAYERS))})")
-    cfg = moe_config(c, num_experts, top_k, chosen)
-    dense = model.state_dict()
-    std = c.initializer_range if router_init_std is None else router_init_std
+    return chosen, target
+
+
+def _upcycled_state(dense: dict, c, target: str, chosen: list[int], num_experts: int, std: float, seed: int) -> dict:
+    """The MoE model's state: the dense one with each chosen MLP as fused experts (copies), a router seeded with
+    `seed`, and Qwen2-MoE's shared expert (the MLP itself, the experts carrying half)."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for k, v in dense.items():
@@ -119,18 +142,7 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
             state[p + "shared_expert.up_proj.weight"] = up.clone()
             state[p + "shared_expert.down_proj.weight"] = down.clone()
             state[p + "shared_expert_gate.weight"] = torch.zeros(1, c.hidden_size, dtype=gate.dtype)
-    with no_init_weights():  # every weight is set below; skip the random init
-        moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype,
-                                               attn_implementation=c._attn_implementation)
-    missing, unexpected = moe.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:  # a transformers change in parameter names: never save a half-initialised model
-        raise RuntimeError(f"upcycling {c.model_type} -> {target}: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_word_embeddings:
-        moe.tie_weights()
-    moe.generation_config = model.generation_config
-    moe.train(model.training)
-    return moe
+    return state
 
 
 def upcycle_folder(src: str, output: str, num_experts: int, top_k: int, layers: list[int] | None = None,

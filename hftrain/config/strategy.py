@@ -1,0 +1,110 @@
+"""The strategy: section (how a run is spread over processes and machines), which options each strategy reads,
+and what an unset option means."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..constants import StrategyName
+from .fields import _f
+
+
+@dataclass
+class StrategySection:
+    name: StrategyName | None = _f(
+        None, "How to distribute. Unset: the launcher's config decides; set: it must agree with the launcher."
+    )
+    num_processes: int | None = _f(None, "Processes in all (all machines); default 2.")
+    num_machines: int | None = _f(None, "Machines (nodes); default 1.")
+    machine_rank: int | None = _f(None, "This machine's rank among the machines; default 0.")
+    main_process_ip: str | None = _f(None, "Address of machine 0 (several machines).")
+    main_process_port: int | None = _f(None, "Port of the rendezvous on machine 0; default 29500.")
+    rank_timeout: int | None = _f(
+        None, "Seconds a rank may go without answering (stopped, hung, dead) before the job fails naming it; "
+        "0 turns the check off; default 300."
+    )
+    socket_ifname: str | None = _f(
+        None, "Network interface the machines reach each other on (e.g. eth0, ib0): exported as GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME to every rank, and the SLURM script takes the main address from it; default: what the "
+        "hostname resolves to."
+    )
+    fsdp_reshard_after_forward: bool | None = _f(
+        None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true."
+    )
+    fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
+    fsdp_wrap_class: str | None = _f(
+        None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer."
+    )
+    pin_memory: bool | None = _f(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
+    nvme_path: str | None = _f(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
+    aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
+    aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
+    buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
+    buffer_size: int | None = _f(
+        None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter."
+    )
+    sub_group_size: int | None = _f(
+        None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
+        "one); default: 4x the largest parameter."
+    )
+    sequence_parallel: int | None = _f(
+        None, "zero2/zero3: split every sequence across this many ranks (DeepSpeed Ulysses: each rank holds 1/N of "
+        "the tokens, attention heads are exchanged); the processes are data-parallel groups of N; default 1 (off)."
+    )
+
+    def resolved_sequence_parallel(self) -> int:
+        return self.sequence_parallel or 1
+
+
+# Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
+COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                            "main_process_port", "rank_timeout", "socket_ifname"})
+STRATEGY_OPTIONS = {
+    "ddp": COMMON_OPTIONS,
+    "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
+    "zero1": COMMON_OPTIONS,
+    "zero2": COMMON_OPTIONS | {"sequence_parallel"},
+    "zero3": COMMON_OPTIONS | {"sequence_parallel"},
+    "zero3_offload": COMMON_OPTIONS | {"pin_memory"},
+    "zero_infinity": COMMON_OPTIONS | {"pin_memory", "nvme_path", "aio_block_size", "aio_queue_depth",
+                                       "buffer_count", "buffer_size", "sub_group_size"},
+}
+DEFAULT_PORT = 29500
+# What an unset option means (the help text of each field says the same).
+STRATEGY_DEFAULTS = {
+    "num_processes": 2,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_port": DEFAULT_PORT,
+    "rank_timeout": 300,
+    "fsdp_reshard_after_forward": True,
+    "fsdp_offload_params": False,
+    "pin_memory": False,
+    "nvme_path": "/local_nvme",
+    "aio_block_size": 1048576,
+    "aio_queue_depth": 8,
+    "buffer_count": 5,
+    "buffer_size": 100_000_000,
+    "sub_group_size": 1_000_000_000,
+    "sequence_parallel": 1,
+}
+
+
+def resolved_strategy(s: StrategySection) -> StrategySection:
+    """The section with every option the named strategy reads filled in from STRATEGY_DEFAULTS."""
+    if s.name is None:
+        raise ValueError("strategy.name is unset: name a strategy to resolve its options")
+    values = {k: (getattr(s, k) if getattr(s, k) is not None else STRATEGY_DEFAULTS.get(k))
+              for k in STRATEGY_OPTIONS[s.name] if k != "name"}
+    return dataclasses.replace(s, **values)
+
+
+def strategy_of_deepspeed_config(cfg: dict) -> str:
+    """The strategy name a DeepSpeed config stands for (its ZeRO stage and offload devices)."""
+    zero = cfg.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if stage != 3:
+        return f"zero{stage}"
+    devices = {zero.get("offload_param", {}).get("device"), zero.get("offload_optimizer", {}).get("device")}
+    return "zero_infinity" if "nvme" in devices else "zero3_offload" if "cpu" in devices else "zero3"
