@@ -1,5 +1,5 @@
-"""One run, in one order, for every training method: a recipe script (hftrain/recipes/) defines a `Method` with what
-differs (its arguments, model, trainer and held-out metrics) and calls `run(method, argv)`:
+"""One run, in one order, for every training method: a recipe script (hftrain/recipes/) calls `run(script, argv)`, and
+the recipe's method (hftrain/methods/: its arguments, model, trainer and held-out metrics) fills in what differs:
 
     validate + set up (arguments built once, resume resolved once) -> Hub token -> data -> claim output_dir -> model
     -> trainer -> metrics before -> train -> metrics after -> save -> report -> shut down -> push
@@ -12,55 +12,35 @@ from __future__ import annotations
 
 import math
 
-from transformers import TrainingArguments
-
 from . import distributed, sequence_parallel
 from .artifacts import first_eval, save_final, write_recipe
 from .callbacks import CurvesCallback
-from .config import HFTrainingArguments, Recipe
 from .data.templates import stop_at_end_of_turn
 from .hub.push import check_token, push_after_training
 from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
+from .methods import Method, method_of
 
 
-class Method:
-    """What one training method adds to the run. Subclasses set `name` and define `model` and `trainer`."""
-
-    name = "sft"  # also the recipe kind: "dpo" needs a preference: section, the others refuse one
-    # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
-    reported: tuple[str, ...] = ("eval_loss",)
-
-    def arguments(self, recipe: Recipe, kwargs: dict) -> TrainingArguments:
-        """The run's arguments from every resolved TrainingArguments value (launch.setup); built once."""
-        return HFTrainingArguments(**kwargs)
-
-    def data(self, run: Run):
-        """(tokenizer, datasets): every row read and checked, errors naming the file and row (launch.check_data:
-        SFT examples, or preference pairs for a recipe with a preference: section)."""
-        # One step takes a micro-batch per data-parallel rank (a group of sequence-parallel ranks shares one).
-        return check_data(run.recipe, run.args.world_size // sequence_parallel.size(run.args), seed=run.args.seed)
-
-    def model(self, run: Run):
-        raise NotImplementedError
-
-    def trainer(self, run: Run, model, tokenizer, data, callbacks: list):
-        raise NotImplementedError
-
-    def metrics(self, run: Run, trainer, data, before: bool) -> dict:
-        """Held-out metrics of this method beyond `reported` (e.g. exact match), before or after training."""
-        return {}
+def read_data(run: Run):
+    """(tokenizer, datasets): the method's data phase, every row read and checked, errors naming the file and row
+    (launch.check_data). One step takes a micro-batch per data-parallel rank (a group of sequence-parallel ranks
+    shares one)."""
+    return check_data(run.recipe, run.args.world_size // sequence_parallel.size(run.args), seed=run.args.seed)
 
 
-def run(method: Method, argv: list[str]) -> dict:
-    """Run `method` on the recipe and overrides in `argv`; returns the metrics saved in run_info.json."""
+def run(script: str, argv: list[str], method: Method | None = None) -> dict:
+    """Run the recipe and overrides in `argv` with recipe script `script` (sft, dpo, grpo: the script must be the one
+    the recipe's method needs); returns the metrics saved in run_info.json. `method`: the recipe's method
+    (methods.method_of) unless given (tests)."""
     # 1. Every problem of the recipe in this environment at once, then the process, its arguments and resume.
-    run = setup_run(argv, method)
+    run = setup_run(argv, script)
     recipe, args = run.recipe, run.args
+    method = method or method_of(recipe)
     check_token(recipe.hub)  # hub.push: the token must be there before training, not after
 
     # 2. Data before the model: every row read and checked (the main process first; the others reuse its cache),
     #    so a bad row stops the run before any weight is loaded. Then output_dir is locked for this run.
-    tokenizer, data = method.data(run)
+    tokenizer, data = read_data(run)
     claim_output_dir(recipe)
     model = method.model(run)
     stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end

@@ -10,6 +10,7 @@ engine), seeded by the step and its place in the global generation batch, which 
 rest is the real run: rewards gathered over ranks, group advantages, the loss and its normalisation, the update.
 """
 
+import dataclasses
 import sys
 import zlib
 
@@ -21,10 +22,10 @@ from hftrain.config import load_recipe
 from hftrain.constants import ZERO_STAGE
 from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error
-from hftrain.methods.grpo import GroupTrainer
+from hftrain.lifecycle import read_data
+from hftrain.methods.grpo import METHOD, GroupTrainer
 from hftrain.launch import Run, setup_run
 from hftrain.launch.setup import run_arguments
-from hftrain.recipes.grpo import GRPO
 
 VARIANTS = {
     # per-sequence mean, KL to a frozen copy, two updates per generation batch (the clipping bites on the second)
@@ -48,21 +49,17 @@ class SeededTrainer(GroupTrainer):
         return completions, None
 
 
-class SeededGRPO(GRPO):
-    trainer_class = SeededTrainer
-
-
 def main(recipe_path: str, out_root: str, names: list[str]) -> None:
-    method = SeededGRPO()
-    run = setup_run([recipe_path, f"training.output_dir={out_root}/{names[0]}", *VARIANTS[names[0]]], method)
+    method = dataclasses.replace(METHOD, trainer_class=SeededTrainer)
+    run = setup_run([recipe_path, f"training.output_dir={out_root}/{names[0]}", *VARIANTS[names[0]]], "grpo")
     extra = {"deepspeed": run.args.deepspeed} if run.strategy.name in ZERO_STAGE else {}
     for name in names:
         recipe = load_recipe(recipe_path, [f"training.output_dir={out_root}/{name}", *VARIANTS[name]])
-        args = method.arguments(recipe, run_arguments(recipe, run.strategy, None, **extra))
+        args = method.arguments(recipe, **run_arguments(recipe, run.strategy, None, **extra))
         if name == "bnpo":
             args.loss_type = "bnpo"
         this = Run(recipe, run.strategy, args)
-        tokenizer, data = method.data(this)
+        tokenizer, data = read_data(this)
         model = method.model(this)
         stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)
         trainer = method.trainer(this, model, tokenizer, data, [])

@@ -11,7 +11,7 @@ import yaml
 from hftrain import lifecycle, outdir
 from hftrain.config import load_recipe
 from hftrain.launch import setup_run
-from hftrain.recipes import sft
+from hftrain.methods import sft
 
 from .conftest import DEMO_TRAIN
 from .test_bad_input import W, run_main, set_
@@ -30,7 +30,7 @@ def test_a_run_whose_folder_another_run_finished_during_its_data_phase_is_refuse
     """Run B passes its preflight on a new folder; during B's data phase run A finishes in that folder; B must be
     refused at its claim (exit 2, one message) and A's files stay byte for byte as A left them."""
     w = W(str(tmp_path), tiny_model_dir)
-    real_check_data = lifecycle.check_data  # the data phase (lifecycle.Method.data)
+    real_check_data = lifecycle.check_data  # the data phase (lifecycle.read_data)
 
     def slow_data_phase(*args, **kwargs):
         result = real_check_data(*args, **kwargs)

@@ -21,7 +21,7 @@ from transformers import TrainingArguments, set_seed
 from .. import checkpoints
 from ..config import (HFTrainingArguments, Recipe, StrategySection, arguments_kwargs, split_argv,
                       strategy_of_deepspeed_config)
-from ..config.sections import STRATEGY_DEFAULTS
+from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import ZERO_STAGE
 from .. import outdir, stop_request
 from ..distributed import (accelerator_available, all_gather_object, barrier, elastic_restart_count,
@@ -101,28 +101,44 @@ def _example_of(script: str) -> str:
     return next(m.example for m in METHODS if m.script == script and m.example)
 
 
-def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
+def setup_run(argv: list[str], script: str = "sft", raw: dict | None = None) -> Run:
     """Validate, then set this process up: environment, patches, process group, the run's arguments, seed.
 
     The launcher decides processes and the engine family; the recipe's `strategy:` options apply on top (for ZeRO
     the DeepSpeed config is rendered from the recipe and given to the arguments, for FSDP the options go into
     the FSDP_* variables accelerate reads). `argv` is the recipe path and overrides; with `raw` (a recipe as a
-    dict, for tests and benchmarks) it holds overrides only. `method` (lifecycle.Method; None: SFT) builds the
-    arguments once (`method.arguments`) and names the recipe kind: "dpo" needs a `preference:` section, the others
-    refuse one (likewise "grpo" and a `grpo:` section). The checkpoint to resume from is resolved here, once."""
-    kind = getattr(method, "name", "sft")
+    dict, for tests and benchmarks) it holds overrides only. `script` is the recipe script run (`hftrain <script>`),
+    which must be the one the recipe's method needs: "dpo" needs a `preference:` section, the others refuse one
+    (likewise "grpo" and a `grpo:` section). The method builds the arguments once (`Method.arguments`); the
+    checkpoint to resume from is resolved here, once."""
+    _handle_signals()
+    path, overrides = (None, argv) if raw is not None else split_argv(argv)
+    recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
+                                    world_size=launcher_world_size())
+    _script_fits(recipe, script)
+    export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
+    _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
+    recipe, extra = _prepare_strategy(recipe, strategy)
+    kwargs = run_arguments(recipe, strategy, _resume_from(recipe), **extra)
+    args = method_of(recipe).arguments(recipe, **kwargs)
+    _start_engine(strategy, args)
+    set_seed(args.seed)
+    return Run(recipe, strategy, args)
+
+
+def _handle_signals() -> None:
     if launched_by_a_launcher():  # first: a worker must not outlive its launcher (hftrain/lifetime.py says why)
         die_with_parent()
         end_on_interrupt()
     else:  # a run of its own: SIGTERM ends it like Ctrl-C, status 143 and one line (errors.exit_on_user_error)
         end_on_terminate()
     stop_request.arm()  # SIGUSR1 (SLURM's warning before a time limit): save a checkpoint and stop, not die
-    path, overrides = (None, argv) if raw is not None else split_argv(argv)
-    recipe, strategy = check_recipe(path, overrides, raw=raw, launcher=launcher_strategy(),
-                                    world_size=launcher_world_size())
-    _script_fits(recipe, kind)
-    export_socket_environment(strategy)  # strategy.socket_ifname, for gloo / NCCL: before the process group starts
-    _isolate_restart_attempt()  # before TrainingArguments starts torch.distributed
+
+
+def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe, dict]:
+    """The process set up for the strategy before TrainingArguments: environment and patches; the recipe (its
+    attention named under sequence parallelism) and the arguments' extra values (the DeepSpeed config, the
+    parallelism config)."""
     extra = {}
     if strategy.name in ZERO_STAGE:
         os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # DeepSpeed JIT-builds its ops into this cache
@@ -138,20 +154,33 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
         average_gradients_over_sequence_ranks()
         skip_batches_of_sequence_shards()
     if strategy.name == "fsdp":
-        for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
-                         ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
-            if getattr(strategy, key) is not None:
-                os.environ[env] = str(getattr(strategy, key)).lower()
-        if strategy.fsdp_wrap_class:
-            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = strategy.fsdp_wrap_class
-        if not accelerator_available():
-            apply_fsdp_on_cpu()
+        _prepare_fsdp(strategy)
+    return recipe, extra
+
+
+def _prepare_fsdp(strategy: StrategySection) -> None:
+    """The recipe's FSDP options as the FSDP_* variables accelerate reads; FSDP2 on CPU patched to run."""
+    for key, env in (("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
+                     ("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS")):
+        if getattr(strategy, key) is not None:
+            os.environ[env] = str(getattr(strategy, key)).lower()
+    if strategy.fsdp_wrap_class:
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = strategy.fsdp_wrap_class
+    if not accelerator_available():
+        apply_fsdp_on_cpu()
+
+
+def _resume_from(recipe: Recipe) -> str | None:
+    """The checkpoint to resume from, resolved once (a restarted worker resumes from the last one)."""
     resume = checkpoints.resolve_resume(recipe.resume_from_checkpoint, recipe.output_dir, restart_count() > 0,
                                         warn=print0, weights_only=recipe.training_value("resume_weights_only") is True)
     if resume and restart_count() > 0 and not recipe.resume_from_checkpoint:
         print0(f"hftrain: {_restarted_by()}: resuming from {resume}")
-    kwargs = run_arguments(recipe, strategy, resume, **extra)
-    args = method.arguments(recipe, kwargs) if method is not None else HFTrainingArguments(**kwargs)
+    return resume
+
+
+def _start_engine(strategy: StrategySection, args) -> None:
+    """DeepSpeed's comm layer, the world the arguments see checked against the launcher's, the heartbeat."""
     if strategy.name in ZERO_STAGE:
         import deepspeed  # optional dependency: only ZeRO strategies need it
 
@@ -166,8 +195,6 @@ def setup_run(argv: list[str], method=None, raw: dict | None = None) -> Run:
     # training.ddp_timeout, is left alone: it bounds one collective, and may well be longer on purpose).
     timeout = strategy.rank_timeout if strategy.rank_timeout is not None else STRATEGY_DEFAULTS["rank_timeout"]
     start_heartbeat(timeout)
-    set_seed(args.seed)
-    return Run(recipe, strategy, args)
 
 
 def _check_launcher_sequence_parallel(strategy: StrategySection) -> None:

@@ -1,5 +1,6 @@
 """What a training method is to the rest of hftrain: how a recipe selects it, the recipe script that runs it, its data
-phase and how `hftrain data` shows its rows. The CLI, the run's set-up and preflight iterate the registry
+phase and how `hftrain data` shows its rows, its arguments, and what it adds to the one run (hftrain/lifecycle.py):
+its model, its trainer and its held-out metrics. The CLI, the run's set-up, preflight and the run iterate the registry
 (methods/__init__.py) instead of branching on names."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from ..config import Recipe
 
@@ -27,6 +28,19 @@ class Method:
     show: Callable | None = None  # (recipe, tokenizer, n) -> what `hftrain data` prints
     arguments: Callable | None = None  # (recipe, **TrainingArguments values) -> the run's arguments (TRL's config)
     trainer_class: type | None = None
+    # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
+    reported: ClassVar[tuple[str, ...]] = ("eval_loss",)
+
+    # What the method adds to the run (lifecycle.run); `run` is launch.Run (the recipe, strategy and arguments).
+    def model(self, run):
+        raise NotImplementedError
+
+    def trainer(self, run, model, tokenizer, data, callbacks: list):
+        raise NotImplementedError
+
+    def metrics(self, run, trainer, data, before: bool) -> dict:
+        """Held-out metrics of this method beyond `reported` (e.g. exact match), before or after training."""
+        return {}
 
 
 def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:

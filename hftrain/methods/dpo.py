@@ -27,8 +27,8 @@ from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, PreferenceSection, Recipe
 from ..data.preference import build_preference_data
 from ..trainer import RUN_MIXINS
-from .base import Method, first_rows, has_template
-from .policy import load_policy, policy_peft_config  # noqa: F401 (the recipe script's names)
+from .base import first_rows, has_template
+from .policy import PreferenceMethod
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
 
@@ -105,8 +105,8 @@ def read_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int):
     return build_preference_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer)
 
 
-METHOD = Method(name="dpo", script="dpo", section="preference", example="preference: {loss_type: sigmoid, beta: 0.1}",
-                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type not in
-                ("orpo", "kto"), read=read_pairs, unit="pairs",
-                show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n), arguments=dpo_config,
-                trainer_class=PreferenceTrainer)
+METHOD = PreferenceMethod(
+    name="dpo", script="dpo", section="preference", example="preference: {loss_type: sigmoid, beta: 0.1}",
+    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type not in ("orpo", "kto"),
+    read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
+    arguments=dpo_config, trainer_class=PreferenceTrainer)

@@ -35,8 +35,8 @@ from ..errors import LaunchError, RewardError
 from ..patches.transformers import mark_fsdp_managed
 from ..rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
-from .base import Method
-from .policy import load_policy, policy_peft_config  # noqa: F401 (the recipe script's names)
+from .policy import load_policy, policy_peft_config
+from .sft import SFT
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
 
@@ -122,8 +122,24 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     return data
 
 
-METHOD = Method(name="grpo", script="grpo", section="grpo", example="grpo: {rewards: [{function: exact_match}]}",
-                selects=lambda recipe: recipe.grpo is not None, read=read_prompts, unit="prompts",
-                counts_its_steps=True, show=lambda recipe, tokenizer, n: preview_prompts(
-                    recipe.data, tokenizer, recipe.grpo.max_completion_length, n), arguments=grpo_config,
-                trainer_class=GroupTrainer)
+class GRPO(SFT):
+    """GRPO in the run: TRL's GRPOConfig, the policy (the reference is TRL's: the LoRA adapter disabled, or a frozen
+    copy), the reward functions and GroupTrainer; judged as SFT is, by exact match of greedy answers to held-out
+    prompts before and after (no held-out loss: the Trainer gets no eval dataset)."""
+
+    reported = ()
+
+    def model(self, run):
+        return load_policy(run.recipe.model)
+
+    def trainer(self, run, model, tokenizer, data, callbacks):
+        return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
+                                  reward_funcs=load_rewards(run.recipe.grpo, defer=True),
+                                  peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
+
+
+METHOD = GRPO(
+    name="grpo", script="grpo", section="grpo", example="grpo: {rewards: [{function: exact_match}]}",
+    selects=lambda recipe: recipe.grpo is not None, read=read_prompts, unit="prompts", counts_its_steps=True,
+    show=lambda recipe, tokenizer, n: preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, n),
+    arguments=grpo_config, trainer_class=GroupTrainer)

@@ -38,7 +38,8 @@ from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from ..data.unpaired import build_unpaired_data
 from ..trainer import RUN_MIXINS
-from .base import Method, first_rows, has_template
+from .policy import PreferenceMethod
+from .base import first_rows, has_template
 
 
 @dataclasses.dataclass
@@ -137,8 +138,9 @@ def read_examples(recipe: Recipe, tokenizer, world_size: int, seed: int):
     return build_unpaired_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer)
 
 
-METHOD = Method(name="kto", script="dpo", section="preference", example="preference: {loss_type: kto, beta: 0.1}",
-                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "kto",
-                read=read_examples, show=lambda recipe, tokenizer, n: first_rows(
-                    METHOD, recipe, tokenizer, n, "examples, in training order (label true: desirable, false: "
-                    "undesirable)"), arguments=kto_config, trainer_class=KTOPreferenceTrainer)
+METHOD = PreferenceMethod(
+    name="kto", script="dpo", section="preference", example="preference: {loss_type: kto, beta: 0.1}",
+    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "kto",
+    read=read_examples, show=lambda recipe, tokenizer, n: first_rows(
+        METHOD, recipe, tokenizer, n, "examples, in training order (label true: desirable, false: undesirable)"),
+    arguments=kto_config, trainer_class=KTOPreferenceTrainer)

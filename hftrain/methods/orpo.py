@@ -25,7 +25,8 @@ from .. import losses
 from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from ..trainer import RUN_MIXINS
-from .base import Method, first_rows
+from .policy import PreferenceMethod
+from .base import first_rows
 from .dpo import read_pairs
 
 # hftrain checks what it uses of the experimental ORPO against the installed TRL (tests/test_upstream_contract.py): the
@@ -102,8 +103,8 @@ class ORPOPreferenceTrainer(*RUN_MIXINS, OddsRatioExactMixin, ORPOTrainer):
     compression, and the exact loss; `args` is an HFORPOConfig (orpo_config)."""
 
 
-METHOD = Method(name="orpo", script="dpo", section="preference", example="preference: {loss_type: orpo, beta: 0.1}",
-                selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "orpo",
-                read=read_pairs, unit="pairs",
-                show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n), arguments=orpo_config,
-                trainer_class=ORPOPreferenceTrainer)
+METHOD = PreferenceMethod(
+    name="orpo", script="dpo", section="preference", example="preference: {loss_type: orpo, beta: 0.1}",
+    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "orpo",
+    read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
+    arguments=orpo_config, trainer_class=ORPOPreferenceTrainer)
