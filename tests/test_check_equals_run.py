@@ -12,6 +12,7 @@ import pytest
 
 from hftrain.cli import main as cli_main
 from hftrain.errors import exit_on_user_error
+from hftrain.methods import policy
 from hftrain.recipes import dpo
 
 from .conftest import SMALL
@@ -282,7 +283,7 @@ def test_pairs_whose_prompts_fill_max_length_are_counted_before_the_model_loads(
     too_long = [i for i, n in enumerate(lengths) if n >= max_length]
     assert 0 < len(too_long) < len(pairs)
     loaded = []
-    monkeypatch.setattr(dpo, "load_policy", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(SystemExit(9)))
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(SystemExit(9)))
 
     argv = [dpo_recipe(w, pairs, min(lengths), max_steps=1, per_device_train_batch_size=1), "strategy.num_processes=1"]
     code, err = run_check(argv, capsys)
@@ -319,7 +320,7 @@ def test_kto_examples_whose_prompts_fill_max_length_are_counted_before_the_model
     max_length = sorted(set(lengths))[1]
     too_long = [i for i, n in enumerate(lengths) if n >= max_length]
     loaded = []
-    monkeypatch.setattr(dpo, "load_policy", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(SystemExit(9)))
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(SystemExit(9)))
 
     def kto_recipe(limit: int) -> str:
         path = w.file("kto.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
@@ -353,7 +354,7 @@ def test_the_pairs_kept_are_those_trls_trainer_keeps(tmp_path, tiny_model_dir):
     import datasets
     from transformers import AutoTokenizer
 
-    from hftrain.data.preference import check_lengths
+    from hftrain.methods.pairs import check_lengths
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pairs = [_text_pair(i, n) for i, n in enumerate([1, 12, 2, 12, 3, 1, 30])]

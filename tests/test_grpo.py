@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from hftrain.config import DataSection, DataSource, GrpoSection, RewardSpec, parse_recipe
-from hftrain.data.prompts import read_prompts
+from hftrain.methods.prompts import read_prompts
 from hftrain.errors import DataError, RecipeError, RewardError
-from hftrain.rewards import Reward, dry_run, exact_match, load_rewards
+from hftrain.methods.rewards import Reward, dry_run, exact_match, load_rewards
 
 from .conftest import DEMO_TRAIN, REPO
 

@@ -46,7 +46,7 @@ CONTRACT = [
     ("trl:DPOTrainer", "_precompute_ref_logps", ["dataset", "name", "batch_size"], "preference: SimPO's constant"),
     ("trl:DPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "preference: the pair count"),
     ("trl:DPOTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
-     "data.preference.trl_prepared: pairs measured as TRL truncates them (self: only its _tokenizer)"),
+     "methods.pairs.trl_prepared: pairs measured as TRL truncates them (self: only its _tokenizer)"),
     ("trl:DPOTrainer", "_save_checkpoint", ["model", "trial"], "checkpointing under DPOTrainer's model card"),
     ("trl:DPOTrainer", "_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"],
      "step_guard under DPOTrainer"),
@@ -58,7 +58,7 @@ CONTRACT = [
     ("trl:KTOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "kto: the step's examples"),
     ("trl:KTOTrainer", "_compute_kl_logps", ["model", "batch"], "kto: the step's KL reference point"),
     ("trl:KTOTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
-     "data.unpaired.check_example_lengths: examples measured as TRL truncates them (self: its _tokenizer and "
+     "methods.unpaired.check_example_lengths: examples measured as TRL truncates them (self: its _tokenizer and "
      "calculate_KL)"),
     *[(owner, name, params, f"{where} under {owner.split(':')[1]}")
       for owner in ("trl.experimental.orpo:ORPOTrainer", "trl:KTOTrainer")

@@ -25,7 +25,7 @@ from trl import DPOConfig, DPOTrainer
 from .. import losses
 from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, PreferenceSection, Recipe
-from ..data.preference import build_preference_data
+from .pairs import build_preference_data
 from ..trainer import RUN_MIXINS
 from .base import first_rows, has_template
 from .policy import PreferenceMethod

@@ -29,11 +29,11 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .. import distributed
 from ..config import HFTrainOptions, Recipe
-from ..data.prompts import PromptData, build_prompt_data, preview_prompts
+from .prompts import PromptData, build_prompt_data, preview_prompts
 from ..data.templates import template_kwargs
 from ..errors import LaunchError, RewardError
 from ..patches.transformers import mark_fsdp_managed
-from ..rewards import dry_run, load_rewards
+from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from .sft import SFT

@@ -36,7 +36,7 @@ from trl.trainer.utils import use_adapter
 
 from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
-from ..data.unpaired import build_unpaired_data
+from .unpaired import build_unpaired_data
 from ..trainer import RUN_MIXINS
 from .policy import PreferenceMethod
 from .base import first_rows, has_template

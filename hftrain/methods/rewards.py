@@ -37,8 +37,8 @@ import sys
 import threading
 import traceback
 
-from .config import GrpoSection, RewardSpec
-from .errors import RewardError
+from ..config import GrpoSection, RewardSpec
+from ..errors import RewardError
 
 
 def text_of(completion) -> str:

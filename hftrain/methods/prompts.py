@@ -22,9 +22,9 @@ import datasets
 from ..config import DataSection
 from ..distributed import print0
 from ..errors import DataError
-from .build import mix
-from .layouts import read_canonical
-from .templates import apply, template_kwargs
+from ..data.build import mix
+from ..data.layouts import read_canonical
+from ..data.templates import apply, template_kwargs
 
 PROMPT, REFERENCE = "prompt", "reference"  # the columns TRL reads (the prompt) and passes to reward functions
 

@@ -22,9 +22,9 @@ from ..config import DataSection, DataSource
 from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
-from .build import mix
-from .sources import column_map, read_rows
-from .split import held_out_split
+from ..data.build import mix
+from ..data.sources import column_map, read_rows
+from ..data.split import held_out_split
 
 PAIR = ("chosen", "rejected")
 
