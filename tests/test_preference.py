@@ -64,7 +64,13 @@ def test_losses_map_to_trl():
     assert trl_loss(PreferenceSection()) == "sigmoid"
     assert trl_loss(PreferenceSection(label_smoothing=0.1)) == "robust"  # TRL's sigmoid ignores label_smoothing
     assert trl_loss(PreferenceSection(loss_type="ipo")) == "ipo"
-    assert trl_loss(PreferenceSection(loss_type="simpo")) == "sigmoid_norm"  # + the constant reference
+    from hftrain.config import load_recipe
+    from hftrain.methods import method_of
+    from hftrain.methods.simpo import TRL_LOSS, SimPOTrainer
+
+    assert TRL_LOSS == "sigmoid_norm"  # + the constant reference
+    simpo = method_of(load_recipe(os.path.join(REPO, "recipes", "demo", "dpo.yaml"), ["preference.loss_type=simpo"]))
+    assert simpo.name == "simpo" and simpo.trainer_class is SimPOTrainer
 
 
 def test_a_script_refuses_the_other_method(tmp_path, tiny_model_dir, capsys, in_process):
@@ -374,13 +380,13 @@ def test_precomputed_reference_trains_like_the_frozen_copy(one_rank):
 
 
 def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
-    """TRL's sigmoid_norm with the constant reference PreferenceTrainer sets is SimPO's loss:
+    """TRL's sigmoid_norm with the constant reference SimPOTrainer sets is SimPO's loss:
     mean over pairs of -logsigmoid(beta * (mean logp chosen - mean logp rejected) - gamma)."""
     from transformers import AutoModelForCausalLM
 
     from hftrain.launch import check_data
     from hftrain.launch.setup import run_arguments
-    from hftrain.methods.dpo import PreferenceTrainer, dpo_config
+    from hftrain.methods.simpo import SimPOTrainer, simpo_config
 
     beta, gamma = 2.0, 0.7
     data = uneven_pairs(tmp_path / "pairs.jsonl", 4)
@@ -392,8 +398,8 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
     assert found == []
     tokenizer, pairs = check_data(recipe, 1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = PreferenceTrainer(model=model, args=dpo_config(recipe, **run_arguments(recipe)),
-                                train_dataset=pairs.train, processing_class=tokenizer)
+    trainer = SimPOTrainer(model=model, args=simpo_config(recipe, **run_arguments(recipe)),
+                           train_dataset=pairs.train, processing_class=tokenizer)
     rows = [trainer.train_dataset[i] for i in range(4)]
     trainer.model.eval()
     with torch.no_grad():

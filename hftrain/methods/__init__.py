@@ -1,15 +1,16 @@
-"""The training methods, one module each (sft, dpo: DPO, IPO and SimPO; orpo; kto; grpo), each owning its trainer,
+"""The training methods, one module each (sft; dpo: DPO and IPO; simpo; orpo; kto; grpo), each owning its trainer,
 its TRL config where it has one, its data phase and how `hftrain data` shows its rows (base.Method); policy.py holds
 the policy the TRL-based methods share. The registry below is what the CLI, the run's set-up and preflight iterate:
 adding a method is a module here with its METHOD, listed in METHODS.
 """
 
 from ..config import Recipe
-from . import dpo, grpo, kto, orpo, sft
+from . import dpo, grpo, kto, orpo, sft, simpo
 from .base import Method
 
-# In the order they are asked whether a recipe selects them: SFT, which takes any recipe, last.
-METHODS: tuple[Method, ...] = (kto.METHOD, orpo.METHOD, dpo.METHOD, grpo.METHOD, sft.METHOD)
+# In the order they are asked whether a recipe selects them: DPO, the preference: section's default, after the other
+# preference losses; SFT, which takes any recipe, last.
+METHODS: tuple[Method, ...] = (kto.METHOD, orpo.METHOD, simpo.METHOD, dpo.METHOD, grpo.METHOD, sft.METHOD)
 SCRIPTS = tuple(dict.fromkeys(m.script for m in METHODS))  # hftrain sft / dpo / grpo
 
 
