@@ -220,21 +220,24 @@ def tiny_mixtral_dir(tmp_path_factory):
     return str(tmp / "mixtral")
 
 
-def tiny_biased_moe(model_type: str, tokenizer_dir: str, out: str) -> str:
-    """A tiny DeepSeek-V3 or GLM-4.5 (routers choosing by score plus a bias, two groups of 4 experts, a shared
-    expert, the first layer dense) with the tokenizer of `tokenizer_dir`; routers with large weights, so that no
-    routing is a near tie that rounding could flip between batch layouts."""
+def tiny_family_moe(model_type: str, tokenizer_dir: str, out: str) -> str:
+    """A tiny model of an MoE family with the tokenizer of `tokenizer_dir`: 8 experts, top-2; DeepSeek-V3 and GLM-4.5
+    with routers choosing by score plus a bias (two groups of 4 experts), a shared expert and the first layer dense;
+    routers with large weights, so that no routing is a near tie that rounding could flip between batch layouts."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     keys = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2,
                 max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    if model_type in BIASED:
+        keys.update(n_routed_experts=8, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1)
+    else:  # each family's own name for the expert count (the others ignore it), and Qwen2-MoE's shared expert
+        keys.update(num_experts=8, num_local_experts=8, shared_expert_intermediate_size=32, head_dim=16)
     if model_type == "deepseek_v3":  # the head sizes a DeepSeek-V3 config builds with (FEASIBILITY.md)
         keys.update(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                     head_dim=8, rope_interleave=True)
-    else:
+    elif model_type == "glm4_moe":
         keys.update(head_dim=16)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **keys))
@@ -247,6 +250,8 @@ def tiny_biased_moe(model_type: str, tokenizer_dir: str, out: str) -> str:
 
 
 BIASED = ("deepseek_v3", "glm4_moe")
+# Today's families with a softmax router and their own load-balancing loss, beside the tiny Mixtral.
+AUX_FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 BIAS_RATE = 0.05  # large enough to change routings within the runs' 3 steps (the default is the paper's 0.001)
 AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "1x_ga4": (1, 4, "recipes/sft.py", {}),
@@ -259,6 +264,9 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     # aux-loss-free balancing: the biases moved from the global batch's loads (moe/balance.py)
     **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"bias_update_rate": BIAS_RATE, "family": family})
        for family in BIASED for world, ga in ((1, 4), (2, 2))},
+    # every family through the recipe, with its own aux loss and the z-loss
+    **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"family": family})
+       for family in AUX_FAMILIES for world, ga in ((1, 4), (2, 2))},
 }
 
 
@@ -270,13 +278,13 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
 
     tmp = tmp_path_factory.mktemp("aux")
     data = uneven_data(tmp / "uneven.jsonl")
-    models = {f: tiny_biased_moe(f, tiny_mixtral_dir, str(tmp / f)) for f in BIASED}
+    models = {f: tiny_family_moe(f, tiny_mixtral_dir, str(tmp / f)) for f in BIASED + AUX_FAMILIES}
     launches: dict[tuple[int, str], dict] = {}
     for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
         family = extra.get("family")
         extra = {k: v for k, v in extra.items() if k != "family"}
-        moe_keys = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01} if family is None else {}
+        moe_keys = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01} if family not in BIASED else {}
         tree = {
             "model": {"name_or_path": models[family] if family else tiny_mixtral_dir, "dtype": "float32"},
             "data": {"sources": [{"path": data}], "max_length": 64},
@@ -316,6 +324,7 @@ def aux_outputs(out, world, stdout) -> dict:
         assert info["wrapper"] == "DistributedDataParallel"
     logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "aux": [h.get("moe_aux_loss") for h in logs],
+            "z": [h.get("moe_z_loss") for h in logs], "logs": logs, "folder": out,
             "final": load_file(str(out / "model.safetensors")), "stdout": stdout, "info": info}
 
 
@@ -359,6 +368,24 @@ def test_bias_balancing_is_invariant_to_world_size_and_accumulation(aux_runs, fa
         assert torch.equal(other["final"][k], v), k
     assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert max_rel(other["final"], base["final"]) <= 1e-5
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("family", AUX_FAMILIES)
+def test_each_family_trains_through_the_recipe_with_its_aux_loss_exact_over_ranks(aux_runs, family):
+    """Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss through recipes/sft.py: the family's own load-balancing loss and the
+    z-loss enter the loss, the router health is read from its routers, 2 ranks x GA2 train as 1 rank x GA4, and the
+    saved model is the family's native class."""
+    from transformers import AutoConfig
+
+    base, other = aux_runs[f"1x_ga4_{family}"], aux_runs[f"2x_ga2_{family}"]
+    assert len(base["losses"]) == 3 and min(base["aux"]) > 0 and min(base["z"]) > 0
+    first = base["logs"][0]
+    loads = [k for k in first if k.startswith("moe/layer") and "/load_e" in k]
+    assert len(loads) == 8 * 3 and sum(first[k] for k in loads if k.startswith("moe/layer0/")) == pytest.approx(1)
+    assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(other["final"], base["final"]) <= 1e-5
+    assert AutoConfig.from_pretrained(base["folder"]).model_type == family
 
 
 @pytest.mark.launches
@@ -468,7 +495,7 @@ def test_expert_parallel_options_are_validated():
     assert ok.moe.expert_parallel_size == 2
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(model_type, tmp_path):
     """What SFTTrainer.compute_loss returns = CE / targets + coef * aux / GA + z_coef * z / GA, with aux the family's
     own load-balancing loss on the same router logits and padding mask (and no model-internal loss)."""
@@ -482,8 +509,8 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
 
     cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
                                moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                               initializer_range=0.5)
+                               num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_local_experts=4,
+                               num_experts_per_tok=2, head_dim=16, initializer_range=0.5)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     args = HFTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")

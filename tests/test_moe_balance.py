@@ -12,14 +12,14 @@ from hftrain.launch.preflight import check_recipe
 from hftrain.moe import attach
 from hftrain.moe.balance import BIAS, BiasBalancer, bias_updates, biased_routers
 
-from .test_moe import tiny_biased_moe
+from .test_moe import tiny_family_moe
 
 RATE = 0.25
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
 def biased_dir(request, tiny_model_dir, tmp_path_factory):
-    return tiny_biased_moe(request.param, tiny_model_dir, str(tmp_path_factory.mktemp(request.param)))
+    return tiny_family_moe(request.param, tiny_model_dir, str(tmp_path_factory.mktemp(request.param)))
 
 
 def routed(model, ids, mask) -> list[torch.Tensor]:

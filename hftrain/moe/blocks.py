@@ -7,15 +7,24 @@ import torch
 from ..errors import MoeError
 
 
+ROUTER_NAMES = ("gate", "router")  # gpt-oss calls its block's router `router`; the other families `gate`
+
+
+def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The router child of an MoE block. Every family's router (transformers 5) returns (logits, top-k weights, top-k
+    expert ids)."""
+    return next((r for r in (getattr(block, n, None) for n in ROUTER_NAMES) if isinstance(r, torch.nn.Module)), None)
+
+
 def moe_blocks(model) -> list[torch.nn.Module]:
-    """Sparse MoE blocks: modules with a router `gate` and an `experts` child (Mixtral, Qwen2/3-MoE, OLMoE, ...),
-    or hftrain's expert-parallel layer."""
-    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
-            and isinstance(getattr(m, "experts"), torch.nn.Module)]
+    """Sparse MoE blocks: modules with a router child and an `experts` child (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss,
+    DeepSeek-V3, GLM-4.5), or hftrain's expert-parallel layer."""
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)
+            and router_of(m) is not None]
 
 
 def routers(model) -> list[torch.nn.Module]:
-    return [b.gate for b in moe_blocks(model)]
+    return [router_of(b) for b in moe_blocks(model)]
 
 
 def unwrap(model):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 from transformers import TrainerCallback
 
-from .blocks import moe_blocks
+from .blocks import moe_blocks, router_of
 
 
 class ExpertParallelMoE(nn.Module):
@@ -39,7 +39,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"moe.expert_parallel_size: {self.ep_size} does not divide the {e} experts")
         self.num_experts, self.local = e, e // self.ep_size
         self.capacity_factor = capacity_factor
-        self.gate = block.gate  # the native router: same routing, and router hooks keep working
+        self.gate = router_of(block)  # the native router: same routing, and router hooks keep working
         lo, hi = self.ep_rank * self.local, (self.ep_rank + 1) * self.local
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[lo:hi].clone())
@@ -161,9 +161,10 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in blocks:
-                if not hasattr(child.experts, "gate_up_proj") or not hasattr(child.gate, "top_k"):
+                if (not hasattr(child.experts, "gate_up_proj") or hasattr(child.experts, "gate_up_proj_bias")
+                        or not hasattr(router_of(child), "top_k")):  # gpt-oss's experts have biases and a clamp
                     raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} is not a fused Mixtral-style "
-                                     "block (gate_up_proj / down_proj experts and a top-k router)")
+                                     "block (gate_up_proj / down_proj experts without biases and a top-k router)")
                 if hasattr(child, "shared_expert"):
                     raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} has a shared expert, which "
                                      "this layer does not run; expert parallelism supports Mixtral-style blocks")
