@@ -255,7 +255,8 @@ def lora_config(cfg: ModelSection):
     from peft import LoraConfig  # optional dependency, heavy to import: LoRA runs only
 
     return LoraConfig(task_type="CAUSAL_LM", r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save)
+                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
+                      target_parameters=cfg.lora.target_parameters)
 
 
 def _whole(model, output_dir: str, cfg: ModelSection, sharded: bool):

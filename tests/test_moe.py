@@ -534,3 +534,43 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
     expected = losses.loss_sum(out.logits, labels) / n + 0.1 * aux / 2 + 0.01 * z / 2
     assert aux > 0.5 and z > 0
     torch.testing.assert_close(got, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA on the fused experts (peft's target_parameters) as well as on attention
+
+
+def test_lora_on_fused_experts_trains_saves_and_merges_into_a_native_checkpoint(tiny_mixtral_dir, tmp_path, in_process):
+    """A tiny Qwen3-MoE through recipes/sft.py (in this process) with adapters on q/v and on every layer's fused
+    experts: the expert adapters train, and output_dir/merged is a native Qwen3-MoE that loads with from_pretrained
+    alone and gives the adapter model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.recipes.sft import main
+
+    from .conftest import uneven_data
+
+    base = tiny_family_moe("qwen3_moe", tiny_mixtral_dir, str(tmp_path / "base"))
+    out = tmp_path / "out"
+    main([os.path.join(REPO, "recipes", "demo", "sft.yaml"), f"model.name_or_path={base}", "model.dtype=float32",
+          f"data.sources=[{{path: {uneven_data(tmp_path / 'd.jsonl')}}}]", "data.eval_sources=[]",
+          "eval.exact_match=0", f"training.output_dir={out}", "training.max_steps=2", "training.learning_rate=0.05",
+          "training.warmup_steps=0", "training.lr_scheduler_type=constant", "training.per_device_train_batch_size=4",
+          "training.save_strategy=no", "training.eval_strategy=no", "training.report_to=none", "model.lora.r=4",
+          "model.lora.dropout=0.0", "model.lora.target_modules=[q_proj, v_proj]", "model.lora.merge=true",
+          "model.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]", "moe.aux_loss_coef=0.01"])
+    adapter = load_file(str(out / "adapter_model.safetensors"))
+    expert_b = [k for k in adapter if "experts" in k and "lora_B" in k]
+    assert len(expert_b) == 2 * 3 and all(adapter[k].abs().max() > 0 for k in expert_b)  # trained from zero
+    ids = torch.tensor([[2, 10, 20, 30, 40, 50]])
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out)).eval()(ids).logits
+        merged_model = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+        merged = merged_model(ids).logits
+    assert type(merged_model).__name__ == "Qwen3MoeForCausalLM"
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)
+    before = load_file(os.path.join(base, "model.safetensors"))
+    after = load_file(str(out / "merged" / "model.safetensors"))
+    key = "model.layers.0.mlp.experts.0.down_proj.weight"  # saved in the per-expert layout of the Hub's checkpoints
+    assert (after[key] - before[key]).abs().max() > 1e-6  # the experts' update is in the merged weights

@@ -35,6 +35,9 @@ class LoraSection:
     dropout: float = _f(0.05, "Dropout on the LoRA input.")
     target_modules: str | list[str] = _f("all-linear", "Modules to adapt: a list of names, or 'all-linear'.")
     modules_to_save: list[str] | None = _f(None, "Modules trained fully and saved with the adapter (e.g. lm_head).")
+    target_parameters: list[str] | None = _f(
+        None, "Parameters to adapt where they are no Linear module (peft's target_parameters), e.g. an MoE model's "
+        "fused experts: [experts.gate_up_proj, experts.down_proj]; merged like the others.")
     merge: bool = _f(False, "Also save base + adapter merged into a full model in output_dir/merged.")
 
 
