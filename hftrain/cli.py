@@ -306,7 +306,8 @@ def _add_moe(sub) -> None:
     mo = sub.add_parser("moe", allow_abbrev=False, help="Mixture-of-experts tools.")
     up = mo.add_subparsers(dest="moe_command", required=True).add_parser(
         "upcycle", allow_abbrev=False,
-        help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE: each chosen MLP becomes E copies + a router; "
+        help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE: each chosen MLP becomes E "
+        "copies + a router; "
         "outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM alone).",
     )
     up.add_argument("--model", required=True, help="dense model folder (safetensors)")

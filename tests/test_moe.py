@@ -21,9 +21,9 @@ IDS = torch.tensor([[3, 17, 42, 99, 7, 250, 11, 64, 5, 128], [9, 8, 7, 6, 5, 4, 
 
 
 def dense(kind: str, seed=0):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
     torch.manual_seed(seed)
     cfg = cls(vocab_size=300, **SMALL, initializer_range=0.3)  # large weights: logits differ a lot between tokens
     return AutoModelForCausalLM.from_config(cfg).eval()
@@ -32,14 +32,16 @@ def dense(kind: str, seed=0):
 @pytest.mark.parametrize("kind,layers,target", [("llama", None, "MixtralForCausalLM"),
                                                 ("mistral", None, "MixtralForCausalLM"),
                                                 ("qwen2", None, "Qwen2MoeForCausalLM"),
-                                                ("qwen2", [1], "Qwen2MoeForCausalLM")])
+                                                ("qwen2", [1], "Qwen2MoeForCausalLM"),
+                                                ("qwen3", None, "Qwen3MoeForCausalLM"),
+                                                ("qwen3", [1], "Qwen3MoeForCausalLM")])
 def test_upcycled_logits_equal_dense(kind, layers, target):
     d = dense(kind)
     m = upcycle(d, num_experts=4, top_k=2, layers=layers).eval()
     assert type(m).__name__ == target
     assert len(moe_blocks(m)) == (len(layers) if layers else d.config.num_hidden_layers)
-    if layers:  # the other layers keep the dense MLP (Qwen2-MoE's mlp_only_layers)
-        assert type(m.model.layers[0].mlp).__name__ == "Qwen2MoeMLP"
+    if layers:  # the other layers keep the dense MLP (Qwen2-MoE's and Qwen3-MoE's mlp_only_layers)
+        assert type(m.model.layers[0].mlp).__name__ in ("Qwen2MoeMLP", "Qwen3MoeMLP")
     with torch.no_grad():
         a, b = d(input_ids=IDS).logits, m(input_ids=IDS).logits
         # the routers really route: different tokens go to different experts
@@ -53,7 +55,8 @@ def test_unsupported_families_and_partial_mixtral_are_refused():
     from transformers import AutoModelForCausalLM, GPT2Config
 
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe"):
+    with pytest.raises(MoeError, match="supported: llama -> mixtral, mistral -> mixtral, qwen2 -> qwen2_moe, "
+                                       "qwen3 -> qwen3_moe"):
         upcycle(gpt2, 4, 2)
     with pytest.raises(MoeError, match="every layer must be upcycled"):
         upcycle(dense("llama"), 4, 2, layers=[0])
@@ -119,6 +122,21 @@ def test_qwen2_moe_export_with_dense_layers_reloads_without_hftrain(tmp_path):
     assert json.load(open(tmp_path / "qmoe" / "config.json"))["mlp_only_layers"] == [1]
     with torch.no_grad():
         torch.testing.assert_close(logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
+
+
+def test_qwen3_moe_upcycled_with_dense_layers_saves_and_reloads_as_native(tmp_path):
+    """Qwen3 -> Qwen3-MoE keeps Qwen3's own head size (not hidden_size / heads) through save and reload."""
+    from transformers import AutoModelForCausalLM
+
+    d = dense("qwen3")
+    m = upcycle(d, 4, 2, layers=[1])
+    m.save_pretrained(tmp_path / "q3moe")
+    config = json.load(open(tmp_path / "q3moe" / "config.json"))
+    assert (config["model_type"], config["mlp_only_layers"]) == ("qwen3_moe", [0])
+    assert config["head_dim"] == d.config.head_dim
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q3moe").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS).logits, d(input_ids=IDS).logits, rtol=0, atol=1e-5)
 
 
 def test_moe_model_returns_aux_loss_but_no_loss_of_its_own():

@@ -1,7 +1,9 @@
 """Sparse upcycling (Komatsuzaki et al. 2022), which transformers lacks: each chosen dense MLP becomes E copies of it
-plus a small random router, built as the family's native MoE class (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE)
-so the saved folder loads with `AutoModelForCausalLM` alone. Outputs equal the dense model's at step 0:
-- Mixtral renormalises the router's softmax over the k chosen experts, and the experts are identical;
+plus a small random router, built as the family's native MoE class (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE,
+Qwen3 -> Qwen3-MoE) so the saved folder loads with `AutoModelForCausalLM` alone. Outputs equal the dense model's at
+step 0:
+- Mixtral and Qwen3-MoE (norm_topk_prob on) renormalise the router's softmax over the k chosen experts, and the
+  experts are identical;
 - Qwen2-MoE's shared expert, gated by sigmoid(0) = 0.5, is the dense MLP and the routed experts' down projections
   are halved (norm_topk_prob on): 0.5 MLP + 0.5 MLP = MLP, exact in floating point.
 """
@@ -12,16 +14,17 @@ import os
 from typing import Iterable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen2MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..errors import MoeError
 
 # dense model_type -> the MoE model_type it is upcycled to
-UPCYCLE_TARGETS = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe"}
+# (Qwen3-MoE's attention normalises q and k per head, which a Llama has not: Llama goes to Mixtral, exactly.)
+UPCYCLE_TARGETS = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
 # MoE families whose decoder layers can stay dense (Mixtral builds a sparse block in every layer)
-PARTIAL_LAYERS = {"qwen2_moe"}
+PARTIAL_LAYERS = {"qwen2_moe", "qwen3_moe"}
 
 
 def supported() -> str:
@@ -51,6 +54,7 @@ def moe_config(dense_config, num_experts: int, top_k: int, layers: list[int]):
         tie_word_embeddings=c.tie_word_embeddings, rope_parameters=dict(c.rope_parameters),
         attention_dropout=c.attention_dropout, num_experts_per_tok=top_k, output_router_logits=False,
     )
+    dense_layers = [i for i in range(c.num_hidden_layers) if i not in layers]
     if target == "mixtral":
         if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
             raise MoeError(f"--model: this {c.model_type} has attention/MLP biases, which Mixtral has no place for; "
@@ -58,12 +62,21 @@ def moe_config(dense_config, num_experts: int, top_k: int, layers: list[int]):
         cfg = MixtralConfig(**common, intermediate_size=c.intermediate_size, head_dim=getattr(c, "head_dim", None),
                             sliding_window=getattr(c, "sliding_window", None), num_local_experts=num_experts,
                             router_jitter_noise=0.0)
+    elif target == "qwen3_moe":
+        if c.use_sliding_window:
+            raise MoeError("--model: this qwen3 uses a sliding window on some layers (max_window_layers), which "
+                           "Qwen3-MoE has no place for; it cannot be upcycled exactly")
+        cfg = Qwen3MoeConfig(
+            **common, intermediate_size=c.intermediate_size, moe_intermediate_size=c.intermediate_size,
+            num_experts=num_experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=dense_layers,
+            attention_bias=c.attention_bias, use_sliding_window=False, sliding_window=c.sliding_window)
+        cfg.head_dim = c.head_dim  # Qwen3's own (not hidden_size / heads); the MoE attention reads it the same way
     else:
         cfg = Qwen2MoeConfig(
             **common, intermediate_size=c.intermediate_size, moe_intermediate_size=c.intermediate_size,
             shared_expert_intermediate_size=c.intermediate_size, num_experts=num_experts, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[i for i in range(c.num_hidden_layers) if i not in layers],
-            qkv_bias=True, use_sliding_window=c.use_sliding_window, sliding_window=c.sliding_window,
+            decoder_sparse_step=1, mlp_only_layers=dense_layers, qkv_bias=True,
+            use_sliding_window=c.use_sliding_window, sliding_window=c.sliding_window,
             max_window_layers=c.max_window_layers, layer_types=list(c.layer_types),
         )
     cfg.dtype = c.dtype
