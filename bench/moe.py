@@ -2,6 +2,7 @@
 
     python bench/moe.py train [--steps 60] [--experts 4 8] [--top-k 2] [--repeats 3]
     flock /tmp/hftrain-mp.lock python bench/moe.py ep [--tokens 2048] [--iters 20]
+    python bench/moe.py impl [--tokens 2048] [--iters 10] [--experts 16] [--top-k 2]
 
 1. train: the demo task (recipes/demo/sft.yaml, tiny Llama of hftrain.tiny.TINY_LLAMA) trained for --steps steps,
    dense and upcycled to E experts (top-k), each in its own process (recipes/sft.py): training tokens/s (the
@@ -10,6 +11,10 @@
 2. ep: 2 ranks (torchrun); per rank a batch of --tokens tokens through one Mixtral-style block, forward + backward:
    the native block holding all experts on each rank vs hftrain's ExpertParallelMoE holding half of them and
    dispatching with all_to_all. Median milliseconds per iteration (rank 0).
+3. impl: transformers' experts implementations (eager: a loop over the experts hit; batched_mm; grouped_mm) on one
+   Qwen3-MoE-shaped model, each in its own process: forward + backward of --tokens tokens, median milliseconds, the
+   process's peak RSS, and the loss and gradients against eager's (exact: the same to 1e-5 relative); the fastest
+   exact one is named (`model.experts_implementation` sets it in a recipe). Active against total parameters.
 """
 
 from __future__ import annotations
@@ -142,6 +147,78 @@ def ep(ns) -> None:
     sys.exit(subprocess.call(cmd, env=env))
 
 
+IMPLS = ("eager", "batched_mm", "grouped_mm")
+
+
+def _impl_model(ns, impl: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=1024, hidden_size=ns.hidden, intermediate_size=ns.hidden * 2,
+                               moe_intermediate_size=ns.intermediate, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=ns.hidden // 4, num_experts=ns.experts,
+                               num_experts_per_tok=ns.top_k, norm_topk_prob=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.float32)
+
+
+def _impl_worker(ns) -> None:
+    """One implementation in this process: median ms of forward + backward, loss and gradients saved for the check."""
+    import torch
+
+    torch.set_num_threads(ns.threads)
+    model = _impl_model(ns, ns.impl).train()
+    ids = torch.randint(0, 1024, (ns.tokens // 256, 256), generator=torch.Generator().manual_seed(1))
+    times = []
+    for i in range(ns.iters + 1):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if i:  # the first is warm-up
+            times.append((time.perf_counter() - start) * 1e3)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"loss": loss.detach(), "grads": grads}, ns.out)
+    print(json.dumps({"impl": ns.impl, "ms": statistics.median(times),
+                      "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+def impl(ns) -> None:
+    import torch
+
+    model = _impl_model(ns, "eager")
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * ns.top_k // ns.experts
+    print(f"Qwen3-MoE shape: hidden {ns.hidden}, {ns.experts} experts of {ns.intermediate}, top-{ns.top_k}: "
+          f"{total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token; {ns.tokens} tokens, "
+          f"{ns.threads} thread(s)")
+    rows, tmp = {}, tempfile.mkdtemp()
+    for name in IMPLS:
+        out = os.path.join(tmp, f"{name}.pt")
+        cmd = [PY, os.path.abspath(__file__), "_impl_worker", "--impl", name, "--out", out,
+               *[a for k in ("tokens", "iters", "hidden", "intermediate", "experts", "top_k", "threads")
+                 for a in (f"--{k.replace('_', '-')}", str(getattr(ns, k)))]]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+        if r.returncode:
+            print(f"  {name:<11} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+            continue
+        rows[name] = {**json.loads(r.stdout.strip().splitlines()[-1]), "saved": torch.load(out)}
+    ref = rows.get("eager")
+    for name, row in rows.items():
+        exact = ref is not None and _rel(row["saved"]["loss"], ref["saved"]["loss"]) <= 1e-5 and max(
+            _rel(g, ref["saved"]["grads"][n]) for n, g in row["saved"]["grads"].items()) <= 1e-5
+        row["exact"] = exact
+        print(f"  {name:<11} {row['ms']:8.1f} ms / forward+backward  peak RSS {row['maxrss_mib']:7.0f} MiB  "
+              f"{'exact' if exact else 'NOT exact'} against eager")
+    fastest = min((n for n, r in rows.items() if r["exact"]), key=lambda n: rows[n]["ms"], default=None)
+    print(f"fastest exact: {fastest}")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_train_worker":
         return _train_worker(sys.argv[2:])
@@ -160,8 +237,20 @@ def main() -> None:
         e.add_argument("--hidden", type=int, default=256)
         e.add_argument("--intermediate", type=int, default=512)
         e.add_argument("--num-experts", dest="num_experts", type=int, default=8)
+    for name in ("impl", "_impl_worker"):
+        i = sub.add_parser(name)
+        i.add_argument("--tokens", type=int, default=2048)
+        i.add_argument("--iters", type=int, default=10)
+        i.add_argument("--hidden", type=int, default=256)
+        i.add_argument("--intermediate", type=int, default=256)
+        i.add_argument("--experts", type=int, default=16)
+        i.add_argument("--top-k", dest="top_k", type=int, default=2)
+        i.add_argument("--threads", type=int, default=1)
+        if name == "_impl_worker":
+            i.add_argument("--impl", choices=IMPLS, required=True)
+            i.add_argument("--out", required=True)
     ns = p.parse_args()
-    {"train": train, "ep": ep, "_ep_worker": _ep_worker}[ns.cmd](ns)
+    {"train": train, "ep": ep, "_ep_worker": _ep_worker, "impl": impl, "_impl_worker": _impl_worker}[ns.cmd](ns)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,8 @@ def _from_pretrained(cfg: ModelSection, quantized: bool):
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.experts_implementation:
+        kwargs["experts_implementation"] = cfg.experts_implementation
     if quantized:
         _raise_if(bitsandbytes_problem())
         kwargs.update(quantization_config=bnb_config(cfg), **placement())

@@ -289,6 +289,8 @@ CASES = [
                                           "training.dataloader_drop_last=true"],
      ["one optimizer step needs 4 examples", "the data has 2. Lower one of those or add data"]),
     # -- the model ---------------------------------------------------------------------------------------------
+    ("experts_implementation_of_a_dense_model", lambda w: [w.recipe(set_("model.experts_implementation", "eager"))],
+     ["model.experts_implementation:", "has no experts whose implementation transformers can set", "remove it"]),
     ("model_path_missing", lambda w: [w.recipe(set_("model.name_or_path", "./no/such/model"))],
      ["model.name_or_path: ./no/such/model does not exist", "check the spelling or build it first"]),
     ("pickle_only_weights", lambda w: [w.recipe(set_("model.name_or_path", w.pickled_model()))],

@@ -592,3 +592,16 @@ def test_lora_on_fused_experts_trains_saves_and_merges_into_a_native_checkpoint(
     after = load_file(str(out / "merged" / "model.safetensors"))
     key = "model.layers.0.mlp.experts.0.down_proj.weight"  # saved in the per-expert layout of the Hub's checkpoints
     assert (after[key] - before[key]).abs().max() > 1e-6  # the experts' update is in the merged weights
+
+
+def test_the_recipe_chooses_the_experts_implementation(tiny_mixtral_dir, tmp_path):
+    """model.experts_implementation reaches transformers (bench/moe.py impl times each); unset, transformers'
+    default stays."""
+    from hftrain.config import ModelSection
+    from hftrain.modeling import load_model
+
+    base = tiny_family_moe("qwen3_moe", tiny_mixtral_dir, str(tmp_path / "base"))
+    chosen = load_model(ModelSection(name_or_path=base, dtype="float32", experts_implementation="batched_mm"))
+    default = load_model(ModelSection(name_or_path=base, dtype="float32"))
+    assert chosen.config._experts_implementation == "batched_mm"
+    assert default.config._experts_implementation != "batched_mm"

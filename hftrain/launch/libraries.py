@@ -244,6 +244,16 @@ def moe_bias_problems(recipe: Recipe) -> list[tuple[str, str]]:
     return [("moe.bias_update_rate", problem)] if problem else []
 
 
+def experts_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """model.experts_implementation asked of a model whose class cannot set it (a dense model): transformers refuses
+    it when the weights load; asked here of the model built from its config on the meta device."""
+    config = local_config(recipe.model)
+    if config is None or meta_model(config, recipe.model.trust_remote_code)._can_set_experts_implementation():
+        return []
+    return [("model.experts_implementation", f"{recipe.model.name_or_path} ({config.model_type}) has no experts "
+             "whose implementation transformers can set (not an MoE model): remove it")]
+
+
 # -- peft -----------------------------------------------------------------------------------------------------------
 def _try_lora(model_section, config) -> str | None:
     from peft import get_peft_model  # optional dependency: LoRA runs only

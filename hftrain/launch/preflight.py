@@ -209,6 +209,8 @@ def _model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tupl
     if model_ok and moe is not None and _typed(moe.bias_update_rate, (int, float)) and moe.bias_update_rate > 0 and (
             "moe.bias_update_rate" not in skip):
         out += libraries.moe_bias_problems(recipe)
+    if model_ok and m.experts_implementation is not None and "model.experts_implementation" not in skip:
+        out += libraries.experts_problems(recipe)
     if model_ok and m.kernels == "liger" and "model.kernels" not in skip:
         config = local_config(m)
         problem = liger_problem(getattr(config, "model_type", None)) if config is not None else None
