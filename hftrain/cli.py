@@ -159,7 +159,8 @@ def _plan(ns) -> int:
     sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
                 bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
-    print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters, {facts.trainable / 1e6:.1f}M trained; "
+    active = f" ({facts.active_params / 1e6:.1f}M active per token)" if facts.active_params != facts.params else ""
+    print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
           + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
     print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp))

@@ -83,3 +83,32 @@ def test_plan_command(tiny_model_dir, capsys):
                  "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "recommended: ddp" in out and "zero_infinity" in out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_an_moe_model_is_planned_with_every_experts_state_and_the_active_experts_activations(model_type, tmp_path):
+    """Every expert's parameters count for the model states (each has its optimizer state); the MLP's activations
+    in a sparse layer are those of the top-k experts (and a shared one), as wide as k x the expert's width."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftrain.launch.plan import activation_bytes
+
+    keys = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8, num_local_experts=8,
+                n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
+                topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    config = AutoConfig.for_model(model_type, **keys)
+    config.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_config(config)
+    f = model_facts(str(tmp_path))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert f.params == sum(p.numel() for p in model.parameters()) and experts > f.params / 3
+    assert f.active_params == f.params - experts + experts * 2 // 8
+    sparse = 1 if model_type == "deepseek_v3" else 2  # its first layer stays dense
+    expert_width = 16 if model_type != "gpt_oss" else config.intermediate_size  # gpt-oss's experts are this wide
+    shared = 16 if model_type == "deepseek_v3" else 0
+    assert (f.moe_layers, f.active_intermediate) == (sparse, 2 * expert_width + shared)
+    sbh = 128 * 4 * 32
+    mlp = 16 * sbh * (2 * expert_width + shared) / (4 * 32)
+    expected = sparse * (18 * sbh + mlp) + (2 - sparse) * 34 * sbh + 2 * 4 * 4 * 128 * 64
+    assert activation_bytes(f, 4, 128, checkpointing=False) == pytest.approx(expected)

@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
+from ..moe.blocks import moe_blocks, router_of
 from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers
 
@@ -66,6 +67,12 @@ class ModelFacts:
     weight_bytes: int  # bytes per parameter of the loaded weights (of the adapter's, over a quantised base)
     largest_tensor: int = 0  # elements of the largest single parameter
     param_bytes: float | None = None  # all parameters' bytes where they are not weight_bytes each (a quantised base)
+    # MoE models: the intermediate width each token's activations run through in the sparse layers (top-k experts'
+    # plus a shared expert's), the number of sparse layers and the parameters one token uses (the others' experts
+    # idle); 0 / params for a dense model.
+    active_intermediate: int = 0
+    moe_layers: int = 0
+    active_params: int = 0
 
 
 @dataclass
@@ -101,9 +108,13 @@ def state_bytes(strategy: str, f: ModelFacts, mixed: bool) -> tuple[float, float
 
 
 def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, act_bytes: int = 2) -> float:
-    per_layer = 34 * seq * micro_batch * f.hidden * act_bytes / 2
-    layers = ((2 * seq * micro_batch * f.hidden * act_bytes / 2) * f.layers + per_layer if checkpointing
-              else per_layer * f.layers)
+    """Korthikanti et al.'s 34 s b h per layer (2 bytes each), 16 of which are the MLP's 4h-wide activations: in an
+    MoE layer those scale with the width a token runs through (its top-k experts' and a shared expert's), not with
+    the number of experts."""
+    sbh = seq * micro_batch * f.hidden * act_bytes / 2
+    sparse = (34 - 16 + 16 * f.active_intermediate / (4 * f.hidden)) * sbh
+    per_layer = [sparse] * f.moe_layers + [34 * sbh] * (f.layers - f.moe_layers)
+    layers = 2 * sbh * f.layers + max(per_layer) if checkpointing else sum(per_layer)
     logits = 2 * 4 * micro_batch * seq * f.vocab
     return layers + logits
 
@@ -164,7 +175,25 @@ def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code:
         param_bytes = (quantized_linear_bytes(packed, quantization.bits, quantization.double_quant is not False)
                        + 4 * (params - packed) + 4 * trainable)
     return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
-                      weight_bytes, max(p.numel() for p in model.parameters()), param_bytes)
+                      weight_bytes, max(p.numel() for p in model.parameters()), param_bytes, **moe_facts(model))
+
+
+def moe_facts(model) -> dict:
+    """active_intermediate, moe_layers, active_params of ModelFacts for a model built on the meta device: each sparse
+    block's experts (fused [E, hidden, I] down projections), its router's top-k, a shared expert's width."""
+    blocks = moe_blocks(model)
+    params = sum(p.numel() for p in model.parameters())
+    if not blocks:
+        return {"active_params": params}
+    idle, width = 0, 0
+    for b in blocks:
+        experts, top_k = b.experts.down_proj.shape[0], router_of(b).top_k
+        per_expert = b.experts.down_proj[0].numel() // model.config.get_text_config().hidden_size  # [H, I] or [I, H]
+        expert_params = sum(p.numel() for p in b.experts.parameters())
+        idle += expert_params - expert_params * top_k // experts
+        shared = getattr(b, "shared_expert", None) or getattr(b, "shared_experts", None)
+        width = top_k * per_expert + (shared.down_proj.in_features if shared is not None else 0)
+    return {"active_intermediate": width, "moe_layers": len(blocks), "active_params": params - idle}
 
 
 def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:
