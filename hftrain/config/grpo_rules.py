@@ -62,6 +62,18 @@ def _section_problems(g) -> Problems:
     if _num(g.reward_timeout) and not (math.isfinite(g.reward_timeout) and g.reward_timeout >= 0):
         out.append(("grpo.reward_timeout", f"must be a finite number of seconds >= 0 (0: no limit), got "
                     f"{g.reward_timeout}"))
+    if _num(g.max_tool_calls) and g.max_tool_calls < 1:
+        out.append(("grpo.max_tool_calls", f"must be at least 1 (unset: no limit), got {g.max_tool_calls}"))
+    if _num(g.tool_timeout) and not (math.isfinite(g.tool_timeout) and g.tool_timeout >= 0):
+        out.append(("grpo.tool_timeout", f"must be a finite number of seconds >= 0 (0: no limit), got "
+                    f"{g.tool_timeout}"))
+    for i, spec in enumerate(g.tools if isinstance(g.tools, list) else []):
+        module, _, name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        if isinstance(spec, str) and (not module or not name.isidentifier()):
+            out.append((f"grpo.tools.{i}", f"{spec!r} is not module:function (or path/to/file.py:function) of "
+                        "your own"))
+    if g.max_tool_calls is not None and not g.tools:
+        out.append(("grpo.max_tool_calls", "limits tool calls, and grpo.tools names none: add tools, or remove it"))
     if isinstance(g.rewards, list) and not g.rewards:
         out.append(("grpo.rewards", "needs at least one reward function, e.g. [{function: exact_match}]"))
     for i, r in enumerate(g.rewards if isinstance(g.rewards, list) else []):

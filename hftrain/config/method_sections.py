@@ -72,6 +72,15 @@ class GrpoSection:
     reward_timeout: float = _f(
         60.0, "Seconds one call of a reward function (a batch of completions) may take; one that runs longer stops "
         "the run naming it, instead of leaving every rank waiting. 0: no limit.")
+    tools: list[str] | None = _f(
+        None, "Tools the model may call while it generates (multi-turn rollouts): `module:function` or "
+        "`path/to/file.py:function`, each with type hints and a docstring (its JSON schema, as transformers reads "
+        "it). A tool's output is in the context, never in the loss.")
+    max_tool_calls: int | None = _f(None, "Rounds of tool calls per rollout at most; past it the rollout is cut. "
+                                    "Default: no limit but max_completion_length.")
+    tool_timeout: float = _f(
+        30.0, "Seconds one tool call may take; a call past it, or one that raises or returns no text, gives the model "
+        "an error message (counted in tools/errors, tools/timeouts) instead of stopping the run. 0: no limit.")
     generation: Literal["transformers", "vllm"] = _f(
         "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
         "and a GPU; untested here).")

@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .. import distributed
 from ..config import HFTrainOptions, Recipe
 from .prompts import PromptData, build_prompt_data, preview_prompts
 from ..data.templates import template_kwargs
-from ..errors import LaunchError, RewardError
+from ..errors import DataError, LaunchError, RewardError
 from ..patches.transformers import mark_fsdp_managed
 from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from .sft import SFT
+from .tools import ToolCounts, load_tools, tool_template_problem
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
 
@@ -60,7 +62,8 @@ def grpo_config(recipe: Recipe, **kwargs) -> HFGRPOConfig:
         num_iterations=g.num_iterations, epsilon=EPSILON if g.epsilon is None else g.epsilon,
         epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length, temperature=g.temperature,
         top_p=g.top_p, scale_rewards=g.scale_rewards, reward_weights=[r.weight for r in g.rewards],
-        use_vllm=g.generation == "vllm", vllm_mode="colocate", chat_template_kwargs=recipe.data.chat_template_kwargs,
+        max_tool_calling_iterations=g.max_tool_calls, use_vllm=g.generation == "vllm", vllm_mode="colocate",
+        chat_template_kwargs=recipe.data.chat_template_kwargs,
         shuffle_dataset=recipe.training_value("train_sampling_strategy") != "sequential", disable_dropout=True,
         remove_unused_columns=False, model_init_kwargs={"revision": m.revision} if m.revision else None)
 
@@ -99,6 +102,15 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["advantages/abs_mean"].append(advantages.abs().mean().item())
         self._metrics[mode]["advantages/std"].append(advantages.std().item() if advantages.numel() > 1 else 0.0)
+        counts = getattr(self, "tool_counts", None)
+        if counts is not None and self.tools:  # the tool calls of this generation batch, over every rank
+            taken = counts.take()
+            total = self.accelerator.gather(torch.tensor([taken["calls"], taken["errors"], taken["timeouts"]],
+                                                         device=self.accelerator.device)).reshape(-1, 3).sum(0)
+            rollouts = advantages.numel()
+            self._metrics[mode]["tools/calls_per_rollout"].append(total[0].item() / max(rollouts, 1))
+            self._metrics[mode]["tools/errors"].append(total[1].item())
+            self._metrics[mode]["tools/timeouts"].append(total[2].item())
         return out
 
 
@@ -112,6 +124,11 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
                              exact_match=recipe.eval.exact_match, needs_reference=exact)
     dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
+    if g.tools:
+        load_tools(g)  # importable, each with a JSON schema
+        problem = tool_template_problem(tokenizer)
+        if problem:
+            raise DataError(f"grpo.tools: the chat template (data.chat_template, else the tokenizer's) {problem}")
     per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
         "gradient_accumulation_steps") // g.num_generations
     if len(data.train) < per_step:
@@ -133,9 +150,13 @@ class GRPO(SFT):
         return load_policy(run.recipe.model)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
-        return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
-                                  reward_funcs=load_rewards(run.recipe.grpo, defer=True),
-                                  peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
+        counts = ToolCounts()
+        trainer = self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
+                                     reward_funcs=load_rewards(run.recipe.grpo, defer=True),
+                                     tools=load_tools(run.recipe.grpo, counts) or None,
+                                     peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
+        trainer.tool_counts = counts
+        return trainer
 
 
 METHOD = GRPO(

@@ -68,19 +68,20 @@ def _length_penalty(limit: int, max_completion_length: int):
     return length_penalty
 
 
-def _import(spec: str, key: str):
-    """The function `module:function` or `path/to/file.py:function` names, imported from the working folder."""
+def import_function(spec: str, where: str):
+    """The function `module:function` or `path/to/file.py:function` names, imported from the working folder; `where`
+    is the recipe key messages name (grpo.rewards.0.function, grpo.tools.0)."""
     module, _, name = spec.rpartition(":")
     with contextlib.redirect_stdout(sys.stderr):  # its top level's prints: off `hftrain check`'s YAML
-        return _function_of(_module(module, key), module, name, spec, key)
+        return _function_of(_module(module, where), module, name, spec, where)
 
 
-def _module(module: str, key: str):
+def _module(module: str, where: str):
     try:
         if module.endswith(".py"):
             path = os.path.abspath(module)
             if not os.path.isfile(path):
-                raise RewardError(f"{key}.function: {module} does not exist (relative to {os.getcwd()})")
+                raise RewardError(f"{where}: {module} does not exist (relative to {os.getcwd()})")
             loader = importlib.util.spec_from_file_location(f"hftrain_reward_{abs(hash(path))}", path)
             mod = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(mod)
@@ -91,20 +92,20 @@ def _module(module: str, key: str):
     except RewardError:
         raise
     except SystemExit as e:  # sys.exit() at import would end `check` and the run with its status and no word
-        raise RewardError(f"{key}.function: importing {module} called sys.exit({e.code!r}){_place(e)}: a reward "
+        raise RewardError(f"{where}: importing {module} called sys.exit({e.code!r}){_place(e)}: a "
                           "module must not exit; move that code under `if __name__ == \"__main__\":`") from None
     except Exception as e:  # ImportError, SyntaxError, or whatever its top level raises
-        raise RewardError(f"{key}.function: cannot import {module}: {type(e).__name__}: {e}{_place(e)}") from None
+        raise RewardError(f"{where}: cannot import {module}: {type(e).__name__}: {e}{_place(e)}") from None
     return mod
 
 
-def _function_of(mod, module: str, name: str, spec: str, key: str):
+def _function_of(mod, module: str, name: str, spec: str, where: str):
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise RewardError(f"{key}.function: {module} has no function {name!r}"
+        raise RewardError(f"{where}: {module} has no function {name!r}"
                           + (f" ({name} is {type(fn).__name__})" if fn is not None else ""))
     if inspect.iscoroutinefunction(fn):
-        raise RewardError(f"{key}.function: {spec} is async; give a plain function")
+        raise RewardError(f"{where}: {spec} is async; give a plain function")
     return fn
 
 
@@ -119,20 +120,20 @@ def _place(e: BaseException) -> str:
 NOT_COPIED = ("trainer_state", "log_extra", "log_metric", "environments")
 
 
-class RewardTimeout(Exception):
+class CallTimeout(Exception):
     """Raised by the SIGALRM handler inside a reward function that ran past its time limit."""
 
 
 @contextlib.contextmanager
 def time_limit(seconds: float | None):
-    """RewardTimeout raised in the code under it after `seconds` (None or 0, or outside the main thread, where
+    """CallTimeout raised in the code under it after `seconds` (None or 0, or outside the main thread, where
     signals cannot be handled: no limit). The previous SIGALRM handler and timer are put back."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def expire(signum, frame):
-        raise RewardTimeout()
+        raise CallTimeout()
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -169,7 +170,7 @@ class Reward:
         try:
             with contextlib.redirect_stdout(sys.stderr), time_limit(self.timeout):
                 return self.fn(**data, **{k: v for k, v in kwargs.items() if k in NOT_COPIED})
-        except RewardTimeout:
+        except CallTimeout:
             raise RewardError(f"{what} did not return within grpo.reward_timeout={self.timeout:g} s (for "
                               f"{len(completions)} completions); make it faster, or raise grpo.reward_timeout "
                               "(0: no limit)") from None
@@ -203,7 +204,7 @@ def load_rewards(g: GrpoSection, defer: bool = False) -> list[Reward]:
     out, seen = [], {}
     for i, spec in enumerate(g.rewards):
         key = f"grpo.rewards.{i}"
-        fn = _builtin(spec, g.max_completion_length) or _import(spec.function, key)
+        fn = _builtin(spec, g.max_completion_length) or import_function(spec.function, f"{key}.function")
         name = spec.function if spec.function in ("exact_match", "regex", "length_penalty") else fn.__name__
         seen[name] = seen.get(name, 0) + 1
         out.append(Reward(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer, g.reward_timeout))

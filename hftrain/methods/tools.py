@@ -1,0 +1,104 @@
+"""GRPO's tools: the functions a recipe's `grpo.tools` names, called by TRL 1.16's tool loop (GRPOTrainer's
+`tools`: the model's tool calls parsed from its completion, each result appended as a `tool` message whose tokens are
+in the context and masked out of the loss, then generation goes on) within limits TRL does not set.
+
+TRL calls a tool directly and turns an exception into an error result, but a tool that hangs hangs the rank, and a
+result that is not text is passed through str(). Here each call runs on copies of its arguments, under
+grpo.tool_timeout (SIGALRM in the main thread, where TRL runs synchronous tools, as for the reward functions), with
+its prints on stderr; a call that raises, exits, runs past the limit or returns no text gives the model one line,
+"error: ...", and is counted (tools/errors, tools/timeouts in the logs). The wrapper keeps the function's name,
+signature and docstring (functools.wraps), from which transformers builds the JSON schema the template shows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import sys
+
+from ..config import GrpoSection
+from ..errors import RewardError
+from .rewards import CallTimeout, import_function, time_limit
+
+
+class ToolCounts:
+    """Calls, errors and timeouts of every tool since the last `take()` (the trainer logs them per step)."""
+
+    def __init__(self):
+        self.calls = self.errors = self.timeouts = 0
+
+    def take(self) -> dict[str, int]:
+        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts}
+        self.calls = self.errors = self.timeouts = 0
+        return out
+
+
+def guarded(fn, key: str, timeout: float | None, counts: ToolCounts):
+    """`fn` as the model's tool: its result as text, or "error: ..." for a call that fails (see the docstring)."""
+
+    @functools.wraps(fn)
+    def tool(*args, **kwargs):
+        counts.calls += 1
+        name = fn.__name__
+        try:
+            with contextlib.redirect_stdout(sys.stderr), time_limit(timeout):
+                result = fn(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        except CallTimeout:
+            counts.errors += 1
+            counts.timeouts += 1
+            return f"error: {name} did not return within {timeout:g} s"
+        except (Exception, SystemExit) as e:  # the model sent arguments the tool refuses, or the tool is broken
+            counts.errors += 1
+            return f"error: {name} raised {type(e).__name__}: {e}"
+        if not isinstance(result, str):
+            counts.errors += 1
+            return f"error: {name} returned {type(result).__name__}, not text"
+        return result
+
+    tool.__wrapped_key__ = key
+    return tool
+
+
+def schema_problem(fn) -> str | None:
+    """Why transformers cannot build the tool's JSON schema (a missing type hint or docstring), or None."""
+    from transformers.utils import get_json_schema  # heavy import, only where tools are used
+
+    try:
+        get_json_schema(fn)
+    except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def load_tools(g: GrpoSection, counts: ToolCounts | None = None) -> list:
+    """The recipe's tools, guarded (see the module docstring); a tool without a usable schema is refused naming it."""
+    counts = counts if counts is not None else ToolCounts()
+    out = []
+    for i, spec in enumerate(g.tools or []):
+        key = f"grpo.tools.{i}"
+        fn = import_function(spec, key)
+        problem = schema_problem(fn)
+        if problem:
+            raise RewardError(f"{key}: {spec}: transformers cannot build its JSON schema ({problem}); give every "
+                              "argument a type hint and the function a Google-style docstring with an Args: section")
+        out.append(guarded(fn, key, g.tool_timeout or None, counts))
+    return out
+
+
+def tool_template_problem(tokenizer) -> str | None:
+    """Why TRL's tool loop cannot run with this tokenizer's chat template, or None: the template must render a whole
+    tool-calling exchange, and TRL must know how to parse the model's tool calls out of it (a response template of
+    the families it ships: Qwen2.5/3/3.5, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...), as GRPOTrainer checks when built."""
+    from trl.chat_template_utils import add_response_schema, supports_tool_calling  # heavy; tools only
+
+    if not supports_tool_calling(tokenizer):
+        return ("cannot render a tool-calling conversation (user -> assistant with tool_calls -> tool): use the "
+                "model family's own template with tool support")
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(copy.deepcopy(tokenizer))
+        except Exception as e:  # TRL knows no parser for this template
+            return (f"is not one whose tool calls TRL can parse ({type(e).__name__}: {str(e)[:160]}): use a family "
+                    "TRL ships a response template for (Qwen2.5/3, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...)")
+    return None

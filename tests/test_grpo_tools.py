@@ -1,0 +1,118 @@
+"""GRPO's tools (grpo.tools, methods/tools.py), fast: a tool that raises, hangs, exits or returns no text gives the
+model an error line and a count, never a stuck rank or a stopped run; the schema transformers builds survives the
+guard; tools without a schema and templates TRL cannot parse tool calls from are refused before the model loads."""
+
+import json
+import time
+
+import pytest
+
+from hftrain.config import GrpoSection, RewardSpec, parse_recipe
+from hftrain.errors import RewardError
+from hftrain.methods.tools import ToolCounts, guarded, load_tools, tool_template_problem
+
+BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},
+        "grpo": {"rewards": [{"function": "exact_match"}]}}
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return str(a + b)
+
+
+def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsys):
+    counts = ToolCounts()
+
+    def broken(x: int) -> str:
+        """Divide by x. Args: x: the divisor."""
+        return str(1 / x)
+
+    def slow(x: int) -> str:
+        """Sleep. Args: x: seconds."""
+        time.sleep(x)
+        return "late"
+
+    def number(x: int) -> str:
+        """A number, not text. Args: x: any."""
+        return x
+
+    def leaving(x: int) -> str:
+        """Exit. Args: x: the status."""
+        print("bye")
+        raise SystemExit(x)
+
+    def editing(xs: list) -> str:
+        """Edit the list it gets. Args: xs: a list."""
+        xs.append(1)
+        return str(len(xs))
+
+    tools = {f.__name__: guarded(f, "grpo.tools.0", 0.5, counts) for f in (add, broken, slow, number, leaving, editing)}
+    assert tools["add"](a=2, b=3) == "5"
+    assert tools["broken"](x=0) == "error: broken raised ZeroDivisionError: division by zero"
+    start = time.monotonic()
+    assert tools["slow"](x=60) == "error: slow did not return within 0.5 s"
+    assert time.monotonic() - start < 5
+    assert tools["number"](x=7) == "error: number returned int, not text"
+    assert tools["leaving"](x=3) == "error: leaving raised SystemExit: 3"
+    assert "bye" in capsys.readouterr().err  # a tool's prints stay off stdout
+    mine = [0]
+    assert tools["editing"](xs=mine) == "2" and mine == [0]  # it edited a copy
+    assert counts.take() == {"calls": 6, "errors": 4, "timeouts": 1}
+    assert counts.take() == {"calls": 0, "errors": 0, "timeouts": 0}
+
+
+def test_the_guard_keeps_the_schema_transformers_shows_the_model():
+    from transformers.utils import get_json_schema
+
+    tool = guarded(add, "grpo.tools.0", 1.0, ToolCounts())
+    assert tool.__name__ == "add" and get_json_schema(tool) == get_json_schema(add)
+    assert get_json_schema(tool)["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+
+
+def test_tools_are_imported_and_a_tool_without_a_schema_is_refused_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(
+        'def add(a: int, b: int) -> str:\n    """Add.\n\n    Args:\n        a: One.\n        b: Two.\n    """\n'
+        '    return str(a + b)\n\n\ndef bare(a, b):\n    return a\n')
+    monkeypatch.chdir(tmp_path)
+    g = GrpoSection(rewards=[RewardSpec(function="exact_match")], tools=["my_tools:add"])
+    (tool,) = load_tools(g)
+    assert tool(a=1, b=2) == "3"
+    with pytest.raises(RewardError, match=r"grpo\.tools\.1: my_tools:bare: transformers cannot build its JSON schema"):
+        load_tools(GrpoSection(rewards=g.rewards, tools=["my_tools:add", "my_tools:bare"]))
+    with pytest.raises(RewardError, match=r"grpo\.tools\.0: my_tools has no function 'nope'"):
+        load_tools(GrpoSection(rewards=g.rewards, tools=["my_tools:nope"]))
+
+
+def test_only_a_template_whose_tool_calls_trl_parses_runs_tools(tiny_model_dir):
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tool_template_problem(tokenizer).startswith("is not one whose tool calls TRL can parse")  # hftrain's tiny
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert "cannot render a tool-calling conversation" in tool_template_problem(tokenizer)  # drops tool_calls
+    tokenizer.chat_template = qwen3_chat_template
+    assert tool_template_problem(tokenizer) is None
+    assert getattr(tokenizer, "response_template", None) is None  # the check changed a copy, not the run's tokenizer
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("grpo.max_tool_calls=0", "grpo.max_tool_calls: must be at least 1"),
+    ("grpo.tool_timeout=-1", "grpo.tool_timeout: must be a finite number of seconds >= 0"),
+    ("grpo.tools=[calculator]", "grpo.tools.0: 'calculator' is not module:function"),
+])
+def test_tool_keys_are_checked(override, expected):
+    tree = json.loads(json.dumps(BASE))
+    tree["grpo"]["tools"] = ["my_tools:add"]
+    found = parse_recipe(None, [override], raw=tree)[1]
+    assert any(expected in p for p in found), found
+
+
+def test_a_tool_limit_without_tools_is_refused():
+    found = parse_recipe(None, ["grpo.max_tool_calls=3"], raw=json.loads(json.dumps(BASE)))[1]
+    assert any("grpo.max_tool_calls: limits tool calls, and grpo.tools names none" in p for p in found), found
