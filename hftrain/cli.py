@@ -308,9 +308,8 @@ def _add_moe(sub) -> None:
     up = mo.add_subparsers(dest="moe_command", required=True).add_parser(
         "upcycle", allow_abbrev=False,
         help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE: each chosen MLP becomes E "
-        "copies + a router; "
-        "outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM alone).",
-    )
+        "copies + a router; outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM "
+        "alone).")
     up.add_argument("--model", required=True, help="dense model folder (safetensors)")
     up.add_argument("--num-experts", dest="num_experts", type=int, required=True)
     up.add_argument("--top-k", dest="top_k", type=int, required=True)
