@@ -28,19 +28,6 @@ def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The scheduler reads which tests launch processes from the test files' source (tests/scheduling.py): a test
-    whose marks it reads otherwise would run as light beside the cluster tests, or the other way round."""
-    from tests.scheduling import HEAVY_MARKS, is_heavy
-
-    differ = [item.nodeid for item in items if item.nodeid.startswith("tests/test_")
-              and bool(any(item.get_closest_marker(m) for m in HEAVY_MARKS)) != is_heavy(item.nodeid)]
-    if differ:
-        raise pytest.UsageError("tests/scheduling.py reads these tests' launches / cluster marks wrongly (mark the "
-                                "function, its class or the module with a plain @pytest.mark.NAME): "
-                                + ", ".join(differ[:10]))
-
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TRAIN = os.path.join(REPO, "data", "demo", "train.jsonl")
 DEMO_EVAL = os.path.join(REPO, "data", "demo", "eval.jsonl")
