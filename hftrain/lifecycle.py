@@ -18,7 +18,7 @@ from .callbacks import CurvesCallback
 from .data.templates import stop_at_end_of_turn
 from .hub.push import check_token, push_after_training
 from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
-from .methods import Method, method_of
+from .methods import method_of
 
 
 def read_data(run: Run):
@@ -28,14 +28,14 @@ def read_data(run: Run):
     return check_data(run.recipe, run.args.world_size // sequence_parallel.size(run.args), seed=run.args.seed)
 
 
-def run(script: str, argv: list[str], method: Method | None = None) -> dict:
+def run(script: str, argv: list[str]) -> dict:
     """Run the recipe and overrides in `argv` with recipe script `script` (sft, dpo, grpo: the script must be the one
-    the recipe's method needs); returns the metrics saved in run_info.json. `method`: the recipe's method
-    (methods.method_of) unless given (tests)."""
+    the recipe's method needs), by the recipe's method (methods.method_of); returns the metrics saved in
+    run_info.json."""
     # 1. Every problem of the recipe in this environment at once, then the process, its arguments and resume.
     run = setup_run(argv, script)
     recipe, args = run.recipe, run.args
-    method = method or method_of(recipe)
+    method = method_of(recipe)
     check_token(recipe.hub)  # hub.push: the token must be there before training, not after
 
     # 2. Data before the model: every row read and checked (the main process first; the others reuse its cache),

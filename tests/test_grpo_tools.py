@@ -51,7 +51,7 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
         xs.append(1)
         return str(len(xs))
 
-    tools = {f.__name__: guarded(f, "grpo.tools.0", 0.5, counts) for f in (add, broken, slow, number, leaving, editing)}
+    tools = {f.__name__: guarded(f, 0.5, counts) for f in (add, broken, slow, number, leaving, editing)}
     assert tools["add"](a=2, b=3) == "5"
     assert tools["broken"](x=0) == "error: broken raised ZeroDivisionError: division by zero"
     start = time.monotonic()
@@ -69,7 +69,7 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
 def test_the_guard_keeps_the_schema_transformers_shows_the_model():
     from transformers.utils import get_json_schema
 
-    tool = guarded(add, "grpo.tools.0", 1.0, ToolCounts())
+    tool = guarded(add, 1.0, ToolCounts())
     assert tool.__name__ == "add" and get_json_schema(tool) == get_json_schema(add)
     assert get_json_schema(tool)["function"]["parameters"]["properties"]["a"]["type"] == "integer"
 

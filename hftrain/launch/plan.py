@@ -192,7 +192,7 @@ def moe_facts(model) -> dict:
         expert_params = sum(p.numel() for p in b.experts.parameters())
         idle += expert_params - expert_params * top_k // experts
         shared = getattr(b, "shared_expert", None) or getattr(b, "shared_experts", None)
-        width = top_k * per_expert + (shared.down_proj.in_features if shared is not None else 0)
+        width = max(width, top_k * per_expert + (shared.down_proj.in_features if shared is not None else 0))
     return {"active_intermediate": width, "moe_layers": len(blocks), "active_params": params - idle}
 
 

@@ -72,8 +72,9 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
     """TRL's GRPOTrainer with hftrain's checkpoints, guards and compression; `reward_funcs` are rewards.Reward
     objects built with defer=True; `args` an HFGRPOConfig (grpo_config)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tool_counts: ToolCounts | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tool_counts = tool_counts or ToolCounts()  # what the guarded tools (`tools`) count, logged per step
         # TRL renders prompts with args.chat_template_kwargs as given: hftrain's renderings also pin the date.
         self.chat_template_kwargs = template_kwargs(self._tokenizer, self.args.chat_template_kwargs)
 
@@ -102,9 +103,8 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["advantages/abs_mean"].append(advantages.abs().mean().item())
         self._metrics[mode]["advantages/std"].append(advantages.std().item() if advantages.numel() > 1 else 0.0)
-        counts = getattr(self, "tool_counts", None)
-        if counts is not None and self.tools:  # the tool calls of this generation batch, over every rank
-            taken = counts.take()
+        if self.tools:  # the tool calls of this generation batch, over every rank
+            taken = self.tool_counts.take()
             total = self.accelerator.gather(torch.tensor([taken["calls"], taken["errors"], taken["timeouts"]],
                                                          device=self.accelerator.device)).reshape(-1, 3).sum(0)
             rollouts = advantages.numel()
@@ -151,12 +151,10 @@ class GRPO(SFT):
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         counts = ToolCounts()
-        trainer = self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
-                                     reward_funcs=load_rewards(run.recipe.grpo, defer=True),
-                                     tools=load_tools(run.recipe.grpo, counts) or None,
-                                     peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
-        trainer.tool_counts = counts
-        return trainer
+        return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
+                                  reward_funcs=load_rewards(run.recipe.grpo, defer=True),
+                                  tools=load_tools(run.recipe.grpo, counts) or None, tool_counts=counts,
+                                  peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
 
 
 METHOD = GRPO(

@@ -34,7 +34,7 @@ class ToolCounts:
         return out
 
 
-def guarded(fn, key: str, timeout: float | None, counts: ToolCounts):
+def guarded(fn, timeout: float | None, counts: ToolCounts):
     """`fn` as the model's tool: its result as text, or "error: ..." for a call that fails (see the docstring)."""
 
     @functools.wraps(fn)
@@ -56,7 +56,6 @@ def guarded(fn, key: str, timeout: float | None, counts: ToolCounts):
             return f"error: {name} returned {type(result).__name__}, not text"
         return result
 
-    tool.__wrapped_key__ = key
     return tool
 
 
@@ -82,7 +81,7 @@ def load_tools(g: GrpoSection, counts: ToolCounts | None = None) -> list:
         if problem:
             raise RewardError(f"{key}: {spec}: transformers cannot build its JSON schema ({problem}); give every "
                               "argument a type hint and the function a Google-style docstring with an Args: section")
-        out.append(guarded(fn, key, g.tool_timeout or None, counts))
+        out.append(guarded(fn, g.tool_timeout or None, counts))
     return out
 
 
