@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 from hftrain.launch.machine import extensions_dir  # noqa: E402
 from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
+from tests import forked, launch_log  # noqa: E402
 from tests.support import free_port  # noqa: E402
 from tests.launch_log import (pytest_configure, pytest_runtest_setup,  # noqa: F401  (hooks: the suite's launch log)
                               pytest_terminal_summary)
@@ -71,8 +72,9 @@ def reference_runs(tmp_path_factory, request):
         if strategy.startswith("zero"):
             request.getfixturevalue("deepspeed_ops")
         rec = reference_recipe(folder, model_dir, out, DEMO_TRAIN, DEMO_EVAL)
-        return run([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml", "--main_process_port",
-                    str(free_port()), "recipes/sft.py", rec, f"strategy.name={strategy}"], timeout=600)
+        return run([*ACCELERATE_LAUNCH, "--config_file", f"accelerate_configs/{strategy}.yaml",
+                           "--main_process_port", str(free_port()), "recipes/sft.py", rec, f"strategy.name={strategy}"],
+                          timeout=600)
 
     return ReferenceRuns(str(root), str(model_dir), launch)
 
@@ -162,12 +164,20 @@ EXTENSIONS = extensions_dir()
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS)  # also for DeepSpeed used in-process and by other workers
 
 
-def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: int = 300, env: dict | None = None, real: bool = False
+        ) -> subprocess.CompletedProcess:
     """Run a command from the repository root; the output is printed on failure by the caller's assert.
 
-    The command gets a process group of its own, killed whole on a time-out: killing only the launcher would
+    A launch whose launcher is not under test is played by a fork of a preloaded interpreter (tests/forked.py: the
+    same accelerate launch code and scripts without 12-15 s of imports per process) where it can be; `real=True` (or
+    HFTRAIN_TEST_FORKED=0 for the whole suite) gives a real process, for a test of the process itself: signals, its
+    exit on a launcher's death, what it imports.
+
+    A real command gets a process group of its own, killed whole on a time-out: killing only the launcher would
     leave its workers running (and holding CPU, ports or a DeepSpeed build lock) through the rest of the suite."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    if not real and os.environ.get("HFTRAIN_TEST_FORKED", "1") != "0" and forked.forkable(cmd, full_env):
+        return _run_forked(cmd, timeout, full_env)
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                           start_new_session=True) as proc:
         try:
@@ -177,6 +187,15 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None) -> subproce
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _run_forked(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
+    record, result = launch_log.started(["[forked]", *cmd]), None
+    try:
+        result = forked.launch(cmd, env, REPO, timeout)
+    finally:
+        launch_log.record(record, result.returncode if result is not None else -9)
+    return result
 
 
 def _section(text: str, name: str) -> str:

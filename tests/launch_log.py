@@ -39,18 +39,14 @@ class RecordedPopen(subprocess.Popen):
     log_path: str | None = None
 
     def __init__(self, args, *rest, **kwargs):
-        self._launch = {"test": _current_test(), "argv": _argv(args), "start": time.monotonic(),
-                        "marked": _current["marked"]}
+        self._launch = started(args)
         super().__init__(args, *rest, **kwargs)
 
     def _record_end(self) -> None:
         launch, self._launch = getattr(self, "_launch", None), None
-        if launch is None or self.returncode is None or not self.log_path:
+        if launch is None or self.returncode is None:
             return
-        line = {"test": launch["test"], "argv": launch["argv"], "rc": self.returncode, "marked": launch["marked"],
-                "seconds": round(time.monotonic() - launch["start"], 3)}
-        with open(self.log_path, "a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        record(launch, self.returncode)
 
     def wait(self, timeout=None):
         rc = super().wait(timeout)
@@ -62,6 +58,21 @@ class RecordedPopen(subprocess.Popen):
         if rc is not None:
             self._record_end()
         return rc
+
+
+def started(argv) -> dict:
+    """A launch's record as it starts: hand it to `record` when it ends (tests/forked.py's launches, which are no
+    Popen, use the pair directly)."""
+    return {"test": _current_test(), "argv": _argv(argv), "start": time.monotonic(), "marked": _current["marked"]}
+
+
+def record(launch: dict, returncode: int) -> None:
+    if not RecordedPopen.log_path:
+        return
+    line = {"test": launch["test"], "argv": launch["argv"], "rc": returncode, "marked": launch["marked"],
+            "seconds": round(time.monotonic() - launch["start"], 3)}
+    with open(RecordedPopen.log_path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
 
 
 def read_launches(path: str) -> list[dict]:

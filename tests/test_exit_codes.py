@@ -60,7 +60,7 @@ def test_hftrain_launch_ends_with_its_workers_user_error_status_without_a_traceb
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n{oops\n')
     rec = _recipe(tmp_path, tiny_model_dir, max_steps=1)
     r = run([PY, "-m", "hftrain.cli", "launch", rec, f"data.sources.0.path={bad}", "strategy.num_processes=2"],
-            timeout=300)
+            timeout=300, real=True)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
     assert "Traceback" not in out and f"{bad}:2: malformed JSON" in out, out[-3000:]

@@ -159,7 +159,7 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path, sft_mo
     # hftrain.launch.launcher: accelerate's launch as `hftrain launch` runs it (accelerate's own command prints
     # torch elastic's ChildFailedError traceback for any failed worker)
     r = run([PY, "-m", "hftrain.launch.launcher", "--config_file", "accelerate_configs/ddp.yaml", "--main_process_port",
-             str(free_port()), "recipes/grpo.py", str(rec)], timeout=300)
+             str(free_port()), "recipes/grpo.py", str(rec)], timeout=300, real=True)
     assert r.returncode == 2, r.stderr[-3000:]
     message = f"grpo.rewards.0 (score) raised KeyError: 'answer' (at {tmp_path / 'rank_rewards.py'}:4)"
     assert r.stderr.count(message) == 1, r.stderr[-3000:]

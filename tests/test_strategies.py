@@ -220,7 +220,7 @@ def test_launch_renders_configs_and_runs(tmp_path, tiny_model_dir):
     out = tmp_path / "o"
     r = run([PY, "-m", "hftrain.cli", "launch", os.path.join(REPO, "recipes/demo/sft.yaml"),
              f"model.name_or_path={tiny_model_dir}", f"training.output_dir={out}", "training.max_steps=2",
-             "eval.exact_match=0", "training.report_to=none", f"strategy.main_process_port={free_port()}"])
+             "eval.exact_match=0", "training.report_to=none", f"strategy.main_process_port={free_port()}"], real=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "hftrain.launch.launcher --config_file" in r.stdout  # accelerate's launch command, signals told (issue 33)
     info = json.load(open(out / "run_info.json"))
