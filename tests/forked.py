@@ -47,6 +47,7 @@ IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TR
                         "OMP_", "MKL_", "TORCH_", "CUDA_", "LD_")
 RUNTIME_EXCEPTIONS = ("PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR")  # read when used, not at import
 ACCELERATE_MODULE, TORCHRUN_MODULE = "accelerate.commands.launch", "torch.distributed.run"
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun exports for its workers
 STOP_GRACE_S = 30.0  # after one rank fails, the others' time to end on SIGTERM before SIGKILL (the elastic agent's)
 # The server imports its preload under the environment the suite started with (conftest imports this module before
 # any test runs), not under whatever the test that first launches has patched.
@@ -210,7 +211,7 @@ def _rank_env(args, rank: int, world: int) -> dict[str, str]:
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default", "MASTER_ADDR": args.master_addr or "127.0.0.1", "MASTER_PORT": str(args.master_port),
             "TORCHELASTIC_RUN_ID": "hftrain-forked", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE}
 
 
 def _fork_ranks(args) -> None:
