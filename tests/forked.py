@@ -211,7 +211,8 @@ def _rank_env(args, rank: int, world: int) -> dict[str, str]:
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default", "MASTER_ADDR": args.master_addr or "127.0.0.1",
             "MASTER_PORT": str(args.master_port), "TORCHELASTIC_RUN_ID": "hftrain-forked",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE}
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE}
 
 
 def _fork_ranks(args) -> None:
