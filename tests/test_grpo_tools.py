@@ -90,13 +90,15 @@ def test_tools_are_imported_and_a_tool_without_a_schema_is_refused_naming_it(tmp
 
 def test_only_a_template_whose_tool_calls_trl_parses_runs_tools(tiny_model_dir):
     from transformers import AutoTokenizer
-    from trl.chat_template_utils import qwen3_chat_template
+    from trl.chat_template_utils import qwen2_5_chat_template, qwen3_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tool_template_problem(tokenizer).startswith("is not one whose tool calls TRL can parse")  # hftrain's tiny
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     assert "cannot render a tool-calling conversation" in tool_template_problem(tokenizer)  # drops tool_calls
-    tokenizer.chat_template = qwen3_chat_template
+    tokenizer.chat_template = qwen3_chat_template  # parsed, but drops a turn's think block once a tool answers
+    assert tool_template_problem(tokenizer).startswith("cannot render a tool's answer after a tool call")
+    tokenizer.chat_template = qwen2_5_chat_template
     assert tool_template_problem(tokenizer) is None
     assert getattr(tokenizer, "response_template", None) is None  # the check changed a copy, not the run's tokenizer
 

@@ -38,7 +38,7 @@ from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from .sft import SFT
-from .tools import ToolCounts, load_tools, tool_template_problem
+from .tools import ToolCounts, load_tools, suffix_after_stop, tool_template_problem
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
 
@@ -77,6 +77,10 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         self.tool_counts = tool_counts or ToolCounts()  # what the guarded tools (`tools`) count, logged per step
         # TRL renders prompts with args.chat_template_kwargs as given: hftrain's renderings also pin the date.
         self.chat_template_kwargs = template_kwargs(self._tokenizer, self.args.chat_template_kwargs)
+
+    def _get_tool_suffix_ids(self, tool_messages):
+        """TRL's, less a first token the model stops at and so has already generated (tools.suffix_after_stop)."""
+        return suffix_after_stop(super()._get_tool_suffix_ids(tool_messages), self.eos_token_ids)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """super() shards the model; under FSDP2 generation must then run in lockstep (patches.transformers)."""
@@ -126,7 +130,7 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
     if g.tools:
         load_tools(g)  # importable, each with a JSON schema
-        problem = tool_template_problem(tokenizer)
+        problem = tool_template_problem(tokenizer, template_kwargs(tokenizer, recipe.data.chat_template_kwargs))
         if problem:
             raise DataError(f"grpo.tools: the chat template (data.chat_template, else the tokenizer's) {problem}")
     per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(

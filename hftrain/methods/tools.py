@@ -16,6 +16,7 @@ import contextlib
 import copy
 import functools
 import sys
+import types
 
 from ..config import GrpoSection
 from ..errors import RewardError
@@ -85,10 +86,38 @@ def load_tools(g: GrpoSection, counts: ToolCounts | None = None) -> list:
     return out
 
 
-def tool_template_problem(tokenizer) -> str | None:
+def suffix_after_stop(suffix: list[int], stop_ids) -> list[int]:
+    """The tokens TRL appends after a completion that called a tool (its `_get_tool_suffix_ids`: the template's tool
+    turn and the next generation prompt), less a first token that stops generation. A template whose tool call ends
+    where the tool's turn begins renders that token in the tool's part (GLM-4.5's <|observation|>, also one of its
+    model's stop tokens): the model has already generated it as its completion's last token, so TRL's suffix put it
+    in the context twice, unlike the template's rendering of the same exchange (tests/test_grpo_tools.py)."""
+    return suffix[1:] if suffix and suffix[0] in set(stop_ids) else suffix
+
+
+def tool_suffix_problem(tokenizer, template_kwargs: dict) -> str | None:
+    """Why the template cannot render a tool's answer the way TRL's loop appends it after a tool call, or None: TRL
+    renders a short exchange with and without a tool message and raises mid-run where the one is not a prefix of the
+    other (Qwen3's own template: its assistant turn renders differently once a tool answers) or where the template
+    cannot render parsed arguments (DeepSeek-V3's and R1's own templates concatenate them as text)."""
+    from trl import GRPOTrainer  # heavy; tools only
+
+    trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                                    chat_template_kwargs=template_kwargs, _is_vlm=False)
+    try:
+        GRPOTrainer._get_tool_suffix_ids(trainer, [{"role": "tool", "name": "tool", "content": "0"}])
+    except Exception as e:  # noqa: BLE001 - the template's or TRL's own error, reported as the reason
+        return (f"cannot render a tool's answer after a tool call as TRL's tool loop appends it ({type(e).__name__}: "
+                f"{str(e)[:160]}); templates it runs tools with: Qwen2.5's, Qwen3-2507's, Qwen3.5's, GLM-4.5's, "
+                "gpt-oss's, LFM2's, Nemotron 3's (set data.chat_template to one the model was trained with)")
+    return None
+
+
+def tool_template_problem(tokenizer, template_kwargs: dict | None = None) -> str | None:
     """Why TRL's tool loop cannot run with this tokenizer's chat template, or None: the template must render a whole
     tool-calling exchange, and TRL must know how to parse the model's tool calls out of it (a response template of
-    the families it ships: Qwen2.5/3/3.5, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...), as GRPOTrainer checks when built."""
+    the families it ships: Qwen2.5/3/3.5, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...), as GRPOTrainer checks when built,
+    and render a tool's answer after a call (tool_suffix_problem), which TRL finds out only in the loop."""
     from trl.chat_template_utils import add_response_schema, supports_tool_calling  # heavy; tools only
 
     if not supports_tool_calling(tokenizer):
@@ -100,4 +129,4 @@ def tool_template_problem(tokenizer) -> str | None:
         except Exception as e:  # TRL knows no parser for this template
             return (f"is not one whose tool calls TRL can parse ({type(e).__name__}: {str(e)[:160]}): use a family "
                     "TRL ships a response template for (Qwen2.5/3, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...)")
-    return None
+    return tool_suffix_problem(tokenizer, template_kwargs or {})
