@@ -118,3 +118,27 @@ def test_tool_keys_are_checked(override, expected):
 def test_a_tool_limit_without_tools_is_refused():
     found = parse_recipe(None, ["grpo.max_tool_calls=3"], raw=json.loads(json.dumps(BASE)))[1]
     assert any("grpo.max_tool_calls: limits tool calls, and grpo.tools names none" in p for p in found), found
+
+
+def test_rewards_read_a_tool_rollouts_final_answer_and_the_tokens_the_model_generated(monkeypatch):
+    """A tool rollout's completion is the assistant's turns with the tool's answers between them: exact_match reads
+    the final turn (the tool's "5" is not the model's answer), and the rewards' completion_ids hold only the tokens
+    the model generated (a length penalty would otherwise charge it for what the tool said)."""
+    import types
+
+    from trl import GRPOTrainer
+
+    from hftrain.methods.grpo import GroupTrainer
+    from hftrain.methods.rewards import exact_match, text_of
+
+    rollout = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
+               {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "five"}]
+    assert text_of(rollout) == "five" and text_of([{"role": "assistant", "content": "x"}]) == "x"
+    assert exact_match(None, [rollout, rollout[:2]], ["five", "5"]) == [1.0, 0.0]
+    seen = []
+    monkeypatch.setattr(GRPOTrainer, "_calculate_rewards", lambda self, inputs, p, c, ids: seen.append(ids) or [])
+    trainer = GroupTrainer.__new__(GroupTrainer)
+    vars(trainer).update(reward_funcs=[], args=types.SimpleNamespace(world_size=1), _tool_mask=[[1, 1, 0, 0, 1], [1]])
+    trainer._calculate_rewards([], [], [], [[1, 2, 3, 4, 5], [6]])
+    trainer._calculate_rewards([], [], [], [[1, 2, 3]])  # the mask is one generation's: not reused
+    assert seen == [[[1, 2, 5], [6]], [[1, 2, 3]]]

@@ -80,6 +80,7 @@ CONTRACT = [
     ("trl:GRPOTrainer", "_prepare_for_training", ["max_steps", "train_dataloader", "resume_from_checkpoint"],
      "step_guard and grpo (generation in lockstep under FSDP2) under GRPOTrainer"),
     ("trl:GRPOTrainer", "_get_grad_norm", ["model", "grad_norm"], "step_guard under GRPOTrainer"),
+    ("trl:GRPOTrainer", "_generate", ["prompts"], "grpo tools: the tool mask (its third result) for the rewards"),
     ("trl:GRPOTrainer", "_get_tool_suffix_ids", ["tool_messages"],
      "grpo tools: the suffix less the generated stop token, and tool_suffix_problem's check before the model loads"),
     ("trl:GRPOTrainer", "_tool_call_loop", ["prompts", "prompt_ids", "completion_ids", "completions", "logprobs",

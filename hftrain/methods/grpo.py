@@ -89,9 +89,20 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
             mark_fsdp_managed(self.accelerator.unwrap_model(self.model_wrapped))
         return model, train_dataloader
 
+    def _generate(self, prompts):
+        """TRL's; the tool mask kept for the rewards of the same rollouts (_calculate_rewards)."""
+        out = super()._generate(prompts)
+        self._tool_mask = out[2]
+        return out
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's (each rank scores its completions, then all-gathers), then every rank raises the first reward error
-        of any rank: raised where it happened, it would leave the other ranks waiting in the all-gather."""
+        of any rank: raised where it happened, it would leave the other ranks waiting in the all-gather. With tools,
+        `completion_ids` are the tokens the model generated (TRL passes the tools' answers too: a length penalty
+        would charge the model for what a tool said)."""
+        mask, self._tool_mask = getattr(self, "_tool_mask", None), None
+        if mask is not None:
+            completion_ids_list = [[t for t, m in zip(ids, keep) if m] for ids, keep in zip(completion_ids_list, mask)]
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         mine = next((f.error for f in self.reward_funcs if getattr(f, "error", None)), None)
         errors = distributed.all_gather_object(mine) if self.args.world_size > 1 else [mine]

@@ -42,10 +42,12 @@ from ..errors import RewardError
 
 
 def text_of(completion) -> str:
-    """The text of a completion: itself, or the content of the assistant message(s) of a conversation."""
+    """The text of a completion: itself, or the content of its last assistant message (a tool-using rollout is the
+    assistant's turns with the tools' answers between them: the answer is the final turn, never a tool's output)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content") or "" for m in completion)
+    said = [m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant"]
+    return said[-1] if said else ""
 
 
 def exact_match(prompts, completions, reference, **_):
