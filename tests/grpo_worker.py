@@ -8,13 +8,20 @@ Why a test double for the sampling: TRL seeds every rank differently and samples
 draw different completions. Here each completion is generated alone (TRL's own generation, under the strategy's
 engine), seeded by the step and its place in the global generation batch, which are the same in every layout. The
 rest is the real run: rewards gathered over ranks, group advantages, the loss and its normalisation, the update.
+
+The `tools` variant (issue 41) rolls out over several turns with TRL's tool loop: every other completion of the
+generation batch (by its place in it) is a call of the `add` tool below, the tool answers, and the model goes on
+from the tool's answer, seeded by that context, which is the same in every layout. Its loss is normalised over the
+tokens the model generated (dapo: the global count, the tools' answers masked out).
 """
 
 import dataclasses
+import os
 import sys
 import zlib
 
 import torch
+import trl
 
 from hftrain import distributed
 from hftrain.artifacts import save_final
@@ -27,6 +34,7 @@ from hftrain.methods.grpo import METHOD, GroupTrainer
 from hftrain.launch import Run, setup_run
 from hftrain.launch.setup import run_arguments
 
+QWEN2_5 = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")
 VARIANTS = {
     # per-sequence mean, KL to a frozen copy, two updates per generation batch (the clipping bites on the second)
     "grpo": ["grpo.loss_type=grpo", "grpo.beta=0.2", "grpo.num_iterations=2", "grpo.epsilon=0.05"],
@@ -36,17 +44,49 @@ VARIANTS = {
     "dapo": ["grpo.loss_type=dapo"],
     # TRL's bnpo: each micro-batch's own token mean (a mean of means), not offered by hftrain; set on the arguments
     "bnpo": ["grpo.loss_type=dapo"],
+    # multi-turn rollouts: TRL's tool loop with the Qwen2.5 template (one TRL parses tool calls from)
+    "tools": ["grpo.loss_type=dapo", "grpo.tools=[tests/grpo_worker.py:add]", "grpo.max_completion_length=64",
+              "data.max_length=1024", f"data.chat_template={QWEN2_5}"],
 }
+TOOL_CALL = '<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}\n</tool_call>'
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return str(a + b)
 
 
 class SeededTrainer(GroupTrainer):
+    _after_a_tool = False
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        first = self.accelerator.process_index * len(prompt_ids)  # this rank's slice of the generation batch
+        if self._after_a_tool:  # seeded by the context (the prompt, the call, the tool's answer)
+            seeds = [f"{self.state.global_step}/{ids}" for ids in prompt_ids]
+        else:
+            first = self.accelerator.process_index * len(prompt_ids)  # this rank's slice of the generation batch
+            seeds = [f"{self.state.global_step}/{first + i}" for i in range(len(prompt_ids))]
         completions = []
-        for i, ids in enumerate(prompt_ids):
-            torch.manual_seed(zlib.crc32(f"{self.state.global_step}/{first + i}".encode()))
+        for seed, ids in zip(seeds, prompt_ids):
+            place = int(seed.split("/")[1]) if not self._after_a_tool else None
+            if self.tools and place is not None and place % 2 == 0:
+                call = self._tokenizer.encode(TOOL_CALL.format(a=place), add_special_tokens=False)
+                completions.append(call + [self._tokenizer.convert_tokens_to_ids("<|im_end|>")])
+                continue
+            torch.manual_seed(zlib.crc32(seed.encode()))
             completions += super()._generate_single_turn([ids], images, multimodal_fields, num_generations)[0]
         return completions, None
+
+    def _tool_call_loop(self, *args, **kwargs):
+        self._after_a_tool = True
+        try:
+            return super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._after_a_tool = False
 
 
 def main(recipe_path: str, out_root: str, names: list[str]) -> None:

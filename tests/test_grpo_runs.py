@@ -1,6 +1,7 @@
 """GRPO runs (recipes/grpo.py): it raises held-out exact match over an SFT model; every loss variant is exact across
 world size and accumulation (1 rank x GA4 = 2 ranks x GA2) under DDP, FSDP2, ZeRO-2 and ZeRO-3, where a mean of
-per-micro-batch token means (TRL's bnpo) is not; a reward function that fails on one rank stops every rank.
+per-micro-batch token means (TRL's bnpo) is not, multi-turn tool rollouts included (tests/grpo_worker.py's `tools`);
+a reward function that fails on one rank stops every rank.
 
 The model (made here, about a minute): a small Llama fine-tuned by `recipes/sft.py` on reversing three of five
 letters from noisy demonstrations: 80% of its answers end with a stray " .", so its greedy answers carry the mark and
@@ -116,10 +117,14 @@ def layout_runs(tmp, sft_model, world, strategy, names):
         assert info["world_size"] == world and info["strategy"] == strategy and info["global_step"] == 2
         file = "adapter_model.safetensors" if name == "dr_grpo" else "model.safetensors"
         weights[name] = load_file(str(out / name / file))
+        if name == "tools":  # half the rollouts called the tool, once each, without an error
+            logged = [h for h in json.load(open(out / name / "trainer_state.json"))["log_history"] if "loss" in h]
+            assert [h["tools/calls_per_rollout"] for h in logged] == [0.5, 0.5], logged
+            assert all(h["tools/errors"] == 0 for h in logged), logged
     return weights
 
 
-VARIANTS = ["grpo", "dr_grpo", "dapo"]
+VARIANTS = ["grpo", "dr_grpo", "dapo", "tools"]
 
 
 @pytest.fixture(scope="module")
