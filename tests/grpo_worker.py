@@ -18,6 +18,7 @@ tokens the model generated (dapo: the global count, the tools' answers masked ou
 import dataclasses
 import os
 import sys
+import time
 import zlib
 
 import torch
@@ -47,6 +48,10 @@ VARIANTS = {
     # multi-turn rollouts: TRL's tool loop with the Qwen2.5 template (one TRL parses tool calls from)
     "tools": ["grpo.loss_type=dapo", "grpo.tools=[tests/grpo_worker.py:add]", "grpo.max_completion_length=64",
               "data.max_length=1024", f"data.chat_template={QWEN2_5}"],
+    # the same calls answered by an environment (Adder), whose get_reward is a reward beside grpo.rewards; the call
+    # at place 0 of each step hangs it: that rollout ends with reward 0 after grpo.tool_timeout, the run goes on
+    "environment": ["grpo.loss_type=dapo", "grpo.environment=tests/grpo_worker.py:Adder", "grpo.tool_timeout=1",
+                    "grpo.max_completion_length=64", "data.max_length=1024", f"data.chat_template={QWEN2_5}"],
 }
 TOOL_CALL = '<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": 1}}}}\n</tool_call>'
 
@@ -59,6 +64,31 @@ def add(a: int, b: int) -> str:
         b: The second number.
     """
     return str(a + b)
+
+
+class Adder:
+    """An environment whose tool is `add`; rewarded when its last sum was odd."""
+
+    def __init__(self):
+        self.total = None
+
+    def reset(self, **row):
+        self.total = None
+
+    def add(self, a: int, b: int) -> str:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        if a == 0:
+            time.sleep(120)  # stuck: the guard's timeout ends the rollout
+        self.total = a + b
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total is not None and self.total % 4 == 1)
 
 
 class SeededTrainer(GroupTrainer):

@@ -117,14 +117,16 @@ def layout_runs(tmp, sft_model, world, strategy, names):
         assert info["world_size"] == world and info["strategy"] == strategy and info["global_step"] == 2
         file = "adapter_model.safetensors" if name == "dr_grpo" else "model.safetensors"
         weights[name] = load_file(str(out / name / file))
-        if name == "tools":  # half the rollouts called the tool, once each, without an error
+        if name in ("tools", "environment"):  # half the rollouts called the tool, once each
             logged = [h for h in json.load(open(out / name / "trainer_state.json"))["log_history"] if "loss" in h]
             assert [h["tools/calls_per_rollout"] for h in logged] == [0.5, 0.5], logged
-            assert all(h["tools/errors"] == 0 for h in logged), logged
+            crashes = 1 if name == "environment" else 0  # the stuck environment of each step's place 0
+            assert all(h["tools/errors"] == crashes for h in logged), logged
+            assert all(h.get("tools/env_crashes", 0) == crashes for h in logged), logged
     return weights
 
 
-VARIANTS = ["grpo", "dr_grpo", "dapo", "tools"]
+VARIANTS = ["grpo", "dr_grpo", "dapo", "tools", "environment"]
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,8 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
     assert "bye" in capsys.readouterr().err  # a tool's prints stay off stdout
     mine = [0]
     assert tools["editing"](xs=mine) == "2" and mine == [0]  # it edited a copy
-    assert counts.take() == {"calls": 6, "errors": 4, "timeouts": 1}
-    assert counts.take() == {"calls": 0, "errors": 0, "timeouts": 0}
+    assert counts.take() == {"calls": 6, "errors": 4, "timeouts": 1, "crashes": 0}
+    assert counts.take() == {"calls": 0, "errors": 0, "timeouts": 0, "crashes": 0}
 
 
 def test_the_guard_keeps_the_schema_transformers_shows_the_model():
@@ -117,7 +117,8 @@ def test_tool_keys_are_checked(override, expected):
 
 def test_a_tool_limit_without_tools_is_refused():
     found = parse_recipe(None, ["grpo.max_tool_calls=3"], raw=json.loads(json.dumps(BASE)))[1]
-    assert any("grpo.max_tool_calls: limits tool calls, and grpo.tools names none" in p for p in found), found
+    assert any("grpo.max_tool_calls: limits tool calls, and neither grpo.tools nor grpo.environment" in p
+               for p in found), found
 
 
 def test_rewards_read_a_tool_rollouts_final_answer_and_the_tokens_the_model_generated(monkeypatch):

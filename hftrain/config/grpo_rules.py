@@ -72,10 +72,16 @@ def _section_problems(g) -> Problems:
         if isinstance(spec, str) and (not module or not name.isidentifier()):
             out.append((f"grpo.tools.{i}", f"{spec!r} is not module:function (or path/to/file.py:function) of "
                         "your own"))
-    if g.max_tool_calls is not None and not g.tools:
-        out.append(("grpo.max_tool_calls", "limits tool calls, and grpo.tools names none: add tools, or remove it"))
-    if isinstance(g.rewards, list) and not g.rewards:
-        out.append(("grpo.rewards", "needs at least one reward function, e.g. [{function: exact_match}]"))
+    if isinstance(g.environment, str) and not (g.environment.rpartition(":")[0]
+                                               and g.environment.rpartition(":")[2].isidentifier()):
+        out.append(("grpo.environment", f"{g.environment!r} is not module:Class (or path/to/file.py:Class) of your "
+                    "own"))
+    if g.max_tool_calls is not None and not g.tools and not g.environment:
+        out.append(("grpo.max_tool_calls", "limits tool calls, and neither grpo.tools nor grpo.environment gives the "
+                    "model any: add tools, or remove it"))
+    if isinstance(g.rewards, list) and not g.rewards and not g.environment:
+        out.append(("grpo.rewards", "needs at least one reward function, e.g. [{function: exact_match}] (or an "
+                    "environment with a get_reward method: grpo.environment)"))
     for i, r in enumerate(g.rewards if isinstance(g.rewards, list) else []):
         if isinstance(r, RewardSpec):
             out += _reward_problems(r, f"grpo.rewards.{i}")

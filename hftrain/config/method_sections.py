@@ -76,6 +76,11 @@ class GrpoSection:
         None, "Tools the model may call while it generates (multi-turn rollouts): `module:function` or "
         "`path/to/file.py:function`, each with type hints and a docstring (its JSON schema, as transformers reads "
         "it). A tool's output is in the context, never in the loss.")
+    environment: str | None = _f(
+        None, "An environment class (`module:Class` or `path/to/file.py:Class`; TRL's environment_factory, "
+        "experimental there): one instance per rollout, reset(**row) before it (a text it returns is appended to the "
+        "prompt), its public methods the model's tools, get_reward() (optional) a reward beside grpo.rewards. One "
+        "that crashes ends the rollout with reward 0 (counted in tools/env_crashes), not the run.")
     max_tool_calls: int | None = _f(None, "Rounds of tool calls per rollout at most; past it the rollout is cut. "
                                     "Default: no limit but max_completion_length.")
     tool_timeout: float = _f(

@@ -38,6 +38,7 @@ from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from .sft import SFT
+from .environments import load_environment
 from .tools import ToolCounts, load_tools, suffix_after_stop, tool_template_problem
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
@@ -120,12 +121,13 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         self._metrics[mode]["advantages/std"].append(advantages.std().item() if advantages.numel() > 1 else 0.0)
         if self.tools:  # the tool calls of this generation batch, over every rank
             taken = self.tool_counts.take()
-            total = self.accelerator.gather(torch.tensor([taken["calls"], taken["errors"], taken["timeouts"]],
-                                                         device=self.accelerator.device)).reshape(-1, 3).sum(0)
-            rollouts = advantages.numel()
-            self._metrics[mode]["tools/calls_per_rollout"].append(total[0].item() / max(rollouts, 1))
-            self._metrics[mode]["tools/errors"].append(total[1].item())
-            self._metrics[mode]["tools/timeouts"].append(total[2].item())
+            total = self.accelerator.gather(torch.tensor(list(taken.values()), device=self.accelerator.device))
+            total = dict(zip(taken, total.reshape(-1, len(taken)).sum(0).tolist()))
+            self._metrics[mode]["tools/calls_per_rollout"].append(total["calls"] / max(advantages.numel(), 1))
+            self._metrics[mode]["tools/errors"].append(total["errors"])
+            self._metrics[mode]["tools/timeouts"].append(total["timeouts"])
+            if self.environment_factories is not None:
+                self._metrics[mode]["tools/env_crashes"].append(total["crashes"])
         return out
 
 
@@ -139,8 +141,9 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
                              exact_match=recipe.eval.exact_match, needs_reference=exact)
     dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
-    if g.tools:
+    if g.tools or g.environment:
         load_tools(g)  # importable, each with a JSON schema
+        load_environment(g)  # importable, with reset and methods TRL can show the model
         problem = tool_template_problem(tokenizer, template_kwargs(tokenizer, recipe.data.chat_template_kwargs))
         if problem:
             raise DataError(f"grpo.tools: the chat template (data.chat_template, else the tokenizer's) {problem}")
@@ -169,6 +172,7 @@ class GRPO(SFT):
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
                                   reward_funcs=load_rewards(run.recipe.grpo, defer=True),
                                   tools=load_tools(run.recipe.grpo, counts) or None, tool_counts=counts,
+                                  environment_factory=load_environment(run.recipe.grpo, counts),
                                   peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
 
 

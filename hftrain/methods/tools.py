@@ -24,14 +24,15 @@ from .rewards import CallTimeout, import_function, time_limit
 
 
 class ToolCounts:
-    """Calls, errors and timeouts of every tool since the last `take()` (the trainer logs them per step)."""
+    """Calls, errors and timeouts of every tool, and crashes of environments (environments.py), since the last
+    `take()` (the trainer logs them per step)."""
 
     def __init__(self):
-        self.calls = self.errors = self.timeouts = 0
+        self.calls = self.errors = self.timeouts = self.crashes = 0
 
     def take(self) -> dict[str, int]:
-        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts}
-        self.calls = self.errors = self.timeouts = 0
+        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "crashes": self.crashes}
+        self.calls = self.errors = self.timeouts = self.crashes = 0
         return out
 
 

@@ -1,0 +1,180 @@
+"""GRPO's environment (`grpo.environment: module:Class`), run by TRL 1.16's `environment_factory` (experimental in
+TRL): one instance per rollout, pooled and reset between batches; `reset(**row)` starts a rollout from the data row
+(a text it returns is appended to the prompt); its public methods are the model's tools (their JSON schemas from type
+hints and docstrings, as for grpo.tools); `get_reward()`, when defined, scores the finished rollout (logged under the
+class's name, weight 1, beside grpo.rewards).
+
+TRL calls all of these directly: an environment that raises in `reset` or `get_reward` stops the run, and one that
+hangs hangs the rank. Here TRL is handed a stand-in class (`guarded_environment`) with the same public methods, names,
+signatures and docstrings, holding the user's instance:
+
+- a method call runs under grpo.tool_timeout with its prints on stderr, as a tool does (tools.guarded): one that
+  raises an Exception answers the model "error: ..." (the environment refused the action, e.g. an illegal move) and is
+  counted in tools/errors;
+- the environment **crashes** when its constructor, `reset` or `get_reward` raises, or a method runs past the timeout
+  or exits (its state is then unknown): the rollout's later calls answer "error: the environment crashed ...", its
+  `get_reward` is 0.0, the crash is printed on stderr once and counted (tools/env_crashes); the next `reset` builds a
+  fresh instance. Reward functions see it as `environments[i].crashed` (TRL passes `environments`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+
+from ..config import GrpoSection
+from ..errors import RewardError
+from .rewards import CallTimeout, import_function, time_limit
+from .tools import ToolCounts, schema_problem
+
+RESERVED = ("reset", "get_reward")
+
+
+class EnvironmentCrash(Exception):
+    """Raised inside the stand-in when the user's environment can no longer be trusted."""
+
+
+def public_methods(cls) -> dict:
+    """The methods TRL makes tools of: the class's public functions, reset and get_reward excepted."""
+    return {name: fn for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_") and name not in RESERVED}
+
+
+class _Guarded:
+    """The stand-in's machinery (guarded_environment makes a subclass per environment class)."""
+
+    _cls: type
+    _timeout: float | None
+    _counts: ToolCounts
+
+    def __init__(self):
+        self._inner, self.crashed = None, None
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.crashed = None
+        try:
+            self._inner = self._run(self._cls, (), {})
+        except EnvironmentCrash as e:
+            self._crash(f"{self._cls.__name__}() {e}")
+        except Exception as e:  # noqa: BLE001 - a crash, reported; the next reset tries again
+            self._crash(f"{self._cls.__name__}() raised {type(e).__name__}: {e}")
+
+    def _run(self, fn, args, kwargs):
+        try:
+            with contextlib.redirect_stdout(sys.stderr), time_limit(self._timeout):
+                return fn(*args, **kwargs)
+        except CallTimeout:
+            raise EnvironmentCrash(f"did not return within {self._timeout:g} s") from None
+        except SystemExit as e:
+            raise EnvironmentCrash(f"exited (SystemExit: {e})") from None
+
+    def _crash(self, what: str) -> None:
+        self.crashed, self._inner = what, None
+        self._counts.crashes += 1
+        print(f"hftrain: warning: the GRPO environment crashed: {what}; this rollout gets reward 0", file=sys.stderr,
+              flush=True)
+
+    def reset(self, **row):
+        if self._inner is None:
+            self._fresh()
+        if self.crashed:
+            return None
+        try:
+            return self._run(self._inner.reset, (), row)
+        except EnvironmentCrash as e:
+            self._crash(f"reset {e}")
+        except Exception as e:  # noqa: BLE001 - a crash, reported; the run goes on
+            self._crash(f"reset raised {type(e).__name__}: {e}")
+        return None
+
+
+def _guarded_method(name: str, fn):
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        self._counts.calls += 1
+        if self.crashed:
+            self._counts.errors += 1
+            return f"error: the environment crashed ({self.crashed}); nothing more can be done in this rollout"
+        try:
+            result = self._run(getattr(self._inner, name), args, kwargs)
+        except EnvironmentCrash as e:
+            self._counts.errors += 1
+            self._crash(f"{name} {e}")
+            return f"error: {name} {e}: the environment crashed"
+        except Exception as e:  # noqa: BLE001 - the environment refused the call: the model is told
+            self._counts.errors += 1
+            return f"error: {name} raised {type(e).__name__}: {e}"
+        if not isinstance(result, str):
+            self._counts.errors += 1
+            return f"error: {name} returned {type(result).__name__}, not text"
+        return result
+
+    return method
+
+
+def _get_reward(self) -> float:
+    if self.crashed or self._inner is None:
+        return 0.0
+    try:
+        return float(self._run(self._inner.get_reward, (), {}))
+    except EnvironmentCrash as e:
+        self._crash(f"get_reward {e}")
+    except Exception as e:  # noqa: BLE001 - a crash, reported: reward 0 for this rollout
+        self._crash(f"get_reward raised {type(e).__name__}: {e}")
+    return 0.0
+
+
+def guarded_environment(cls: type, timeout: float | None, counts: ToolCounts) -> type:
+    """The class TRL's environment_factory builds instead of `cls` (see the module docstring)."""
+    namespace = {"_cls": cls, "_timeout": timeout, "_counts": counts, "__doc__": cls.__doc__,
+                 **{name: _guarded_method(name, fn) for name, fn in public_methods(cls).items()}}
+    if callable(getattr(cls, "get_reward", None)):
+        namespace["get_reward"] = _get_reward
+    return type(cls.__name__, (_Guarded,), namespace)
+
+
+def load_environment(g: GrpoSection, counts: ToolCounts | None = None) -> type | None:
+    """The recipe's environment class, guarded; refused naming the key when TRL could not use it."""
+    if not g.environment:
+        return None
+    cls = import_function(g.environment, "grpo.environment")
+    problem = environment_problem(cls)
+    if problem:
+        raise RewardError(f"grpo.environment: {g.environment}: {problem}")
+    if not g.rewards and not callable(getattr(cls, "get_reward", None)):
+        raise RewardError(f"grpo.rewards is empty and grpo.environment {g.environment} defines no get_reward(): "
+                          "add a reward function, or a get_reward method returning the rollout's reward")
+    return guarded_environment(cls, g.tool_timeout or None, counts if counts is not None else ToolCounts())
+
+
+def environment_problem(cls) -> str | None:
+    """Why TRL cannot use `cls` as an environment, or None."""
+    if not inspect.isclass(cls):
+        return f"is a {type(cls).__name__}, not a class"
+    if not callable(getattr(cls, "reset", None)):
+        return "defines no reset() (TRL starts each rollout with it)"
+    if not public_methods(cls):
+        return "has no public method for the model to call (each becomes a tool)"
+    for name, fn in public_methods(cls).items():
+        problem = schema_problem(_unbound_schema_target(fn))
+        if problem:
+            return (f"its method {name}: transformers cannot build its JSON schema ({problem}); give every argument "
+                    "a type hint and the method a Google-style docstring with an Args: section")
+    return None
+
+
+def _unbound_schema_target(fn):
+    """A function with `fn`'s signature less `self` and its docstring: what the model is shown of the method."""
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())[1:]
+
+    def target(*args, **kwargs):
+        return None
+
+    functools.update_wrapper(target, fn)
+    del target.__wrapped__
+    target.__signature__ = signature.replace(parameters=params)
+    return target
