@@ -143,3 +143,31 @@ def test_rewards_read_a_tool_rollouts_final_answer_and_the_tokens_the_model_gene
     trainer._calculate_rewards([], [], [], [[1, 2, 3, 4, 5], [6]])
     trainer._calculate_rewards([], [], [], [[1, 2, 3]])  # the mask is one generation's: not reused
     assert seen == [[[1, 2, 5], [6]], [[1, 2, 3]]]
+
+
+def test_the_tools_schemas_count_in_the_prompt_and_show_in_the_preview(tmp_path, tiny_model_dir):
+    """TRL renders every prompt with the tools' schemas (a system block of a few hundred tokens for one tool in
+    Qwen2.5's template): measured without them, a prompt passed the data.max_length check and ran past it."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from hftrain.config import DataSection, DataSource
+    from hftrain.errors import DataError
+    from hftrain.methods.prompts import preview_prompts, read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "2 + 3?"},
+                                             {"role": "assistant", "content": "5"}]}) + "\n")
+    src = DataSource(path=str(path))
+    cfg = DataSection(sources=[src], max_length=96)
+    (_, _, bare), = read_prompts(src, "data.sources.0", tokenizer, cfg, 16)
+    assert bare <= 96 - 16
+    with pytest.raises(DataError, match=r"the prompt is \d+ tokens with the tools' schemas and data.max_length 96"):
+        read_prompts(src, "data.sources.0", tokenizer, cfg, 16, tools=[add])
+    wide = DataSection(sources=[src], max_length=1024)
+    (_, _, with_tools), = read_prompts(src, "data.sources.0", tokenizer, wide, 16, tools=[add])
+    assert with_tools > bare + 50
+    shown = preview_prompts(wide, tokenizer, 16, 1, tools=[add])
+    assert '"name": "add"' in shown and f"{with_tools} prompt tokens" in shown

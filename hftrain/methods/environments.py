@@ -150,6 +150,16 @@ def load_environment(g: GrpoSection, counts: ToolCounts | None = None) -> type |
     return guarded_environment(cls, g.tool_timeout or None, counts if counts is not None else ToolCounts())
 
 
+def shown_tools(g: GrpoSection) -> list:
+    """The functions whose schemas the chat template shows the model in every prompt: grpo.tools, then the
+    environment's methods (TRL renders each prompt with both)."""
+    from .tools import load_tools
+
+    env = load_environment(g)
+    methods = [_unbound_schema_target(fn) for fn in public_methods(env._cls).values()] if env else []
+    return load_tools(g) + methods
+
+
 def environment_problem(cls) -> str | None:
     """Why TRL cannot use `cls` as an environment, or None."""
     if not inspect.isclass(cls):

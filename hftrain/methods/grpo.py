@@ -38,7 +38,7 @@ from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from .sft import SFT
-from .environments import load_environment
+from .environments import load_environment, shown_tools
 from .tools import ToolCounts, load_tools, suffix_after_stop, tool_template_problem
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
@@ -138,15 +138,14 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     g = recipe.grpo
     exact = next((f"grpo.rewards.{i} (exact_match)" for i, r in enumerate(g.rewards) if r.function == "exact_match"),
                  None)
+    tools = shown_tools(g)  # importable, each with a JSON schema; the environment with reset and such methods
+    problem = tools and tool_template_problem(tokenizer, template_kwargs(tokenizer, recipe.data.chat_template_kwargs))
+    if problem:
+        key = "grpo.tools" if g.tools else "grpo.environment"
+        raise DataError(f"{key}: the chat template (data.chat_template, else the tokenizer's) {problem}")
     data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
-                             exact_match=recipe.eval.exact_match, needs_reference=exact)
+                             exact_match=recipe.eval.exact_match, needs_reference=exact, tools=tools)
     dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
-    if g.tools or g.environment:
-        load_tools(g)  # importable, each with a JSON schema
-        load_environment(g)  # importable, with reset and methods TRL can show the model
-        problem = tool_template_problem(tokenizer, template_kwargs(tokenizer, recipe.data.chat_template_kwargs))
-        if problem:
-            raise DataError(f"grpo.tools: the chat template (data.chat_template, else the tokenizer's) {problem}")
     per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
         "gradient_accumulation_steps") // g.num_generations
     if len(data.train) < per_step:
@@ -179,5 +178,6 @@ class GRPO(SFT):
 METHOD = GRPO(
     name="grpo", script="grpo", section="grpo", example="grpo: {rewards: [{function: exact_match}]}",
     selects=lambda recipe: recipe.grpo is not None, read=read_prompts, unit="prompts", counts_its_steps=True,
-    show=lambda recipe, tokenizer, n: preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, n),
+    show=lambda recipe, tokenizer, n: preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, n,
+                                                      shown_tools(recipe.grpo)),
     arguments=grpo_config, trainer_class=GroupTrainer)

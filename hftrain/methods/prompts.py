@@ -60,18 +60,20 @@ def prompt_of(canon: dict) -> dict:
     return {PROMPT: prompt, REFERENCE: msgs[-1]["content"] if last else None}
 
 
-def _prompt_tokens(tokenizer, prompt, kwargs: dict, at: str) -> int:
-    """Tokens of the prompt as TRL's GRPOTrainer 1.16 renders it (_tokenize_prompts)."""
+def _prompt_tokens(tokenizer, prompt, kwargs: dict, at: str, tools: list | None = None) -> int:
+    """Tokens of the prompt as TRL's GRPOTrainer 1.16 renders it (_tokenize_prompts), with the schemas of the tools
+    the template shows the model (grpo.tools, the environment's methods), which count against data.max_length."""
     if isinstance(prompt, str):
         return len(tokenizer(text=prompt)["input_ids"])
-    return len(apply(tokenizer, prompt, None, kwargs, at, add_generation_prompt=True, tokenize=True,
+    return len(apply(tokenizer, prompt, tools or None, kwargs, at, add_generation_prompt=True, tokenize=True,
                      return_dict=True)["input_ids"])
 
 
 def read_prompts(src, key: str, tokenizer, cfg: DataSection, max_completion_length: int,
-                 needs_reference: str | None = None) -> list[tuple[str, dict, int]]:
+                 needs_reference: str | None = None, tools: list | None = None) -> list[tuple[str, dict, int]]:
     """(where, prompt row, prompt tokens) of every kept row of one source; the first bad row stops, naming the file
-    and row. `needs_reference`: the reward that compares with the reference (a row without one is refused)."""
+    and row. `needs_reference`: the reward that compares with the reference (a row without one is refused);
+    `tools`: the tools the template shows in each prompt (their schemas are measured with it)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     fmt, rows = read_canonical(src, key, has_template)
     kwargs = template_kwargs(tokenizer, cfg.chat_template_kwargs)
@@ -94,11 +96,13 @@ def read_prompts(src, key: str, tokenizer, cfg: DataSection, max_completion_leng
         if conversational and not has_template:
             raise DataError(f"{key}: conversation prompts need a chat template and the tokenizer has none; set "
                             "data.chat_template (a Jinja string or a .jinja file)")
-        n = _prompt_tokens(tokenizer, row[PROMPT], kwargs, f"{key} ({where})")
+        n = _prompt_tokens(tokenizer, row[PROMPT], kwargs, f"{key} ({where})", tools)
         if n > room:
             if cfg.truncation != "drop":
-                raise DataError(f"{key}: {where}: the prompt is {n} tokens and data.max_length {cfg.max_length} - "
-                                f"grpo.max_completion_length {max_completion_length} leaves {room}: raise "
+                shown = " with the tools' schemas" if tools else ""
+                raise DataError(f"{key}: {where}: the prompt is {n} tokens{shown} and data.max_length "
+                                f"{cfg.max_length} - grpo.max_completion_length {max_completion_length} leaves {room}: "
+                                "raise "
                                 "data.max_length, shorten the prompt, or set data.truncation: drop to drop such rows")
             dropped += 1
             continue
@@ -118,7 +122,8 @@ def _eval_examples(rows: list[dict]) -> list[dict]:
 
 
 def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, seed: int = 42,
-                      exact_match: int = 0, needs_reference: str | None = None) -> PromptData:
+                      exact_match: int = 0, needs_reference: str | None = None, tools: list | None = None
+                      ) -> PromptData:
     """Every source read and checked, held-out prompts split off (data.eval_fraction) or read (data.eval_sources),
     the training sources mixed by weight."""
     train_parts, weights, held, kinds = [], [], [], {}
@@ -127,7 +132,7 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
     for group, src, i in groups:
         key = f"data.{group}.{i}"
         rows = [row for _, row, _ in read_prompts(src, key, tokenizer, cfg, max_completion_length,
-                                                  needs_reference if group == "sources" else None)]
+                                                  needs_reference if group == "sources" else None, tools)]
         conversational = isinstance(rows[0][PROMPT], list)
         kinds.setdefault(conversational, key)
         if len(kinds) > 1:
@@ -150,15 +155,16 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
     return PromptData(mix(train_parts, weights, seed), None, examples, bool(kinds.get(True)))
 
 
-def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, examples: int = 2) -> str:
+def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, examples: int = 2,
+                    tools: list | None = None) -> str:
     """`hftrain data` for GRPO: per source its layout, prompt token counts, and `examples` prompts rendered as the
-    policy receives them (chat template and generation prompt), each with its reference answer."""
+    policy receives them (chat template, the tools it shows, generation prompt), each with its reference answer."""
     kwargs = template_kwargs(tokenizer, cfg.chat_template_kwargs)
     lines = []
     for prefix, sources in (("data.sources", cfg.sources), ("data.eval_sources", cfg.eval_sources)):
         for i, src in enumerate(sources):
             key = f"{prefix}.{i}"
-            rows = read_prompts(src, key, tokenizer, cfg, max_completion_length)
+            rows = read_prompts(src, key, tokenizer, cfg, max_completion_length, tools=tools)
             n = sorted(t for _, _, t in rows)
             lines += [f"{key} ({src.path}): {len(rows)} prompts, "
                       f"{sum(r[REFERENCE] is not None for _, r, _ in rows)} with a reference answer",
@@ -166,7 +172,7 @@ def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, exa
                       f"{max_completion_length} tokens are sampled"]
             for where, row, t in rows[:examples]:
                 prompt = row[PROMPT] if isinstance(row[PROMPT], str) else apply(
-                    tokenizer, row[PROMPT], None, kwargs, f"{key} ({where})", add_generation_prompt=True,
+                    tokenizer, row[PROMPT], tools or None, kwargs, f"{key} ({where})", add_generation_prompt=True,
                     tokenize=False)
                 lines += [f"  --- {where}: {t} prompt tokens", prompt, f"  reference: {row[REFERENCE]!r}"]
     return "\n".join(lines)
