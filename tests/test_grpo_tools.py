@@ -3,6 +3,7 @@ model an error line and a count, never a stuck rank or a stopped run; the schema
 guard; tools without a schema and templates TRL cannot parse tool calls from are refused before the model loads."""
 
 import json
+import re
 import time
 
 import pytest
@@ -171,3 +172,7 @@ def test_the_tools_schemas_count_in_the_prompt_and_show_in_the_preview(tmp_path,
     assert with_tools > bare + 50
     shown = preview_prompts(wide, tokenizer, 16, 1, tools=[add])
     assert '"name": "add"' in shown and f"{with_tools} prompt tokens" in shown
+    rollout = shown.split("a tool rollout as it is trained")[1]  # the call and the final answer trained, not the tool's
+    assert re.search(r'\[\[<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 1\}\}\n</tool_call><\|im_end\|>\]\]'
+                     r'\n<\|im_start\|>user\n<tool_response>\n<answer>\n</tool_response>', rollout), rollout
+    assert rollout.rstrip().endswith("[[<final answer><|im_end|>]]"), rollout

@@ -24,6 +24,7 @@ from ..distributed import print0
 from ..errors import DataError
 from ..data.build import mix
 from ..data.layouts import read_canonical
+from .tools import example_trajectory
 from ..data.templates import apply, template_kwargs
 
 PROMPT, REFERENCE = "prompt", "reference"  # the columns TRL reads (the prompt) and passes to reward functions
@@ -175,4 +176,7 @@ def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, exa
                     tokenizer, row[PROMPT], tools or None, kwargs, f"{key} ({where})", add_generation_prompt=True,
                     tokenize=False)
                 lines += [f"  --- {where}: {t} prompt tokens", prompt, f"  reference: {row[REFERENCE]!r}"]
+            if tools and rows and isinstance(rows[0][1][PROMPT], list):
+                lines += ["  --- a tool rollout as it is trained (placeholders; the trained tokens between [[ and ]])",
+                          example_trajectory(tokenizer, rows[0][1][PROMPT], tools, kwargs)]
     return "\n".join(lines)

@@ -131,3 +131,53 @@ def tool_template_problem(tokenizer, template_kwargs: dict | None = None) -> str
             return (f"is not one whose tool calls TRL can parse ({type(e).__name__}: {str(e)[:160]}): use a family "
                     "TRL ships a response template for (Qwen2.5/3, Llama 3.1/3.2, GLM-4.5, gpt-oss, ...)")
     return tool_suffix_problem(tokenizer, template_kwargs or {})
+
+
+_PLACEHOLDERS = {"integer": 1, "number": 1.5, "string": "x", "boolean": True, "array": [], "object": {}}
+
+
+def _example_call(tool) -> dict:
+    """A call of `tool` with a placeholder for each argument, as TRL's parser hands it to the loop."""
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(tool)["function"]
+    arguments = {name: _PLACEHOLDERS.get(spec.get("type"), "x")
+                 for name, spec in schema["parameters"]["properties"].items()}
+    return {"type": "function", "function": {"name": schema["name"], "arguments": arguments}}
+
+
+def example_trajectory(tokenizer, prompt: list[dict], tools: list, template_kwargs: dict) -> str:
+    """`hftrain data`'s view of a tool rollout: `prompt`, a call of the first tool, its answer and a final answer, as
+    the model would sample them from this template and TRL's loop (with suffix_after_stop) would train them: the
+    trained tokens between [[ and ]], the tool's answer and the prompt outside."""
+    from trl import GRPOTrainer
+
+    from ..constants import IGNORE_INDEX
+    from ..data.preview import marked
+    from ..data.templates import stop_ids
+
+    call = {"role": "assistant", "content": "", "tool_calls": [_example_call(tools[0])]}
+    exchange = [call, {"role": "tool", "name": call["tool_calls"][0]["function"]["name"], "content": "<answer>"},
+                {"role": "assistant", "content": "<final answer>"}]
+    render = functools.partial(tokenizer.apply_chat_template, tools=tools, tokenize=True, return_dict=False,
+                               **template_kwargs)
+    start, whole = render(prompt, add_generation_prompt=True), render(prompt + exchange)
+    if whole[:len(start)] != start:
+        return "  (this template renders a turn in history unlike its generation prompt: no one rendering to show)"
+    stops = stop_ids(tokenizer)[0]
+    trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                                    chat_template_kwargs=template_kwargs, _is_vlm=False)
+    suffix = suffix_after_stop(GRPOTrainer._get_tool_suffix_ids(trainer, exchange[1:2]), stops)
+    first = _until_stop(whole, len(start), stops)
+    second = _until_stop(whole, len(start) + len(first) + len(suffix), stops)
+    ids = start + first + suffix + second
+    labels = [IGNORE_INDEX] * len(start) + first + [IGNORE_INDEX] * len(suffix) + second
+    return marked(tokenizer, ids, labels)
+
+
+def _until_stop(ids: list[int], start: int, stops) -> list[int]:
+    """The tokens the model samples from `start`: up to and including the first that stops generation."""
+    for i in range(start, len(ids)):
+        if ids[i] in stops:
+            return ids[start:i + 1]
+    return ids[start:]
