@@ -9,13 +9,16 @@ from .data.forms import template_messages
 from .data.templates import template_kwargs
 
 
-def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = None) -> list[int]:
-    """The ids a held-out example's answer is generated after: its messages with the generation prompt, rendered
-    with the same data.chat_template_kwargs (and pinned date) as training; or its plain prompt."""
+def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = None, tools: list | None = None
+               ) -> list[int]:
+    """The ids a held-out example's answer is generated after: its messages with the generation prompt (and the
+    schemas of `tools`), rendered with the same data.chat_template_kwargs (and pinned date) as training; or its plain
+    prompt."""
     if "messages" in example:
         kwargs = template_kwargs(tokenizer, chat_template_kwargs)
         msgs = template_messages(example["messages"], tokenizer, kwargs, "eval.exact_match")
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, **kwargs)["input_ids"]
+        return tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, return_dict=True,
+                                             **kwargs)["input_ids"]
     return tokenizer(example["prompt"])["input_ids"]
 
 
@@ -46,25 +49,34 @@ def greedy_settings(max_new_tokens: int, eos_token_id=None, pad_token_id=None) -
 
 
 @torch.no_grad()
-def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
-                  chat_template_kwargs: dict | None = None) -> str:
-    """The model's greedy answer to a held-out example's prompt (prompt_ids), decoded without special tokens."""
-    inp = torch.tensor([prompt_ids(tokenizer, example, chat_template_kwargs)], device=next(model.parameters()).device)
+def greedy_continuation(model, tokenizer, ids: list[int], max_new_tokens: int, synced: bool = False) -> list[int]:
+    """The ids the model generates greedily after `ids`."""
+    inp = torch.tensor([ids], device=next(model.parameters()).device)
     out = model.generate(
         input_ids=inp,
         attention_mask=torch.ones_like(inp),
         synced_gpus=synced,
         **greedy_settings(max_new_tokens, _generation_eos_ids(model, tokenizer), tokenizer.pad_token_id),
     )
-    return tokenizer.decode(out[0, inp.shape[1] :], skip_special_tokens=True)
+    return out[0, inp.shape[1]:].tolist()
+
+
+def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
+                  chat_template_kwargs: dict | None = None) -> str:
+    """The model's greedy answer to a held-out example's prompt (prompt_ids), decoded without special tokens."""
+    ids = prompt_ids(tokenizer, example, chat_template_kwargs)
+    return tokenizer.decode(greedy_continuation(model, tokenizer, ids, max_new_tokens, synced),
+                            skip_special_tokens=True)
 
 
 def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32, lockstep: bool = False,
-                chat_template_kwargs: dict | None = None) -> float:
+                chat_template_kwargs: dict | None = None, answer=greedy_answer) -> float:
     """Share of `examples` whose greedy answer equals the reference (whitespace-stripped), each example once.
 
     Each rank generates its shard (`shard`) and the counts are summed over ranks. Sharded models (`lockstep`:
     FSDP, ZeRO-3) generate with `synced_gpus`: a rank whose answer is finished keeps stepping until every rank's is.
+    `answer`: how an answer is generated (greedy_answer's arguments), e.g. over several turns with tools
+    (methods/tools.py's ToolAnswer); it must call generate() as often on every rank under lockstep.
     """
     if not examples:
         return float("nan")
@@ -73,8 +85,8 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32
     synced = lockstep and distributed.world_size() > 1
     correct = 0
     for i, counted in shard(len(examples), distributed.rank(), distributed.world_size(), lockstep):
-        answer = greedy_answer(model, tokenizer, examples[i], max_new_tokens, synced, chat_template_kwargs)
-        correct += int(counted and answer.strip() == examples[i]["reference"].strip())
+        said = answer(model, tokenizer, examples[i], max_new_tokens, synced, chat_template_kwargs)
+        correct += int(counted and said.strip() == examples[i]["reference"].strip())
     if was_training:
         model.train()
     return distributed.all_reduce_sum(correct) / len(examples)

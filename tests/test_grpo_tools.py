@@ -7,6 +7,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from hftrain.config import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
@@ -176,3 +177,47 @@ def test_the_tools_schemas_count_in_the_prompt_and_show_in_the_preview(tmp_path,
     assert re.search(r'\[\[<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 1\}\}\n</tool_call><\|im_end\|>\]\]'
                      r'\n<\|im_start\|>user\n<tool_response>\n<answer>\n</tool_response>', rollout), rollout
     assert rollout.rstrip().endswith("[[<final answer><|im_end|>]]"), rollout
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in whose generate() continues each prompt with the next ids of `script` (the same last one after)."""
+
+    def __init__(self, script: list[list[int]]):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.script, self.prompts = list(script), []
+
+    def generate(self, input_ids, **settings):
+        self.prompts.append(input_ids[0].tolist())
+        new = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+
+
+def test_held_out_answers_of_a_tool_recipe_call_the_tools(tiny_model_dir):
+    """eval.exact_match of a GRPO recipe with grpo.tools: the model's call is run and answered as in training, and
+    the answer is its last turn (measured without the tools, its answer was the call itself: exact match 0)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from hftrain.evaluate import exact_match, greedy_answer
+    from hftrain.methods.tools import ToolAnswer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+                            add_special_tokens=False) + [end]
+    final = tokenizer.encode("5", add_special_tokens=False) + [end]
+    examples = [{"messages": [{"role": "user", "content": "2 + 3?"}], "reference": "5"}]
+    counts = ToolCounts()
+    model = ScriptedModel([call, final])
+    assert exact_match(model, tokenizer, examples, answer=ToolAnswer([guarded(add, 5.0, counts)], 2)) == 1.0
+    first, second = model.prompts
+    assert second[:len(first)] == first and second[len(first):len(first) + len(call)] == call
+    assert tokenizer.decode(second[len(first) + len(call):]) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "add"' in tokenizer.decode(first) and counts.take()["calls"] == 1
+    assert exact_match(ScriptedModel([call, final]), tokenizer, examples, answer=greedy_answer) == 0.0
+    lockstep = ScriptedModel([call, final])  # every rank generates rounds + 1 times, whatever its turns
+    assert ToolAnswer([add], 3)(lockstep, tokenizer, examples[0], 32, synced=True) == "5"
+    assert len(lockstep.prompts) == 4

@@ -109,8 +109,12 @@ def _data_problems(recipe: Recipe) -> Problems:
 
 
 def _other_section_problems(recipe: Recipe) -> Problems:
-    """training:, model.lora and moe: keys that do not apply to GRPO."""
+    """training:, eval:, model.lora and moe: keys that do not apply to GRPO."""
     out: Problems = []
+    if recipe.grpo.environment and recipe.eval is not None and recipe.eval.exact_match:
+        out.append(("eval.exact_match", "held-out answers with grpo.environment need each row's environment, which "
+                    "the evaluation does not run: set eval.exact_match: 0 (the environment's reward is logged per "
+                    "step as rewards/<Class>/mean)"))
     if recipe.training.get("loss_averaging") not in ("token", None):
         out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; GRPO averages as "
                     "grpo.loss_type says: remove it"))

@@ -27,7 +27,7 @@ import sys
 from ..config import GrpoSection
 from ..errors import RewardError
 from .rewards import CallTimeout, import_function, time_limit
-from .tools import ToolCounts, schema_problem
+from .tools import ToolCounts, load_tools, schema_problem
 
 RESERVED = ("reset", "get_reward")
 
@@ -153,8 +153,6 @@ def load_environment(g: GrpoSection, counts: ToolCounts | None = None) -> type |
 def shown_tools(g: GrpoSection) -> list:
     """The functions whose schemas the chat template shows the model in every prompt: grpo.tools, then the
     environment's methods (TRL renders each prompt with both)."""
-    from .tools import load_tools
-
     env = load_environment(g)
     methods = [_unbound_schema_target(fn) for fn in public_methods(env._cls).values()] if env else []
     return load_tools(g) + methods

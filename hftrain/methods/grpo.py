@@ -37,11 +37,13 @@ from ..patches.transformers import mark_fsdp_managed
 from .rewards import dry_run, load_rewards
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
-from .sft import SFT
+from ..evaluate import greedy_answer
+from .sft import SFT, exact_match_metrics
 from .environments import load_environment, shown_tools
-from .tools import ToolCounts, load_tools, suffix_after_stop, tool_template_problem
+from .tools import ToolAnswer, ToolCounts, load_tools, suffix_after_stop, tool_template_problem
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
+DEFAULT_TOOL_ROUNDS = 4  # rounds of tool calls in a held-out answer when grpo.max_tool_calls is unset
 
 
 @dataclasses.dataclass
@@ -165,6 +167,12 @@ class GRPO(SFT):
 
     def model(self, run):
         return load_policy(run.recipe.model)
+
+    def metrics(self, run, trainer, data, before):
+        """Exact match as SFT's; with grpo.tools, answers over several turns calling them (tools.ToolAnswer)."""
+        g = run.recipe.grpo
+        answer = ToolAnswer(load_tools(g), g.max_tool_calls or DEFAULT_TOOL_ROUNDS) if g.tools else greedy_answer
+        return exact_match_metrics(run, trainer, data, before, answer)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         counts = ToolCounts()

@@ -19,7 +19,11 @@ import sys
 import types
 
 from ..config import GrpoSection
+from ..constants import IGNORE_INDEX
+from ..data.preview import marked
+from ..data.templates import stop_ids, template_kwargs
 from ..errors import RewardError
+from ..evaluate import greedy_continuation, prompt_ids
 from .rewards import CallTimeout, import_function, time_limit
 
 
@@ -152,9 +156,6 @@ def example_trajectory(tokenizer, prompt: list[dict], tools: list, template_kwar
     trained tokens between [[ and ]], the tool's answer and the prompt outside."""
     from trl import GRPOTrainer
 
-    from ..constants import IGNORE_INDEX
-    from ..data.preview import marked
-    from ..data.templates import stop_ids
 
     call = {"role": "assistant", "content": "", "tool_calls": [_example_call(tools[0])]}
     exchange = [call, {"role": "tool", "name": call["tool_calls"][0]["function"]["name"], "content": "<answer>"},
@@ -181,3 +182,50 @@ def _until_stop(ids: list[int], start: int, stops) -> list[int]:
         if ids[i] in stops:
             return ids[start:i + 1]
     return ids[start:]
+
+
+class ToolAnswer:
+    """A held-out example's greedy answer over several turns with the recipe's tools (eval.exact_match of a GRPO
+    recipe with grpo.tools): the model's tool calls parsed as TRL's loop parses them, the guarded tools run, their
+    answers appended as the loop appends them (TRL's suffix, less a generated stop token), up to `rounds` rounds;
+    the answer is the content of the last turn. Measured without the tools, the model's answer was its first tool
+    call, never the reference. Under lockstep every rank calls generate() rounds + 1 times per example, whatever
+    its turns (a finished answer's extra generations are discarded): each generation is a collective there."""
+
+    def __init__(self, tools: list, rounds: int):
+        self.tools, self.rounds = tools, rounds
+        self.by_name = {t.__name__: t for t in tools}
+
+    def __call__(self, model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
+                 chat_template_kwargs: dict | None = None) -> str:
+        from trl.chat_template_utils import add_response_schema, parse_response
+
+
+        parser = add_response_schema(copy.deepcopy(tokenizer))
+        kwargs = template_kwargs(tokenizer, chat_template_kwargs)
+        ids, answer, done = prompt_ids(tokenizer, example, chat_template_kwargs, self.tools), "", False
+        for turn in range(self.rounds + 1):
+            if done and not synced:
+                break
+            new = greedy_continuation(model, tokenizer, ids, max_new_tokens, synced)
+            if done:
+                continue
+            parsed = parse_response(parser, new, prefix=ids, tools=self.tools)
+            answer, calls = parsed.get("content") or "", parsed.get("tool_calls")
+            done = not calls or turn == self.rounds
+            if not done:
+                ids = ids + new + self._answers(tokenizer, calls, kwargs, stop_ids(tokenizer)[0])
+        return answer
+
+    def _answers(self, tokenizer, calls: list[dict], kwargs: dict, stops) -> list[int]:
+        from trl import GRPOTrainer
+
+        messages = []
+        for call in calls:
+            name, arguments = call["function"]["name"], call["function"].get("arguments") or {}
+            tool = self.by_name.get(name)
+            said = tool(**arguments) if tool is not None else f"error: there is no tool {name}"
+            messages.append({"role": "tool", "name": name, "content": said})
+        trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                                        chat_template_kwargs=kwargs, _is_vlm=False)
+        return suffix_after_stop(GRPOTrainer._get_tool_suffix_ids(trainer, messages), stops)
