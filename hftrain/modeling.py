@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -63,8 +64,27 @@ def _folder_problem(path: str, key: str) -> str | None:
     return None
 
 
+TRL_TEMPLATE = "trl:"  # data.chat_template: trl:NAME is TRL's shipped chat_templates/NAME.jinja
+
+
+def chat_template_file(chat_template: str | None) -> str | None:
+    """The .jinja file data.chat_template names: a path, or trl:NAME for a template TRL ships (its training
+    variants, with {% generation %} markers, are trl:NAME_training); None for template text."""
+    if chat_template and chat_template.startswith(TRL_TEMPLATE):
+        spec = importlib.util.find_spec("trl")
+        folder = os.path.join(spec.submodule_search_locations[0], "chat_templates") if spec else ""
+        return os.path.join(folder, chat_template[len(TRL_TEMPLATE):] + ".jinja")
+    return chat_template if chat_template and chat_template.endswith(".jinja") else None
+
+
 def _chat_template_problem(chat_template: str | None) -> str | None:
-    if chat_template and chat_template.endswith(".jinja") and not os.path.isfile(chat_template):
+    path = chat_template_file(chat_template)
+    if path and not os.path.isfile(path):
+        if chat_template.startswith(TRL_TEMPLATE):
+            folder = os.path.dirname(path)
+            names = sorted(n[:-6] for n in os.listdir(folder) if n.endswith(".jinja")) if os.path.isdir(folder) else []
+            return (f"data.chat_template: TRL ships no template {chat_template!r} (trl:NAME, NAME one of: "
+                    f"{', '.join(names) or 'none: is trl installed?'})")
         return (f"data.chat_template: {chat_template} does not exist; give an existing .jinja file or the template "
                 "itself as a string")
     return None
@@ -158,8 +178,8 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
         raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks "
                          "need offsets")
     if chat_template:
-        if chat_template.endswith(".jinja"):
-            with open(chat_template, encoding="utf-8") as fh:
+        if chat_template_file(chat_template):
+            with open(chat_template_file(chat_template), encoding="utf-8") as fh:
                 chat_template = fh.read()
         tok.chat_template = chat_template
     if tok.pad_token is None:

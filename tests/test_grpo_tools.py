@@ -221,3 +221,16 @@ def test_held_out_answers_of_a_tool_recipe_call_the_tools(tiny_model_dir):
     lockstep = ScriptedModel([call, final])  # every rank generates rounds + 1 times, whatever its turns
     assert ToolAnswer([add], 3)(lockstep, tokenizer, examples[0], 32, synced=True) == "5"
     assert len(lockstep.prompts) == 4
+
+
+def test_a_template_trl_ships_is_named_trl_name(tiny_model_dir):
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from hftrain.config import ModelSection
+    from hftrain.modeling import load_tokenizer, path_problems
+
+    tokenizer = load_tokenizer(ModelSection(name_or_path=tiny_model_dir), "trl:qwen2_5")
+    assert tokenizer.chat_template == qwen2_5_chat_template and tool_template_problem(tokenizer) is None
+    problems = dict(path_problems(ModelSection(name_or_path=tiny_model_dir), "trl:qwen9"))
+    assert "TRL ships no template 'trl:qwen9' (trl:NAME, NAME one of: " in problems["data.chat_template"]
+    assert "qwen2_5, qwen2_5_training" in problems["data.chat_template"]

@@ -20,8 +20,10 @@ def _chat_template_problem(template) -> str | None:
     """A chat_template value that is neither template text nor a .jinja file would be used as the template."""
     if not isinstance(template, str) or template.endswith(".jinja") or "{{" in template or "{%" in template:
         return None
+    if template.startswith("trl:"):  # one TRL ships (modeling.chat_template_file)
+        return None
     return (f"{template!r} is neither a Jinja template (no {{{{ or {{%) nor a .jinja file: give the path of a .jinja "
-            "file, or the template text itself")
+            "file, trl:NAME for a template TRL ships, or the template text itself")
 
 
 def data_problems(recipe: Recipe, out: Problems) -> bool:

@@ -97,7 +97,9 @@ class DataSection:
     sources: list[DataSource] = _f(help="Training data: one or more sources.")
     eval_sources: list[DataSource] = _f(help="Held-out data for evaluation.", factory=list)
     eval_fraction: float = _f(0.0, "Fraction of each training source held out for evaluation (0 = none).")
-    chat_template: str | None = _f(None, "Jinja chat template, or a path to a .jinja file, replacing the tokenizer's.")
+    chat_template: str | None = _f(
+        None, "Jinja chat template, a path to a .jinja file, or trl:NAME for one TRL ships (trl:qwen2_5, "
+        "trl:qwen3_training, ...), replacing the tokenizer's.")
     chat_template_kwargs: dict[str, Any] = _f(
         help="Extra variables for every chat template rendering, e.g. {enable_thinking: false} (Qwen3) or "
         "{date_string: 26 Jul 2024} (Llama 3; a template's today's date is pinned to 26 Jul 2024 otherwise).",
