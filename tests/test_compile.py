@@ -49,8 +49,11 @@ def trainer_of(recipe_path):
     return trainer, {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("variant", ["plain", "packing", "chunked_loss", "lora", pytest.param("moe", marks=pytest.mark.xfail(
-    strict=True, reason="issue 42: the MoE hooks (router health, aux loss) split the compiled forward in two graphs"))])
+MOE_BREAKS = pytest.mark.xfail(
+    strict=True, reason="issue 42: the MoE hooks (router health, aux loss) split the compiled forward in two graphs")
+
+
+@pytest.mark.parametrize("variant", ["plain", "packing", "chunked_loss", "lora", pytest.param("moe", marks=MOE_BREAKS)])
 def test_hftrain_adds_no_graph_break_to_the_compiled_model(variant, tmp_path, tiny_model_dir, in_process):
     from transformers import AutoModelForCausalLM
 
