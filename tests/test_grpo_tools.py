@@ -174,8 +174,8 @@ def test_the_tools_schemas_count_in_the_prompt_and_show_in_the_preview(tmp_path,
     shown = preview_prompts(wide, tokenizer, 16, 1, tools=[add])
     assert '"name": "add"' in shown and f"{with_tools} prompt tokens" in shown
     rollout = shown.split("a tool rollout as it is trained")[1]  # the call and the final answer trained, not the tool's
-    assert re.search(r'\[\[<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 1\}\}\n</tool_call><\|im_end\|>\]\]'
-                     r'\n<\|im_start\|>user\n<tool_response>\n<answer>\n</tool_response>', rollout), rollout
+    call = r'\[\[<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 1\}\}\n</tool_call><\|im_end\|>\]\]'
+    assert re.search(call + r'\n<\|im_start\|>user\n<tool_response>\n<answer>\n</tool_response>', rollout), rollout
     assert rollout.rstrip().endswith("[[<final answer><|im_end|>]]"), rollout
 
 
