@@ -50,7 +50,8 @@ def trainer_of(recipe_path):
 
 
 MOE_BREAKS = pytest.mark.xfail(
-    strict=True, reason="issue 42: the MoE hooks (router health, aux loss) split the compiled forward in two graphs")
+    strict=True, reason="issue 42: hftrain's MoE set-up (router logits for the aux loss, router-health hooks) splits "
+    "the compiled forward in two graphs")
 
 
 @pytest.mark.parametrize("variant", ["plain", "packing", "chunked_loss", "lora", pytest.param("moe", marks=MOE_BREAKS)])
