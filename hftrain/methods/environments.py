@@ -154,7 +154,7 @@ def shown_tools(g: GrpoSection) -> list:
     """The functions whose schemas the chat template shows the model in every prompt: grpo.tools, then the
     environment's methods (TRL renders each prompt with both)."""
     env = load_environment(g)
-    methods = [_unbound_schema_target(fn) for fn in public_methods(env._cls).values()] if env else []
+    methods = [_unbound_schema_target(fn) for fn in public_methods(env).values()] if env else []
     return load_tools(g) + methods
 
 

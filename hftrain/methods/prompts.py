@@ -24,8 +24,8 @@ from ..distributed import print0
 from ..errors import DataError
 from ..data.build import mix
 from ..data.layouts import read_canonical
-from .tools import example_trajectory
 from ..data.templates import apply, template_kwargs
+from .tools import example_trajectory
 
 PROMPT, REFERENCE = "prompt", "reference"  # the columns TRL reads (the prompt) and passes to reward functions
 
@@ -103,8 +103,8 @@ def read_prompts(src, key: str, tokenizer, cfg: DataSection, max_completion_leng
                 shown = " with the tools' schemas" if tools else ""
                 raise DataError(f"{key}: {where}: the prompt is {n} tokens{shown} and data.max_length "
                                 f"{cfg.max_length} - grpo.max_completion_length {max_completion_length} leaves {room}: "
-                                "raise "
-                                "data.max_length, shorten the prompt, or set data.truncation: drop to drop such rows")
+                                "raise data.max_length, shorten the prompt, or set data.truncation: drop to drop such "
+                                "rows")
             dropped += 1
             continue
         out.append((where, row, n))

@@ -100,17 +100,23 @@ def suffix_after_stop(suffix: list[int], stop_ids) -> list[int]:
     return suffix[1:] if suffix and suffix[0] in set(stop_ids) else suffix
 
 
+def trl_tool_suffix(tokenizer, tool_messages: list[dict], template_kwargs: dict) -> list[int]:
+    """What TRL's loop appends after a completion that called tools (GRPOTrainer._get_tool_suffix_ids, on the state
+    it reads) for `tool_messages`: the tools' turn and the next generation prompt, as this template renders them."""
+    from trl import GRPOTrainer  # heavy; tools only
+
+    trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                                    chat_template_kwargs=template_kwargs, _is_vlm=False)
+    return GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages)
+
+
 def tool_suffix_problem(tokenizer, template_kwargs: dict) -> str | None:
     """Why the template cannot render a tool's answer the way TRL's loop appends it after a tool call, or None: TRL
     renders a short exchange with and without a tool message and raises mid-run where the one is not a prefix of the
     other (Qwen3's own template: its assistant turn renders differently once a tool answers) or where the template
     cannot render parsed arguments (DeepSeek-V3's and R1's own templates concatenate them as text)."""
-    from trl import GRPOTrainer  # heavy; tools only
-
-    trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
-                                    chat_template_kwargs=template_kwargs, _is_vlm=False)
     try:
-        GRPOTrainer._get_tool_suffix_ids(trainer, [{"role": "tool", "name": "tool", "content": "0"}])
+        trl_tool_suffix(tokenizer, [{"role": "tool", "name": "tool", "content": "0"}], template_kwargs)
     except Exception as e:  # noqa: BLE001 - the template's or TRL's own error, reported as the reason
         return (f"cannot render a tool's answer after a tool call as TRL's tool loop appends it ({type(e).__name__}: "
                 f"{str(e)[:160]}); templates it runs tools with: Qwen2.5's, Qwen3-2507's, Qwen3.5's, GLM-4.5's, "
@@ -154,9 +160,6 @@ def example_trajectory(tokenizer, prompt: list[dict], tools: list, template_kwar
     """`hftrain data`'s view of a tool rollout: `prompt`, a call of the first tool, its answer and a final answer, as
     the model would sample them from this template and TRL's loop (with suffix_after_stop) would train them: the
     trained tokens between [[ and ]], the tool's answer and the prompt outside."""
-    from trl import GRPOTrainer
-
-
     call = {"role": "assistant", "content": "", "tool_calls": [_example_call(tools[0])]}
     exchange = [call, {"role": "tool", "name": call["tool_calls"][0]["function"]["name"], "content": "<answer>"},
                 {"role": "assistant", "content": "<final answer>"}]
@@ -166,9 +169,7 @@ def example_trajectory(tokenizer, prompt: list[dict], tools: list, template_kwar
     if whole[:len(start)] != start:
         return "  (this template renders a turn in history unlike its generation prompt: no one rendering to show)"
     stops = stop_ids(tokenizer)[0]
-    trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
-                                    chat_template_kwargs=template_kwargs, _is_vlm=False)
-    suffix = suffix_after_stop(GRPOTrainer._get_tool_suffix_ids(trainer, exchange[1:2]), stops)
+    suffix = suffix_after_stop(trl_tool_suffix(tokenizer, exchange[1:2], template_kwargs), stops)
     first = _until_stop(whole, len(start), stops)
     second = _until_stop(whole, len(start) + len(first) + len(suffix), stops)
     ids = start + first + suffix + second
@@ -195,13 +196,20 @@ class ToolAnswer:
     def __init__(self, tools: list, rounds: int):
         self.tools, self.rounds = tools, rounds
         self.by_name = {t.__name__: t for t in tools}
+        self._for = None  # (tokenizer, its copy with TRL's response parser, its stop ids): made once, not per example
+
+    def _parser_and_stops(self, tokenizer):
+        from trl.chat_template_utils import add_response_schema
+
+        if self._for is None or self._for[0] is not tokenizer:
+            self._for = (tokenizer, add_response_schema(copy.deepcopy(tokenizer)), stop_ids(tokenizer)[0])
+        return self._for[1:]
 
     def __call__(self, model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
                  chat_template_kwargs: dict | None = None) -> str:
-        from trl.chat_template_utils import add_response_schema, parse_response
+        from trl.chat_template_utils import parse_response
 
-
-        parser = add_response_schema(copy.deepcopy(tokenizer))
+        parser, stops = self._parser_and_stops(tokenizer)
         kwargs = template_kwargs(tokenizer, chat_template_kwargs)
         ids, answer, done = prompt_ids(tokenizer, example, chat_template_kwargs, self.tools), "", False
         for turn in range(self.rounds + 1):
@@ -214,18 +222,14 @@ class ToolAnswer:
             answer, calls = parsed.get("content") or "", parsed.get("tool_calls")
             done = not calls or turn == self.rounds
             if not done:
-                ids = ids + new + self._answers(tokenizer, calls, kwargs, stop_ids(tokenizer)[0])
+                ids = ids + new + self._answers(tokenizer, calls, kwargs, stops)
         return answer
 
     def _answers(self, tokenizer, calls: list[dict], kwargs: dict, stops) -> list[int]:
-        from trl import GRPOTrainer
-
         messages = []
         for call in calls:
             name, arguments = call["function"]["name"], call["function"].get("arguments") or {}
             tool = self.by_name.get(name)
             said = tool(**arguments) if tool is not None else f"error: there is no tool {name}"
             messages.append({"role": "tool", "name": name, "content": said})
-        trainer = types.SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
-                                        chat_template_kwargs=kwargs, _is_vlm=False)
-        return suffix_after_stop(GRPOTrainer._get_tool_suffix_ids(trainer, messages), stops)
+        return suffix_after_stop(trl_tool_suffix(tokenizer, messages, kwargs), stops)
