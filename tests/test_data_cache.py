@@ -96,6 +96,25 @@ def test_a_changed_chat_template_is_tokenised_anew(tmp_path, tiny_model_dir, own
     assert tok.decode(data.train[0]["input_ids"]) == "user: hi\nassistant: yo\n"
 
 
+def test_a_moved_model_finds_its_cache_an_edited_tokenizer_does_not(tmp_path, tiny_model_dir, own_cache, counted):
+    """The cache key is the tokenizer's content, not the folder it was loaded from (datasets' Hasher of the tokenizer
+    pickles its name_or_path: every copy of a model tokenised every source again)."""
+    import shutil
+
+    from hftrain.config import ModelSection
+    from hftrain.modeling import load_tokenizer
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"a {i}"} for i in range(5)])
+    build_datasets(section(path), load_tokenizer(ModelSection(name_or_path=tiny_model_dir)))
+    moved = shutil.copytree(tiny_model_dir, tmp_path / "moved")
+    tok = load_tokenizer(ModelSection(name_or_path=str(moved)))
+    build_datasets(section(path), tok)
+    assert counted == {"read": 1, "tokenised": 5} and tok.name_or_path == str(moved)  # found; the original untouched
+    tok.add_tokens(["<new>"])  # the same folder, another vocabulary: tokenised anew
+    build_datasets(section(path), tok)
+    assert counted == {"read": 1, "tokenised": 10}
+
+
 def test_rows_are_kept_as_indices_and_named_on_demand(tmp_path, tokenizer, own_cache):
     """After an eval split, a row that trains on nothing is still named by its line (the row index is a column,
     its name is made for the message)."""

@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 import datasets
 import numpy as np
-from datasets.fingerprint import Hasher
 
 from ..config import DataSection, DataSource
 from ..distributed import once_per_node, print0
 from ..errors import DataError
 from ..fileio import atomic_write
-from .cache import cache_folder, code_version, damaged, digest, in_cache, intact, read_meta, writable_cache
+from .cache import (cache_folder, code_version, damaged, digest, in_cache, intact, read_meta, tokenizer_fingerprint,
+                    writable_cache)
 from .collate import make_collator
 from .messages import content_text
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
@@ -96,7 +96,7 @@ def prepare_source(src: DataSource, key: str, tokenizer, cfg: DataSection, token
     rows = read_rows(src, key)
     layout = layout_of(rows, src, key, tokenizer)
     fn = row_examples(layout, tokenizer, cfg)
-    name = digest(["tokens", rows.key, code_version(), tokenizer_key or Hasher.hash(tokenizer), layout.fmt,
+    name = digest(["tokens", rows.key, code_version(), tokenizer_key or tokenizer_fingerprint(tokenizer), layout.fmt,
                    layout.rename, layout.fields, layout.has_template, layout.roles, fn.on_prompt,
                    cfg.chat_template_kwargs, cfg.train_turns, cfg.max_length, cfg.truncation,
                    # generation_config.json's eos: the token that ends a turn
@@ -197,7 +197,7 @@ def prepare_all(cfg: DataSection, tokenizer) -> tuple[list[Prepared], list[Prepa
     """Every training and eval source prepared (streaming: the eval sources only); on every rank, the work done once
     per machine (see the module docstring)."""
     def work():
-        tokenizer_key = Hasher.hash(tokenizer)
+        tokenizer_key = tokenizer_fingerprint(tokenizer)
         train = [] if cfg.streaming else [prepare_source(s, f"data.sources.{i}", tokenizer, cfg, tokenizer_key)
                                           for i, s in enumerate(cfg.sources)]
         held = [prepare_source(s, f"data.eval_sources.{i}", tokenizer, cfg, tokenizer_key)

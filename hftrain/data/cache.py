@@ -4,6 +4,7 @@ everything that decides their content, so that a warm start finds them by name a
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import hashlib
@@ -15,6 +16,7 @@ import time
 from typing import Callable
 
 import datasets
+from datasets.fingerprint import Hasher
 
 from ..errors import DataError
 from ..fileio import free_bytes, is_no_space
@@ -76,6 +78,17 @@ def damaged(folder: str, names: list[str], why: str, say=print) -> None:
 
 def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer's fingerprint, not the folder it was loaded from: datasets' Hasher of the tokenizer itself pickles
+    its `name_or_path`, so a model copied or moved to another folder tokenised every source again."""
+    if tokenizer is None:
+        return Hasher.hash(None)
+    bare = copy.copy(tokenizer)  # shallow: the two fields are replaced on the copy, the tokenizer is not edited
+    bare.name_or_path = ""
+    bare.init_kwargs = {k: v for k, v in tokenizer.init_kwargs.items() if k != "name_or_path"}
+    return Hasher.hash(bare)
 
 
 @functools.cache
