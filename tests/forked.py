@@ -41,7 +41,8 @@ import time
 import traceback
 
 PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo", "hftrain.methods.dpo", "hftrain.cli", "trl", "deepspeed",
-           "accelerate.commands.launch", "torch.distributed.run"]
+           "accelerate.commands.launch", "torch.distributed.run",
+           "matplotlib.pyplot"]  # every run's main process plots its curves (hftrain.artifacts); headless: Agg
 # Read when a library is first imported: a launch that changes one gets a fresh interpreter.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TRL_", "DS_", "DEEPSPEED_", "PYTHON",
                         "OMP_", "MKL_", "TORCH_", "CUDA_", "LD_")

@@ -31,7 +31,7 @@ WEIGHTS_S = {
     "test_preference": 280, "test_strategies": 270, "test_quantization_runs": 250, "test_loss": 245,
     "test_guards": 225, "test_sequence_parallel_runs": 210, "test_hub": 200, "test_e2e": 150, "test_eval": 140,
     "test_wheel": 120, "test_compression": 120, "test_exit_codes": 115, "test_data_cache": 60, "test_checkpoints": 50,
-    "test_stream": 30, "test_matrix": 27, "test_security": 18, "test_bad_input": 10,
+    "test_stream": 30, "test_stop_signals": 80, "test_matrix": 27, "test_security": 18, "test_bad_input": 10,
 }
 
 
