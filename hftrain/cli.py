@@ -22,7 +22,7 @@ from .hub.push import push, settings_for_run
 from .data.cache import cache_folder
 from .launch import check_data, check_recipe, machines
 from .launch.machines import check_in
-from .launch.plan import GiB, format_plan, model_facts, plan
+from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
 from .methods import METHODS, SCRIPTS, method_of
@@ -163,7 +163,7 @@ def _plan(ns) -> int:
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
           + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
-    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp))
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp), kernels_here(m, facts), sep="\n")
     return 0
 
 

@@ -17,6 +17,7 @@ from .artifacts import first_eval, save_final, write_recipe
 from .callbacks import CurvesCallback
 from .data.templates import stop_at_end_of_turn
 from .hub.push import check_token, push_after_training
+from .kernels import kernels_line
 from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
 from .methods import method_of
 
@@ -43,6 +44,8 @@ def run(script: str, argv: list[str]) -> dict:
     tokenizer, data = read_data(run)
     claim_output_dir(recipe)
     model = method.model(run)
+    distributed.print0("hftrain: " + kernels_line(recipe.model.kernels, model.config.model_type,
+                                                  quantized=recipe.model.quantization is not None))
     stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
     write_recipe(recipe)
     if distributed.is_main_process():

@@ -16,7 +16,7 @@ from .config import ModelSection
 from .distributed import print0
 from .errors import ModelError
 from .fileio import safetensors_problem
-from .kernels import apply_liger, liger_problem
+from .kernels import apply_liger, liger_problem, uses_liger
 from .moe.upcycle import upcycle
 from .quantization import bitsandbytes_problem, bnb_config, merged_model, placement, prepare_for_training
 
@@ -250,6 +250,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     model = _from_pretrained(cfg, quantized=cfg.quantization is not None)
     if cfg.kernels == "liger":
         _raise_if(liger_problem(model.config.model_type))
+    if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):
         apply_liger(model)
     if cfg.quantization is not None:
         model = prepare_for_training(model)

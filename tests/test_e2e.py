@@ -85,7 +85,10 @@ def test_two_processes_ddp(reference_runs):
     assert len(info["rank_weight_digests"]) == 2 and len(set(info["rank_weight_digests"])) == 1
     # 2 ranks x 2 examples per step: the step count is that of a global batch of 4.
     assert info["global_step"] == 6
-    assert reference_runs.stdout("ddp").count("hftrain: saved to") == 1  # rank-0-only printing
+    stdout = reference_runs.stdout("ddp")
+    assert stdout.count("hftrain: saved to") == 1  # rank-0-only printing
+    # the run says which layers it took (issue 42): on this CPU machine, the model's own, and why
+    assert stdout.count("hftrain: kernels: the model's own layers (model.kernels unset; liger: ") == 1
 
 
 def test_two_process_bad_data_fails_fast_on_every_rank(tmp_path, tiny_model_dir):

@@ -1,5 +1,6 @@
-"""model.kernels: liger (issue 42, point 1): refused with the reason where it cannot run (no liger-kernel, no CUDA
-GPU: this machine), by `hftrain check` and by the run alike. Its effect on a GPU: bench/kernels.py."""
+"""model.kernels (issue 42, points 1 and 3): `liger` refused with the reason where it cannot run (no liger-kernel, no
+CUDA GPU: this machine), by `hftrain check` and by the run alike; unset, liger's kernels where they can run and the
+model's own layers elsewhere, the choice said in one line; `none` never. Its effect on a GPU: bench/liger_kernels.py."""
 
 import importlib.util
 
@@ -35,3 +36,43 @@ def test_liger_is_refused_where_it_cannot_run(tmp_path, tiny_model_dir, monkeypa
         check_recipe(_recipe(tmp_path, tiny_model_dir))
     with pytest.raises(ModelError, match=r"model.kernels: " + why):
         load_model(ModelSection(name_or_path=tiny_model_dir, kernels="liger"))
+
+
+def _applied(monkeypatch, runnable: bool) -> list:
+    """Pretend liger can (or cannot) run here; the models liger's kernels were put into."""
+    import hftrain.kernels
+    import hftrain.modeling
+
+    applied = []
+    monkeypatch.setattr(hftrain.kernels, "liger_unavailable",
+                        lambda model_type: None if runnable else ("no CUDA GPU", "remove model.kernels"))
+    monkeypatch.setattr(hftrain.modeling, "apply_liger", applied.append)
+    return applied
+
+
+@pytest.mark.parametrize("runnable", [True, False], ids=["cuda-liger", "elsewhere"])
+def test_unset_kernels_take_liger_where_it_runs_and_none_never(tiny_model_dir, monkeypatch, runnable):
+    from hftrain.kernels import kernels_line
+
+    applied = _applied(monkeypatch, runnable)
+    model = load_model(ModelSection(name_or_path=tiny_model_dir))
+    assert applied == ([model] if runnable else [])
+    assert kernels_line(None, "llama") == (
+        "kernels: liger's RMSNorm, RoPE and SwiGLU (model.kernels unset: the fastest exact path here; `none` turns "
+        "them off)" if runnable else "kernels: the model's own layers (model.kernels unset; liger: no CUDA GPU)")
+    load_model(ModelSection(name_or_path=tiny_model_dir, kernels="none"))
+    assert len(applied) == (1 if runnable else 0)  # `none`: never
+    assert kernels_line("none", "llama") == "kernels: the model's own layers (model.kernels: none)"
+    assert kernels_line(None, "llama", quantized=True) == (  # liger over bitsandbytes' layers: only when asked
+        "kernels: the model's own layers (model.kernels unset; liger: not by default over a quantised base "
+        "(model.kernels: liger asks for it))")
+
+
+def test_unset_kernels_on_this_machine_say_why_not():
+    from hftrain.kernels import kernels_line
+
+    assert kernels_line(None, "llama") == (
+        "kernels: the model's own layers (model.kernels unset; liger: liger-kernel is not installed here)"
+        if importlib.util.find_spec("liger_kernel") is None else
+        "kernels: the model's own layers (model.kernels unset; liger: liger's kernels are Triton kernels for CUDA "
+        "GPUs, and this machine has none)")

@@ -33,7 +33,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..config.strategy import STRATEGY_DEFAULTS
+from ..config import ModelSection
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
+from ..kernels import kernels_line
 from ..moe.blocks import moe_blocks, router_of
 from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers
@@ -73,6 +75,7 @@ class ModelFacts:
     active_intermediate: int = 0
     moe_layers: int = 0
     active_params: int = 0
+    model_type: str | None = None  # config.model_type: which fused kernels the family has (kernels.py)
 
 
 @dataclass
@@ -175,7 +178,14 @@ def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code:
         param_bytes = (quantized_linear_bytes(packed, quantization.bits, quantization.double_quant is not False)
                        + 4 * (params - packed) + 4 * trainable)
     return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
-                      weight_bytes, max(p.numel() for p in model.parameters()), param_bytes, **moe_facts(model))
+                      weight_bytes, max(p.numel() for p in model.parameters()), param_bytes, **moe_facts(model),
+                      model_type=getattr(config, "model_type", None))
+
+
+def kernels_here(model: ModelSection, facts: ModelFacts) -> str:
+    """Which layers a run of this model would take on this machine (kernels.kernels_line)."""
+    line = kernels_line(model.kernels, facts.model_type, quantized=model.quantization is not None)
+    return line + " (on this machine)"
 
 
 def moe_facts(model) -> dict:
