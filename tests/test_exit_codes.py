@@ -30,7 +30,9 @@ def _recipe(tmp, model_dir, **training) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_recipe_script_stopped_by_a_signal_exits_128_plus_n_in_one_line(sig, tmp_path, tiny_model_dir):
     """Sent as a terminal sends Ctrl-C: to the run's whole process group, mid-training."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP="0.3")
+    # PYTHONFAULTHANDLER: a run that has not ended is sent SIGABRT, and every thread's stack is in the failure
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP="0.3",
+               PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen([PY, "tests/slow_sft.py", _recipe(tmp_path, tiny_model_dir)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, t0 = [], time.time()
@@ -41,7 +43,12 @@ def test_a_recipe_script_stopped_by_a_signal_exits_128_plus_n_in_one_line(sig, t
                 break
             assert time.time() - t0 < 300, "".join(lines)[-3000:]
         os.killpg(proc.pid, sig)
-        rest, _ = proc.communicate(timeout=60)
+        try:
+            rest, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # seen once in a full run under load: say where it hangs
+            os.killpg(proc.pid, signal.SIGABRT)
+            stacks, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"still running 60 s after {sig.name}; its threads:\n" + stacks[-8000:]) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
