@@ -19,29 +19,27 @@ LIGER_LAYERS = "liger's RMSNorm, RoPE and SwiGLU"
 
 
 def liger_unavailable(model_type: str | None) -> tuple[str, str] | None:
-    """(why liger's kernels cannot run here on a model of `model_type`, the fix when they were asked for), or None."""
+    """(why liger's kernels cannot run here on a model of `model_type`, in a few words; the problem with its fix when
+    `model.kernels: liger` asked for them), or None."""
     if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed here", f"`{INSTALL}`"
+        return ("liger-kernel is not installed here",
+                f"model.kernels: liger needs liger-kernel, which is not installed here: `{INSTALL}`")
     if not torch.cuda.is_available():
-        return ("liger's kernels are Triton kernels for CUDA GPUs, and this machine has none",
-                "remove model.kernels here (the model's own layers run instead)")
+        why = "liger's kernels are Triton kernels for CUDA GPUs, and this machine has none"
+        return why, f"model.kernels: {why}; remove model.kernels here (the model's own layers run instead)"
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        why = f"liger has no kernels for model type {model_type!r}"
         families = ", ".join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
-        return f"liger has no kernels for model type {model_type!r} (it has: {families})", "remove it"
+        return why, f"model.kernels: {why} (it has: {families}); remove it"
     return None
 
 
 def liger_problem(model_type: str | None) -> str | None:
     """Why `model.kernels: liger` cannot run here on a model of `model_type`, with the fix, or None."""
     why = liger_unavailable(model_type)
-    if why is None:
-        return None
-    reason, fix = why
-    if reason.startswith("liger-kernel"):
-        return f"model.kernels: liger needs liger-kernel, which is not installed here: {fix}"
-    return f"model.kernels: {reason}; {fix}"
+    return None if why is None else why[1]
 
 
 def _not_by_default(model_type: str | None, quantized: bool) -> str | None:
@@ -49,7 +47,7 @@ def _not_by_default(model_type: str | None, quantized: bool) -> str | None:
     if quantized:  # liger over bitsandbytes' layers is not measured: asked for, it is tried; never by default
         return "not by default over a quantised base (model.kernels: liger asks for it)"
     why = liger_unavailable(model_type)
-    return None if why is None else why[0].split(" (it has")[0]
+    return None if why is None else why[0]
 
 
 def uses_liger(kernels: str | None, model_type: str | None, quantized: bool = False) -> bool:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..config.strategy import STRATEGY_DEFAULTS
 from ..config import ModelSection
+from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from ..kernels import kernels_line
 from ..moe.blocks import moe_blocks, router_of
