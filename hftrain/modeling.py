@@ -18,7 +18,8 @@ from .errors import ModelError
 from .fileio import safetensors_problem
 from .kernels import apply_liger, liger_problem, uses_liger
 from .moe.upcycle import upcycle
-from .quantization import bitsandbytes_problem, bnb_config, merged_model, placement, prepare_for_training
+from .quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, merged_model, placement,
+                           prepare_for_training)
 
 
 def _path_problem(name_or_path: str, key: str) -> str | None:
@@ -236,11 +237,12 @@ def _from_pretrained(cfg: ModelSection, quantized: bool):
         _raise_if(bitsandbytes_problem())
         kwargs.update(quantization_config=bnb_config(cfg), **placement())
     try:
-        return AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
-                                                    **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
+                                                     **kwargs)
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
         raise ModelError(f"model.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
+    return keep_training_kernels(model) if quantized else model
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):

@@ -81,6 +81,27 @@ def test_qlora_loss_and_adapter_gradients_are_lora_on_the_dequantised_base(tiny_
     assert abs(loss_and_grads(full, ids)[0] - loss) > 1e-4
 
 
+def test_an_eval_forward_leaves_the_4bit_layers_training_kernel(tiny_model_dir):
+    """An eval or a GRPO generation (eval mode, no gradients) changes nothing in how the layers train next: the same
+    loss and adapter gradients after as before. Without quantization.keep_training_kernels, bitsandbytes on a CPU with
+    AVX512-BF16 repacks the weights for its inference kernel there (which drops the gradient through the layer, and
+    crashes on this tiny model's widths)."""
+    qlora = perturbed(load_model(section(tiny_model_dir, bits=4, type="nf4")))
+    layers = [m for m in qlora.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 2 * 7 and not any(m.support_avx512bf16_for_cpu for m in layers)
+    ids = torch.randint(0, qlora.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss, grads = loss_and_grads(qlora, ids)
+    qlora.zero_grad(set_to_none=True)
+    qlora.eval()
+    with torch.no_grad():
+        qlora(input_ids=ids)
+    qlora.train()
+    loss_after, grads_after = loss_and_grads(qlora, ids)
+    assert loss_after == loss
+    for name, g in grads.items():
+        assert torch.equal(grads_after[name], g), name
+
+
 def test_an_8bit_base_is_int8_and_within_llm_int8_tolerance_of_its_dequantised_base(tiny_model_dir):
     """LLM.int8 quantises the activations too (to int8, outliers aside): equal to its dequantised base only to that
     tolerance, stated here (a 0.5% relative loss difference), not to 1e-5."""

@@ -124,8 +124,12 @@ def test_sharded_4bit_base_two_ranks_ga1_equal_one_rank_ga2(runs, strategy, wrap
     assert info["world_size"] == 2 and info["wrapper"].startswith(wrapper), info["wrapper"]
     assert (out / "checkpoint-2").is_dir()
     assert losses(out) == pytest.approx(losses(tmp / "1x_ga2_lora"), rel=1e-5)
+    # ZeRO-3 sums the ranks' gradients in its own order: FSDP2's adapters are bit-equal to one rank's, ZeRO-3's
+    # differ by rounding that Adam carries into the weights (measured 7e-5 relative on one lora_B, on an AMD EPYC with
+    # AVX512; under 1e-5 on AVX2 machines; 2.9e-5 without clipping). The losses above are equal at 1e-5 both ways.
     assert_close_rel(load_file(str(out / "adapter_model.safetensors")),
-                     load_file(str(tmp / "1x_ga2_lora" / "adapter_model.safetensors")))
+                     load_file(str(tmp / "1x_ga2_lora" / "adapter_model.safetensors")),
+                     rel=1e-5 if strategy == "fsdp" else 2e-4)
     _assert_merged_matches_the_adapter(out)
 
 
@@ -150,13 +154,17 @@ def _assert_merged_matches_the_adapter(out):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from hftrain.quantization import keep_training_kernels
+
     merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(
         json.load(open(out / "adapter_config.json"))["base_model_name_or_path"], dtype=torch.float32,
         device_map={"": "cpu"}, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                                        bnb_4bit_use_double_quant=True,
                                                                        bnb_4bit_compute_dtype=torch.float32))
-    qlora = PeftModel.from_pretrained(base, str(out))
+    # The layers' training kernel (the one the adapter was trained through), not bitsandbytes' bf16 inference kernel,
+    # which a CPU with AVX512-BF16 would take here under no_grad (hftrain.quantization.keep_training_kernels).
+    qlora = PeftModel.from_pretrained(keep_training_kernels(base), str(out))
     ids = torch.randint(0, merged.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, qlora(input_ids=ids).logits, atol=1e-5)

@@ -6,9 +6,10 @@ machine's check, the memory plan's bytes per parameter, and a merged model made 
 weights the adapter was trained against), since peft's own merge into 4-bit layers quantises the sum again.
 """
 
-from .load import bitsandbytes_problem, bnb_config, compute_dtype, placement, prepare_for_training
+from .load import (bitsandbytes_problem, bnb_config, compute_dtype, keep_training_kernels, placement,
+                   prepare_for_training)
 from .memory import quantized_linear_bytes
 from .merge import merged_model
 
-__all__ = ["bitsandbytes_problem", "bnb_config", "compute_dtype", "placement", "prepare_for_training",
-           "quantized_linear_bytes", "merged_model"]
+__all__ = ["bitsandbytes_problem", "bnb_config", "compute_dtype", "keep_training_kernels", "placement",
+           "prepare_for_training", "quantized_linear_bytes", "merged_model"]

@@ -56,6 +56,23 @@ def placement() -> dict:
     return {"device_map": {"": local_rank()} if torch.cuda.is_available() else {"": "cpu"}}
 
 
+def keep_training_kernels(model):
+    """Every 4-bit layer of `model` computes with the kernel it trains with, in eval and generation too.
+
+    Why by hand: on a CPU with AVX512-BF16, bitsandbytes 0.50's Linear4bit repacks its weight in place, the first
+    time it runs in eval mode without gradients (an eval, a GRPO generation), for a bf16 inference kernel. It never
+    packs it back, so every later training forward takes that kernel, which has no backward: the gradient through the
+    quantised layers is silently dropped (the LoRA adapters below them stop learning). The repacking also crashes
+    on layers narrower than 64 inputs or with outputs not a multiple of 32. Nothing in bitsandbytes or peft turns it
+    off but this flag, read by each layer's forward."""
+    import bitsandbytes as bnb  # optional dependency: model.quantization only
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def prepare_for_training(model):
     """peft's preparation of a quantised base: its other weights (norms, embeddings, head) in float32 for stable
     training. Gradient checkpointing stays the recipe's (model.gradient_checkpointing, switched on with the
