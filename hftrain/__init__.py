@@ -2,10 +2,17 @@
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import sys
 
 __version__ = "0.1.0"
+
+# bitsandbytes (which peft imports, and transformers' Trainer imports peft) logs a warning at import on a CPU with
+# AVX512-BF16: it could not fetch its bf16 inference kernel from the Hub (`pip install kernels`). hftrain keeps the
+# 4-bit layers' training kernel there (quantization.keep_training_kernels), so the line, in every process of every
+# run, asks for something that would not be used.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # The parent (launcher) of this process as seen at the first import of hftrain, before torch and the rest load:
 # lifetime.die_with_parent compares it with the parent later, to notice a launcher that died in between.
