@@ -23,7 +23,7 @@ from tests.launch_log import (pytest_configure, pytest_runtest_setup,  # noqa: F
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Whole modules per worker, the heaviest first, the cluster modules on one worker (tests/scheduling.py)."""
+    """Whole modules per worker, the heaviest first, test_multinode alone (tests/scheduling.py)."""
     from tests.scheduling import make_scheduler
 
     return make_scheduler(config, log)

@@ -1,12 +1,15 @@
 """How the suite's tests are spread over pytest-xdist's workers (`-n 2`, README's test command): whole modules, the
-heaviest first, and the cluster modules on one worker.
+heaviest first, and test_multinode alone.
 
 - A module is one unit of work (as `--dist loadfile`): its module-scoped fixtures (reference runs, matrix
   launches) are made once, by the worker that runs it; split over workers they would be made twice.
-- The cluster modules (network namespaces with fixed addresses, SLURM's daemons) are one unit, and it runs alone,
-  first: each of its tests runs two or three launchers of several processes at once, and beside another worker's
-  2-rank launches (ranks waiting in collectives spin) they took 4x their time alone (measured: test_multinode 18
-  min instead of 4), near their own time-outs.
+- test_multinode (two machines in network namespaces) is the "cluster" unit, and it runs alone, first: each of its
+  tests runs two or three launchers of several processes at once, and beside another worker's 2-rank launches
+  (ranks waiting in collectives spin) they took 4x their time alone (measured: 18 min instead of 4), near their own
+  time-outs.
+- test_slurm (a SLURM cluster of its own namespaces) runs beside other work, started right after the cluster unit:
+  its jobs mostly wait (5 s per step, slurmctld's time-limit pass every 30 s), and alone it left the machine 70-100%
+  idle for about 2 of its 3 minutes (measured with the cluster unit holding both modules).
 - The heaviest units start first (longest processing time first), so the last unit to finish is a short one. The
   weights are the seconds each took in a measured run of the suite (`.pytest_launches.jsonl` and pytest's durations);
   a module missing from the table counts as light.
@@ -20,14 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-CLUSTER_MODULES = ("test_multinode", "test_slurm")
+CLUSTER_MODULES = ("test_multinode",)
 EXCLUSIVE_UNITS = ("cluster",)  # units that run with no other unit beside them
 
 # Seconds of launches per unit, measured in a full run of the suite (launch log, both workers busy, 2026-11-26;
 # test_quantization_runs estimated after its FSDP and ZeRO-3 launches were added); the order matters, not the values'
-# precision.
+# precision. test_slurm is weighted to start first after the cluster unit (its waiting overlaps the rest).
 WEIGHTS_S = {
-    "cluster": 1860, "test_resume": 840, "test_workers": 480, "test_grpo_runs": 370, "test_moe": 330,
+    "cluster": 1000, "test_slurm": 900, "test_resume": 840, "test_workers": 480, "test_grpo_runs": 370,
+    "test_moe": 330,
     "test_preference": 280, "test_strategies": 270, "test_quantization_runs": 250, "test_loss": 245,
     "test_guards": 225, "test_sequence_parallel_runs": 210, "test_hub": 200, "test_e2e": 150, "test_eval": 140,
     "test_wheel": 120, "test_compression": 120, "test_exit_codes": 115, "test_data_cache": 60, "test_checkpoints": 50,

@@ -1,7 +1,6 @@
 """SLURM's stop signal (SIGUSR1, sent ahead of a job's time limit) on plain processes, no cluster: one process saves a
 checkpoint and stops, and its resumed run ends as one never stopped; a request to one rank of two stops every rank after
-the same step. Apart from tests/test_slurm.py because they stand up no cluster: they run beside the other tests, not
-in the cluster modules' exclusive unit (tests/scheduling.py)."""
+the same step. Apart from tests/test_slurm.py because they stand up no cluster and need no SLURM installed."""
 
 import os
 import signal
