@@ -26,7 +26,7 @@ from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
 from .methods import METHODS, SCRIPTS, method_of
-from .modeling import load_tokenizer
+from .modeling import chat_template_text, load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import build_tiny_model, texts_of_data
 
@@ -68,7 +68,9 @@ def _data(ns) -> int:
 
 def _tiny_model(ns) -> int:
     config = json.loads(ns.config) if ns.config else None
-    out = build_tiny_model(ns.output, texts_of_data(ns.data), config=config, vocab_size=ns.vocab_size, seed=ns.seed)
+    template = chat_template_text(ns.chat_template, "--chat-template") if ns.chat_template else None
+    out = build_tiny_model(ns.output, texts_of_data(ns.data, template), config=config, vocab_size=ns.vocab_size,
+                           seed=ns.seed, chat_template=template)
     print(f"hftrain: tiny model with a locally trained tokenizer written to {out}")
     return 0
 
@@ -298,6 +300,9 @@ def _add_tiny_model(sub) -> None:
                    help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
     t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
     t.add_argument("--config", default=None, help='JSON of LlamaConfig overrides, e.g. \'{"num_hidden_layers": 4}\'')
+    t.add_argument("--chat-template", default=None,
+                   help="the tokenizer's chat template (a .jinja file, or trl:NAME for one TRL ships; default ChatML); "
+                        "the data's conversations rendered with it train the tokenizer too")
     t.add_argument("--vocab-size", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_tiny_model)

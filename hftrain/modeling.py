@@ -78,17 +78,27 @@ def chat_template_file(chat_template: str | None) -> str | None:
     return chat_template if chat_template and chat_template.endswith(".jinja") else None
 
 
-def _chat_template_problem(chat_template: str | None) -> str | None:
+def _chat_template_problem(chat_template: str | None, key: str = "data.chat_template") -> str | None:
     path = chat_template_file(chat_template)
     if path and not os.path.isfile(path):
         if chat_template.startswith(TRL_TEMPLATE):
             folder = os.path.dirname(path)
             names = sorted(n[:-6] for n in os.listdir(folder) if n.endswith(".jinja")) if os.path.isdir(folder) else []
-            return (f"data.chat_template: TRL ships no template {chat_template!r} (trl:NAME, NAME one of: "
+            return (f"{key}: TRL ships no template {chat_template!r} (trl:NAME, NAME one of: "
                     f"{', '.join(names) or 'none: is trl installed?'})")
-        return (f"data.chat_template: {chat_template} does not exist; give an existing .jinja file or the template "
+        return (f"{key}: {chat_template} does not exist; give an existing .jinja file or the template "
                 "itself as a string")
     return None
+
+
+def chat_template_text(chat_template: str, key: str = "data.chat_template") -> str:
+    """The template a .jinja path or trl:NAME names, or `chat_template` itself (template text)."""
+    _raise_if(_chat_template_problem(chat_template, key))
+    path = chat_template_file(chat_template)
+    if not path:
+        return chat_template
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
 def path_problems(cfg: ModelSection, chat_template: str | None = None) -> list[tuple[str, str]]:
@@ -179,10 +189,7 @@ def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
         raise ModelError(f"model.tokenizer_name_or_path: {name} has no fast tokenizer; hftrain's loss masks "
                          "need offsets")
     if chat_template:
-        if chat_template_file(chat_template):
-            with open(chat_template_file(chat_template), encoding="utf-8") as fh:
-                chat_template = fh.read()
-        tok.chat_template = chat_template
+        tok.chat_template = chat_template_text(chat_template)
     if tok.pad_token is None:
         # Labels are padded with -100 and the attention mask hides padding, so reusing EOS for padding is safe.
         tok.pad_token = tok.eos_token

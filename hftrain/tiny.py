@@ -44,8 +44,9 @@ TINY_LLAMA = {  # ~0.9M parameters: small enough to learn the demo task on a CPU
 }
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on `texts`, with ChatML special tokens and template."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None):
+    """A byte-level BPE tokenizer trained on `texts`, with ChatML special tokens, and ChatML's template or
+    `chat_template` (its text)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -61,14 +62,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
         pad_token="<|pad|>",
         eos_token="<|im_end|>",
         unk_token=None,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template or CHATML_TEMPLATE,
     )
 
 
-def texts_of_data(paths: Iterable[str]) -> list[str]:
+def texts_of_data(paths: Iterable[str], chat_template: str | None = None) -> list[str]:
     """Every string of the canonical examples of data files (any layout and file type the data loader reads: the
     same reader, the same row errors), for tokenizer training: contents, tool names and arguments, tools. Rows of
-    no layout (a JSONL of questions and answers, say) give all their strings."""
+    no layout (a JSONL of questions and answers, say) give all their strings. With `chat_template` (its text) each
+    conversation rendered by it too, so that the template's own text (a tool-calling system prompt of hundreds of
+    characters, say) becomes a few tokens, as in a real model's vocabulary."""
     out: list[str] = []
 
     def walk(v):
@@ -87,18 +90,29 @@ def texts_of_data(paths: Iterable[str]) -> list[str]:
         if detect_format(rows.columns) is None:  # rows of no training layout: their strings are text all the same
             walk([row for _, row in rows.iterate()])
         else:
-            walk([canon for _, canon in canonicalise(rows, src, key, has_template=True)[1]])
+            examples = [canon for _, canon in canonicalise(rows, src, key, has_template=True)[1]]
+            walk(examples)
+            if chat_template:
+                out.extend(_rendered(examples, chat_template))
     return out
+
+
+def _rendered(examples: list[dict], chat_template: str) -> list[str]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return [render_jinja_template([ex["messages"]], tools=ex.get("tools"), chat_template=chat_template)[0][0]
+            for ex in examples if "messages" in ex]
 
 
 texts_of_jsonl = texts_of_data  # the name tests, benches and other branches call
 
 
 def build_tiny_model(
-    output: str, texts: list[str], config: dict | None = None, vocab_size: int = 512, seed: int = 0
+    output: str, texts: list[str], config: dict | None = None, vocab_size: int = 512, seed: int = 0,
+    chat_template: str | None = None,
 ) -> str:
     """Train a tokenizer on `texts`, build a Llama-style model with random weights, save both to `output`."""
-    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size, chat_template=chat_template)
     cfg = dict(TINY_LLAMA, **(config or {}))
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),

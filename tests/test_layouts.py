@@ -265,3 +265,30 @@ def test_tiny_model_reads_a_json_array_and_sharegpt(tmp_path, capsys):
     bad.write_text(json.dumps([chat(), {"messages": []}]))
     with pytest.raises(DataError, match=r"--data \S+bad.json: \S+bad.json index 1: empty conversation"):
         texts_of_data([str(bad)])
+
+
+def test_tiny_model_with_a_chat_template_learns_its_text_and_renders_with_it(tmp_path):
+    """--chat-template: the tokenizer carries the template, and its fixed text (Qwen2.5's tool-calling system prompt)
+    trained the vocabulary, so a rendered conversation with tools is less than half the tokens it is with ChatML's
+    vocabulary; an unknown TRL template is refused naming the option."""
+    from transformers import AutoTokenizer
+
+    sharegpt = os.path.join(EXAMPLES, "sharegpt.json")
+    small = json.dumps({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "num_key_value_heads": 1})
+    for name, extra in (("plain", []), ("qwen", ["--chat-template", "trl:qwen2_5"])):
+        assert cli_main(["tiny-model", "--data", sharegpt, "--output", str(tmp_path / name), "--vocab-size", "1000",
+                         "--config", small, *extra]) == 0
+    plain, qwen = (AutoTokenizer.from_pretrained(str(tmp_path / n)) for n in ("plain", "qwen"))
+    conversation = texts_of_data([sharegpt])  # any strings of the data: the template's text is what differs
+    tools = [{"type": "function", "function": {"name": "local_time", "description": "time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": conversation[0]}]
+    rendered = qwen.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert "You may call one or more functions" in rendered  # the tokenizer's template is Qwen2.5's
+    plain.chat_template = qwen.chat_template
+    ids = qwen.apply_chat_template(messages, tools=tools, return_dict=True)["input_ids"]
+    ids_plain = plain.apply_chat_template(messages, tools=tools, return_dict=True)["input_ids"]
+    assert 2 * len(ids) < len(ids_plain), (len(ids), len(ids_plain))
+    with pytest.raises(SystemExit):
+        cli_main(["tiny-model", "--data", sharegpt, "--output", str(tmp_path / "x"), "--chat-template", "trl:nope"])
