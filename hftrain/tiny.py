@@ -48,7 +48,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, chat_template: 
     """A byte-level BPE tokenizer trained on `texts`, with ChatML special tokens, and ChatML's template or
     `chat_template` (its text)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Numbers split into single digits, as Qwen2's and DeepSeek's tokenizers do: a number then reads the same in a
+    # prompt, a tool call's JSON and a tool's answer, so a tiny model can learn to copy it (the tool-use demo).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
