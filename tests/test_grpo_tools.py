@@ -234,3 +234,31 @@ def test_a_template_trl_ships_is_named_trl_name(tiny_model_dir):
     problems = dict(path_problems(ModelSection(name_or_path=tiny_model_dir), "trl:qwen9"))
     assert "TRL ships no template 'trl:qwen9' (trl:NAME, NAME one of: " in problems["data.chat_template"]
     assert "qwen2_5, qwen2_5_training" in problems["data.chat_template"]
+
+
+def test_the_tool_demos_shipped_data_is_its_generators_and_shows_the_tools_own_schema(tmp_path):
+    """recipes/demo/make_tool_data.py writes the shipped data/demo/tools_*.jsonl byte for byte; the demonstrations
+    show the schema GRPO's chat template will show (transformers' schema of recipes/demo/calculator.py's add, which the
+    recipe names), and the tool answers them."""
+    import importlib.util
+    import os
+
+    from transformers.utils import get_json_schema
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_tool_data", os.path.join(repo, "recipes/demo/make_tool_data.py"))
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    generator.main(out_dir=str(tmp_path))
+    for split in ("sft", "train", "eval"):
+        shipped = os.path.join(repo, "data", "demo", f"tools_{split}.jsonl")
+        assert open(tmp_path / f"tools_{split}.jsonl").read() == open(shipped).read(), split
+    (add,) = load_tools(GrpoSection(rewards=[RewardSpec(function="exact_match")],
+                                    tools=[os.path.join(repo, "recipes/demo/calculator.py:add")]))
+    rows = [json.loads(line) for line in open(tmp_path / "tools_sft.jsonl")]
+    assert all(row["tools"] == [get_json_schema(add)] for row in rows)
+    for row in rows[:50]:
+        call, answer = row["messages"][1]["tool_calls"][0]["function"], row["messages"][2]["content"]
+        assert add(**call["arguments"]) == answer == row["messages"][3]["content"]
+    held_out = {row["messages"][0]["content"] for row in map(json.loads, open(tmp_path / "tools_eval.jsonl"))}
+    assert not held_out & {row["messages"][0]["content"] for row in rows}
