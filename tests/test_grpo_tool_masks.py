@@ -76,9 +76,10 @@ def sampled(rendering: list[int], start: int, stops: set[int]) -> list[int]:
     return rendering[start:]
 
 
-def play(tokenizer, stops: list[int], prompt: list[int], first: list[int], then):
-    """TRL's tool loop on GroupTrainer's suffix, with `first` sampled and then(context) the generation after the tool.
-    Returns (completion ids, tool mask, the ids generation continued from, what was generated then)."""
+def play(tokenizer, stops: list[int], prompt: list[int], first: list[int], then, rounds: int = 3):
+    """TRL's tool loop on GroupTrainer's suffix, with `first` sampled and then(context) the generation after the tool,
+    at most `rounds` rounds of calls. Returns (completion ids, tool mask, the ids generation continued from, what was
+    generated then, the tool counts)."""
     from trl.chat_template_utils import add_response_schema, parse_response
 
     tokenizer = add_response_schema(tokenizer)
@@ -92,15 +93,15 @@ def play(tokenizer, stops: list[int], prompt: list[int], first: list[int], then)
     vars(trainer).update(
         processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
         eos_token_ids=stops, _sync_tool_dicts=[{"add": guarded(add, 5.0, counts)}], _async_tool_dicts=[{}],
-        max_tool_calling_iterations=3, use_vllm=False, max_completion_length=4096, tools=[add],
+        max_tool_calling_iterations=rounds, tool_counts=counts, use_vllm=False, max_completion_length=4096, tools=[add],
         environment_factories=None, model=types.SimpleNamespace(config=types.SimpleNamespace(
             max_position_embeddings=1 << 20)), _generate_single_turn=generate)
     completions = [[parse_response(tokenizer, first, prefix=prompt, tools=[add])]]
     assert completions[0][0].get("tool_calls"), completions  # TRL parses the sampled call
     mask, _, ids, _, calls, failures, _ = trainer._tool_call_loop(
         [list(USER)], [prompt], [list(first)], completions, None, None, {})
-    assert calls == 1 and failures == 0 and counts.take()["calls"] == 1 and len(seen) == 1
-    return ids[0], mask[0], *seen[0]
+    assert failures == 0 and calls == len(seen)
+    return ids[0], mask[0], *seen[0], counts.take()
 
 
 @pytest.mark.parametrize("name", [n for n in TOOL_FAMILIES if n not in REFUSED])
@@ -123,7 +124,8 @@ def test_a_tool_trajectory_trains_exactly_the_sampled_tokens(name, tmp_path):
 
         def then(context):  # the template's continuation of the context the loop built
             return sampled(whole, len(context), set(stops))
-    ids, mask, context, second = play(tokenizer, stops, prompt, first, then)
+    ids, mask, context, second, counts = play(tokenizer, stops, prompt, first, then)
+    assert counts["calls"] == 1 and counts["cut"] == 0
 
     assert [t for t, m in zip(ids, mask) if m] == first + second  # the loss: the sampled tokens, all of them
     answer = ids[len(first):len(ids) - len(second)]
@@ -140,6 +142,20 @@ def test_a_tool_trajectory_trains_exactly_the_sampled_tokens(name, tmp_path):
     marked = oracle["assistant_masks"][len(prompt):len(prompt) + len(ids)]
     outside = [tokenizer.convert_ids_to_tokens(t) for t, m, o in zip(ids, mask, marked) if m and not o]
     assert all(t in {tokenizer.convert_ids_to_tokens(s) for s in stops} for t in outside), outside
+
+
+@pytest.mark.parametrize("rounds, cut", [(1, 1), (2, 0)])
+def test_a_rollout_left_on_a_call_past_the_limit_is_counted(rounds, cut, tmp_path):
+    """Qwen2.5: the model calls the tool, then calls it again. With grpo.max_tool_calls 1 TRL's loop stops on the
+    second call, which never runs: one cut rollout (tools/cut_rollouts); with 2 the second call runs (the scripted
+    model then answers) and nothing is cut."""
+    tokenizer = tokenizer_for(FAMILIES["qwen2_5"], str(tmp_path))
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompt, whole = render(tokenizer, USER, True), render(tokenizer, [*USER, CALL, ANSWER, FINAL])
+    first = sampled(whole, len(prompt), set(stops))
+    answers = [first, tokenizer.encode("5", add_special_tokens=False) + stops]  # a second call, then an answer
+    *_, counts = play(tokenizer, stops, prompt, first, lambda context: answers.pop(0), rounds=rounds)
+    assert counts["cut"] == cut and counts["calls"] == rounds
 
 
 def test_the_suffix_drops_only_a_stop_token_the_model_generated():

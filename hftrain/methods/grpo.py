@@ -40,7 +40,8 @@ from .policy import load_policy, policy_peft_config
 from ..evaluate import greedy_answer
 from .sft import SFT, exact_match_metrics
 from .environments import load_environment, shown_tools
-from .tools import ToolAnswer, ToolCounts, load_tools, suffix_after_stop, tool_template_problem
+from .tools import (ToolAnswer, ToolCounts, load_tools, suffix_after_stop, tool_template_problem,
+                    unanswered_calls)
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
 DEFAULT_TOOL_ROUNDS = 4  # rounds of tool calls in a held-out answer when grpo.max_tool_calls is unset
@@ -85,6 +86,12 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         """TRL's, less a first token the model stops at and so has already generated (tools.suffix_after_stop)."""
         return suffix_after_stop(super()._get_tool_suffix_ids(tool_messages), self.eos_token_ids)
 
+    def _tool_call_loop(self, *args):
+        """TRL's; the rollouts it leaves on a call it did not run are counted (tools/cut_rollouts)."""
+        out = super()._tool_call_loop(*args)
+        self.tool_counts.cut += unanswered_calls(out[1])
+        return out
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """super() shards the model; under FSDP2 generation must then run in lockstep (patches.transformers)."""
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
@@ -128,6 +135,7 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
             self._metrics[mode]["tools/calls_per_rollout"].append(total["calls"] / max(advantages.numel(), 1))
             self._metrics[mode]["tools/errors"].append(total["errors"])
             self._metrics[mode]["tools/timeouts"].append(total["timeouts"])
+            self._metrics[mode]["tools/cut_rollouts"].append(total["cut"])
             if self.environment_factories is not None:
                 self._metrics[mode]["tools/env_crashes"].append(total["crashes"])
         return out

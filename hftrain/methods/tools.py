@@ -28,16 +28,23 @@ from .rewards import CallTimeout, import_function, time_limit
 
 
 class ToolCounts:
-    """Calls, errors and timeouts of every tool, and crashes of environments (environments.py), since the last
-    `take()` (the trainer logs them per step)."""
+    """Calls, errors and timeouts of every tool, crashes of environments (environments.py) and rollouts cut on an
+    unanswered call, since the last `take()` (the trainer logs them per step)."""
 
     def __init__(self):
-        self.calls = self.errors = self.timeouts = self.crashes = 0
+        self.calls = self.errors = self.timeouts = self.crashes = self.cut = 0
 
     def take(self) -> dict[str, int]:
-        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "crashes": self.crashes}
-        self.calls = self.errors = self.timeouts = self.crashes = 0
+        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "crashes": self.crashes,
+               "cut": self.cut}
+        self.calls = self.errors = self.timeouts = self.crashes = self.cut = 0
         return out
+
+
+def unanswered_calls(completions: list[list[dict]]) -> int:
+    """Rollouts (TRL's parsed turns) whose last turn is a tool call that was never run: TRL's loop stopped there, at
+    grpo.max_tool_calls or because the answer would pass max_completion_length."""
+    return sum(1 for turns in completions if turns and turns[-1].get("tool_calls"))
 
 
 def guarded(fn, timeout: float | None, counts: ToolCounts):
