@@ -246,7 +246,8 @@ def test_the_tool_demos_shipped_data_is_its_generators_and_shows_the_tools_own_s
     from transformers.utils import get_json_schema
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("make_tool_data", os.path.join(repo, "recipes/demo/make_tool_data.py"))
+    spec = importlib.util.spec_from_file_location("make_tool_data",
+                                                  os.path.join(repo, "recipes", "demo", "make_tool_data.py"))
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     generator.main(out_dir=str(tmp_path))
