@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -26,9 +25,9 @@ from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
 from .methods import METHODS, SCRIPTS, method_of
-from .modeling import chat_template_text, load_tokenizer
+from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
-from .tiny import build_tiny_model, texts_of_data
+from .tiny import add_tiny_model_command
 
 
 def script_for(recipe, kind: str | None = None, script: str | None = None) -> list[str]:
@@ -63,15 +62,6 @@ def _data(ns) -> int:
     recipe, _ = check_recipe(ns.recipe, ns.overrides)
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
     print(method_of(recipe).show(recipe, tokenizer, ns.examples))  # as the method's trainer gets its rows
-    return 0
-
-
-def _tiny_model(ns) -> int:
-    config = json.loads(ns.config) if ns.config else None
-    template = chat_template_text(ns.chat_template, "--chat-template") if ns.chat_template else None
-    out = build_tiny_model(ns.output, texts_of_data(ns.data, template), config=config, vocab_size=ns.vocab_size,
-                           seed=ns.seed, chat_template=template)
-    print(f"hftrain: tiny model with a locally trained tokenizer written to {out}")
     return 0
 
 
@@ -293,21 +283,6 @@ def _add_push(sub) -> None:
     pu.set_defaults(fn=_push)
 
 
-def _add_tiny_model(sub) -> None:
-    t = sub.add_parser("tiny-model", allow_abbrev=False, help="Build a tiny Llama-style model (random weights) with a "
-                       "tokenizer trained on data files. No Hub needed.")
-    t.add_argument("--data", nargs="+", required=True,
-                   help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
-    t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
-    t.add_argument("--config", default=None, help='JSON of LlamaConfig overrides, e.g. \'{"num_hidden_layers": 4}\'')
-    t.add_argument("--chat-template", default=None,
-                   help="the tokenizer's chat template (a .jinja file, or trl:NAME for one TRL ships; default ChatML); "
-                        "the data's conversations rendered with it train the tokenizer too")
-    t.add_argument("--vocab-size", type=int, default=512)
-    t.add_argument("--seed", type=int, default=0)
-    t.set_defaults(fn=_tiny_model)
-
-
 def _add_moe(sub) -> None:
     mo = sub.add_parser("moe", allow_abbrev=False, help="Mixture-of-experts tools.")
     up = mo.add_subparsers(dest="moe_command", required=True).add_parser(
@@ -326,8 +301,8 @@ def _add_moe(sub) -> None:
 
 
 # Each subcommand registers itself: its parser, its options and the function that runs it (`fn`).
-COMMANDS = (_add_check, _add_prepare, _add_data, _add_config, _add_plan, _add_training, _add_push, _add_tiny_model,
-            _add_moe)
+COMMANDS = (_add_check, _add_prepare, _add_data, _add_config, _add_plan, _add_training, _add_push,
+            add_tiny_model_command, _add_moe)
 TAKES_OVERRIDES = ("check", "config", "data", "launch", "plan", "prepare", *SCRIPTS)
 
 

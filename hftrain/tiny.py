@@ -6,6 +6,7 @@ the model is built from a config.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable
 
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from .config import DataSource
 from .data import canonicalise, detect_format, read_rows
+from .modeling import chat_template_text
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token). Tools, when a row
 # has them, are listed in a system turn first, and an assistant's tool calls follow its content as
@@ -132,3 +134,28 @@ def build_tiny_model(
     model.save_pretrained(output, safe_serialization=True)
     tokenizer.save_pretrained(output)
     return output
+
+
+def add_tiny_model_command(sub) -> None:
+    """`hftrain tiny-model` (registered in cli.COMMANDS)."""
+    t = sub.add_parser("tiny-model", allow_abbrev=False, help="Build a tiny Llama-style model (random weights) with a "
+                       "tokenizer trained on data files. No Hub needed.")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="data files (any layout and file type data.sources reads) whose texts train the tokenizer")
+    t.add_argument("--output", required=True, help="folder to write the model and tokenizer to")
+    t.add_argument("--config", default=None, help='JSON of LlamaConfig overrides, e.g. \'{"num_hidden_layers": 4}\'')
+    t.add_argument("--chat-template", default=None,
+                   help="the tokenizer's chat template (a .jinja file, or trl:NAME for one TRL ships; default ChatML); "
+                        "the data's conversations rendered with it train the tokenizer too")
+    t.add_argument("--vocab-size", type=int, default=512)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=_tiny_model)
+
+
+def _tiny_model(ns) -> int:
+    config = json.loads(ns.config) if ns.config else None
+    template = chat_template_text(ns.chat_template, "--chat-template") if ns.chat_template else None
+    out = build_tiny_model(ns.output, texts_of_data(ns.data, template), config=config, vocab_size=ns.vocab_size,
+                           seed=ns.seed, chat_template=template)
+    print(f"hftrain: tiny model with a locally trained tokenizer written to {out}")
+    return 0

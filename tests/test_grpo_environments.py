@@ -82,7 +82,7 @@ def test_a_refused_action_answers_the_model_and_a_crash_ends_the_rollout_with_re
     assert time.time() - start < 5 and env.crashed
     assert env.step(by=1).startswith("error: the environment crashed (step did not return within 0.5 s)")
     assert env.get_reward() == 0.0
-    assert counts.take() == {"calls": 4, "errors": 3, "timeouts": 0, "crashes": 1}
+    assert counts.take() == {"calls": 4, "errors": 3, "timeouts": 0, "crashes": 1, "cut": 0}
     assert capsys.readouterr().err.count("the GRPO environment crashed") == 1
     assert env.reset(target=2) == " (target 2)" and not env.crashed  # the next rollout: a fresh instance
     assert env.step(by=2) == "2" and env.get_reward() == 1.0

@@ -64,8 +64,8 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
     assert "bye" in capsys.readouterr().err  # a tool's prints stay off stdout
     mine = [0]
     assert tools["editing"](xs=mine) == "2" and mine == [0]  # it edited a copy
-    assert counts.take() == {"calls": 6, "errors": 4, "timeouts": 1, "crashes": 0}
-    assert counts.take() == {"calls": 0, "errors": 0, "timeouts": 0, "crashes": 0}
+    assert counts.take() == {"calls": 6, "errors": 4, "timeouts": 1, "crashes": 0, "cut": 0}
+    assert counts.take() == {"calls": 0, "errors": 0, "timeouts": 0, "crashes": 0, "cut": 0}
 
 
 def test_the_guard_keeps_the_schema_transformers_shows_the_model():
