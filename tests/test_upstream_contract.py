@@ -84,8 +84,12 @@ CONTRACT = [
     ("trl:GRPOTrainer", "_get_tool_suffix_ids", ["tool_messages"],
      "grpo tools: the suffix less the generated stop token, and tool_suffix_problem's check before the model loads"),
     ("trl:GRPOTrainer", "_tool_call_loop", ["prompts", "prompt_ids", "completion_ids", "completions", "logprobs",
-                                            "images", "multimodal_fields"], "grpo tools: the mask tests per family"),
+                                            "images", "multimodal_fields"],
+     "grpo tools: overridden to count the rollouts it leaves on a call it did not run; the mask tests per family"),
     ("trl:GRPOTrainer", "_load_rng_state", ["checkpoint"], "checkpointing under GRPOTrainer"),
+    # bitsandbytes (quantization/load.py)
+    ("bitsandbytes.nn:Linear4bit", "support_avx512bf16_for_cpu", None,
+     "quantization.keep_training_kernels: off, so eval never repacks a layer for the inference kernel"),
     ("transformers.distributed.fsdp:is_fsdp_managed_module", "_is_fsdp_managed_module", None,
      "patches.transformers.mark_fsdp_managed: generate() in lockstep under FSDP2"),
     # accelerate (patches/accelerate.py)
@@ -148,6 +152,8 @@ INSTANCE_ATTRIBUTES = {
         "torch.nn.parallel.distributed", "_ddp_params_and_buffers_to_ignore"),
     ("datasets:Dataset", "_fingerprint"): ("datasets.arrow_dataset", "self._fingerprint = "),
     ("trl:GRPOTrainer", "_metrics"): ("trl.trainer.grpo_trainer", "self._metrics = {"),
+    ("bitsandbytes.nn:Linear4bit", "support_avx512bf16_for_cpu"): (
+        "bitsandbytes.nn.modules", "self.support_avx512bf16_for_cpu = "),
     ("trl:GRPOTrainer", "_tokenizer"): ("trl.trainer.grpo_trainer", "self._tokenizer = processing_class"),
     ("transformers.distributed.fsdp:is_fsdp_managed_module", "_is_fsdp_managed_module"): (
         "transformers.distributed.fsdp", 'getattr(module, "_is_fsdp_managed_module", False)'),
@@ -206,6 +212,11 @@ ORDER = [
     ("deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter", "refill",
      ["next(self.iter)", "dist.all_gather(tensor_list", "batch.pop(\"labels\")", "self.micro_batches.append("],
      "ShardedBatches hands refill one widened batch; the slices carry shift_labels, not labels"),
+    ("trl:GRPOTrainer", "_tool_call_loop", ["return tool_mask, completions, "],
+     "GroupTrainer._tool_call_loop reads the completions as the loop's second result"),
+    ("bitsandbytes.nn:Linear4bit", "forward", ["and self.support_avx512bf16_for_cpu",
+                                               "_convert_weight_packed_for_cpu("],
+     "keep_training_kernels: the flag is what guards the repacking for the inference kernel"),
     ("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "average_tensor",
      ["/ float(self.sequence_parallel_size)"], "average_gradients_over_sequence_ranks: the division it undoes"),
 ]

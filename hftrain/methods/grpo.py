@@ -89,7 +89,8 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
     def _tool_call_loop(self, *args):
         """TRL's; the rollouts it leaves on a call it did not run are counted (tools/cut_rollouts)."""
         out = super()._tool_call_loop(*args)
-        self.tool_counts.cut += unanswered_calls(out[1])
+        _, completions, *_ = out
+        self.tool_counts.cut += unanswered_calls(completions)
         return out
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
