@@ -51,7 +51,7 @@ def alpaca_to_chat(row: dict) -> dict:
 def run_hftrain(mode: str, model: str, data: str, out: str, num_proc: str | None) -> None:
     from hftrain.launch import check_data, setup_run
     from hftrain.modeling import load_model
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     raw = {"model": {"name_or_path": model, "dtype": "float32"},
            "data": {"sources": [{"path": data}], "max_length": MAX_LENGTH, "streaming": mode == "streaming",

@@ -43,7 +43,7 @@ def main(model_dir: str, out: str, lengths: str, loss_impl: str, checkpointing: 
     from hftrain.data import make_collator
     from hftrain.launch import setup_run
     from hftrain.modeling import load_model
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     ladder = [int(x) for x in lengths.split(",")]
     per_step = [n for n in ladder for _ in range(sp)]  # the group trains one example per step

@@ -41,7 +41,7 @@ def child(vocab: int, tokens: int, impl: str, hidden: int, steps: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from hftrain.config import HFTrainingArguments
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -90,7 +90,7 @@ def alternate(vocab: int, tokens: int, hidden: int, reps: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from hftrain.config import HFTrainingArguments
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

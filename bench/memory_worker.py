@@ -16,7 +16,7 @@ from hftrain.data import build_datasets  # noqa: E402
 from hftrain.launch import setup_run  # noqa: E402
 from hftrain.launch.setup import launcher_strategy  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
-from hftrain.trainer import SFTTrainer  # noqa: E402
+from hftrain.methods.sft import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

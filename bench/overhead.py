@@ -4,7 +4,7 @@
 
 1. Overhead (`--part overhead`): the same tiny model (same weights) on the same tokenised data, trained for the
    same steps and batch size through
-   - hftrain: `hftrain.trainer.SFTTrainer` built as the SFT recipe builds it (the recipe's TrainingArguments, its
+   - hftrain: `hftrain.methods.sft.SFTTrainer` built as the SFT recipe builds it (the recipe's TrainingArguments, its
      data collator, CurvesCallback, loss_averaging, compression), and
    - plain: a plain `transformers.Trainer` with transformers' default TrainingArguments and
      DataCollatorForSeq2Seq,
@@ -46,10 +46,10 @@ import hftrain  # noqa: E402
 from hftrain.callbacks import CurvesCallback  # noqa: E402
 from hftrain.data import build_datasets  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
-from hftrain.config import load_recipe  # noqa: E402
+from hftrain.methods import load_recipe  # noqa: E402
 from hftrain.launch.setup import training_arguments  # noqa: E402
 from hftrain.tiny import build_tiny_model, texts_of_jsonl  # noqa: E402
-from hftrain.trainer import SFTTrainer  # noqa: E402
+from hftrain.methods.sft import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "data", "demo", "train.jsonl")
@@ -101,7 +101,7 @@ def step_figures(timer: StepTimer) -> dict[str, float]:
 
 
 def hftrain_run(recipe, tokenizer) -> dict[str, float]:
-    """Train through hftrain.trainer.SFTTrainer, built as the SFT recipe builds it."""
+    """Train through hftrain.methods.sft.SFTTrainer, built as the SFT recipe builds it."""
     args = training_arguments(recipe)
     model = load_model(recipe.model, packing=recipe.data.packing)
     data = build_datasets(recipe.data, tokenizer, seed=args.seed)

@@ -37,13 +37,13 @@ from transformers import DataCollatorWithFlattening, TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hftrain  # noqa: E402
-from hftrain.config import load_recipe  # noqa: E402
+from hftrain.methods import load_recipe  # noqa: E402
 from hftrain.constants import IGNORE_INDEX  # noqa: E402
 from hftrain.data import build_datasets, make_collator  # noqa: E402
 from hftrain.launch.setup import training_arguments  # noqa: E402
 from hftrain.modeling import load_model, load_tokenizer  # noqa: E402
 from hftrain.tiny import build_tiny_model, texts_of_jsonl  # noqa: E402
-from hftrain.trainer import SFTTrainer  # noqa: E402
+from hftrain.methods.sft import SFTTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "data", "demo", "train.jsonl")

@@ -149,8 +149,10 @@ def check_ranks_agree(info: dict) -> None:
         )
 
 
-def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, metrics: dict) -> dict:
-    """Consolidated safetensors + tokenizer in output_dir, final trainer_state.json, run_info.json, merged LoRA."""
+def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, metrics: dict,
+               method: dict | None = None) -> dict:
+    """Consolidated safetensors + tokenizer in output_dir, final trainer_state.json, run_info.json, merged LoRA.
+    `method`: the method that trained, as the model card names it (methods.Method.card)."""
     out = recipe.output_dir
     guards.check_finite_weights(trainer.model, "the final model")  # every rank its shards; nothing written yet
     if strategy.name == "fsdp":
@@ -176,6 +178,8 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     trainer.save_state()
     info = run_info(trainer, strategy)
     info["metrics"] = metrics
+    if method is not None:
+        info["method"] = method
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
             with loading_outside_zero3(trainer.args):

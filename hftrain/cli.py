@@ -12,19 +12,19 @@ import time
 from dataclasses import replace
 
 from . import lifetime
-from .config import RecipeError, StrategySection, load_recipe
+from .config import RecipeError, StrategySection
 from .config.strategy import STRATEGY_DEFAULTS, resolved_strategy
 from .constants import STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
-from .hub.push import push, settings_for_run
+from .hub.push import push, run_recipe, settings_for_run
 from .data.cache import cache_folder
 from .launch import check_data, check_recipe, machines
 from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
-from .methods import METHODS, SCRIPTS, method_of
+from .methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, load_recipe, method_of
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import add_tiny_model_command
@@ -160,9 +160,9 @@ def _plan(ns) -> int:
 
 
 def _push(ns) -> int:
-    hub, recipe = settings_for_run(ns.output_dir, repo_id=ns.repo_id, private=ns.private or None,
-                                  revision=ns.revision, commit_message=ns.commit_message,
-                                  merge_lora=ns.merge_lora or None, license=ns.license)
+    recipe = load_recipe(run_recipe(ns.output_dir))
+    hub = settings_for_run(recipe, repo_id=ns.repo_id, private=ns.private or None, revision=ns.revision,
+                           commit_message=ns.commit_message, merge_lora=ns.merge_lora or None, license=ns.license)
     push(ns.output_dir, hub, dry_run=ns.dry_run, stage_dir=ns.stage_dir,
          trust_remote_code=recipe.model.trust_remote_code)
     return 0
@@ -242,8 +242,8 @@ def _training_commands() -> list[tuple[str, str]]:
     for m in METHODS:
         by_section.setdefault(m.section, []).append(m.name)
     chosen = "; ".join(f"a {section}: section: {', '.join(names)}" for section, names in by_section.items() if section)
-    commands = [("launch", f"the recipe's method ({chosen}; else sft)")]
-    for script in reversed(SCRIPTS):  # sft first
+    commands = [("launch", f"the recipe's method ({chosen}; else {DEFAULT_SCRIPT})")]
+    for script in reversed(SCRIPTS):  # the default first
         names = ", ".join(m.name for m in METHODS if m.script == script)
         commands.append((script, f"{names} (hftrain/recipes/{script}.py)"))
     return commands

@@ -69,7 +69,7 @@ def run(script: str, argv: list[str]) -> dict:
     trainer.log_metrics("train", result.metrics)
 
     # 4. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir; then push.
-    save_final(trainer, recipe, run.strategy, tokenizer, metrics)
+    save_final(trainer, recipe, run.strategy, tokenizer, metrics, method.card(recipe))
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key, math.nan), after.get(key, math.nan)
         distributed.print0(f"hftrain: {key}: before {b:.4f} -> after {a:.4f}")

@@ -23,7 +23,7 @@ from hftrain.artifacts import describe
 from hftrain.data import build_datasets
 from hftrain.launch import setup_run
 from hftrain.modeling import load_model, load_tokenizer
-from hftrain.trainer import SFTTrainer
+from hftrain.methods.sft import SFTTrainer
 
 COUNTED = {"bytes": 0}
 

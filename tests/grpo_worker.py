@@ -26,7 +26,7 @@ import trl
 
 from hftrain import distributed
 from hftrain.artifacts import save_final
-from hftrain.config import load_recipe
+from hftrain.methods import load_recipe
 from hftrain.constants import ZERO_STAGE
 from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error

@@ -21,7 +21,7 @@ from hftrain.artifacts import weights_digest
 from hftrain.errors import exit_on_user_error
 from hftrain.launch import preflight
 from hftrain.recipes import sft
-from hftrain.trainer import SFTTrainer
+from hftrain.methods.sft import SFTTrainer
 
 _forward = SFTTrainer._forward
 _init = SFTTrainer.__init__

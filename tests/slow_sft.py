@@ -6,7 +6,7 @@ import os
 import time
 
 from hftrain.recipes import sft
-from hftrain.trainer import SFTTrainer
+from hftrain.methods.sft import SFTTrainer
 
 _training_step = SFTTrainer.training_step
 

@@ -12,7 +12,7 @@ import sys
 def main(model_dir: str, path: str, out: str) -> None:
     from hftrain.launch import check_data, setup_run
     from hftrain.modeling import load_model
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     run = setup_run([], raw={
         "model": {"name_or_path": model_dir, "dtype": "float32"},

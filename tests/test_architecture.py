@@ -4,6 +4,7 @@ no function-local import of hftrain's own modules, modules and recipe scripts th
 import ast
 import glob
 import os
+import re
 
 import grimp
 import pytest
@@ -135,3 +136,50 @@ def test_the_installed_versions_are_the_tested_ones():
     if os.environ.get("HFTRAIN_NEWEST") == "1":
         pytest.skip(f"HFTRAIN_NEWEST=1: testing other versions than constraints.txt: {differ}")
     assert differ == {}, f"installed versions differ from constraints.txt (name: (tested, installed)): {differ}"
+
+
+# A method lives in hftrain/methods/ (its section, rules, trainer, data, card): the rest of hftrain asks the registry
+# and the sections (config.MethodSection) instead of naming one. What may still name a method: the commands' entry
+# points (hftrain/recipes/<script>.py) and the example command written into every generated accelerate config.
+METHOD_WORDS = {"sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo", "preference"}
+MAY_NAME_A_METHOD = {"recipes/sft.py", "recipes/dpo.py", "recipes/grpo.py", "launch/strategies.py"}
+
+
+def _words(text: str):
+    for part in re.split(r"[^A-Za-z0-9]+", text):  # snake_case, dotted paths and messages; then CamelCase
+        yield from (w.lower() for w in re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", part))
+
+
+def methods_named(source: str) -> set[str]:
+    """The methods a module names in its code: identifiers, attributes, imports and strings (docstrings aside)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    texts = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            texts.append(node.value)
+        elif isinstance(node, ast.ImportFrom):
+            texts.append(node.module or "")
+        else:
+            texts += [getattr(node, a) for a in ("id", "attr", "name", "arg")
+                      if isinstance(getattr(node, a, None), str)]
+    return {w for text in texts for w in _words(text)} & METHOD_WORDS
+
+
+def test_only_the_methods_name_a_method():
+    naming = {}
+    for path in SOURCES:
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        found = methods_named(open(path, encoding="utf-8").read())
+        if found and not rel.startswith("methods/"):
+            naming[rel] = sorted(found)
+    assert set(naming) <= MAY_NAME_A_METHOD, {k: v for k, v in naming.items() if k not in MAY_NAME_A_METHOD}
+
+
+def test_the_method_check_sees_a_module_that_names_one(tmp_path):
+    source = ('"""About sft, in a docstring: not counted."""\nfrom .methods.grpo_section import GrpoSection\n'
+              'def f(recipe):\n    return recipe.preference is not None or "hftrain dpo" or KTOTrainer\n')
+    assert methods_named(source) == {"grpo", "preference", "dpo", "kto"}
+    assert methods_named('"""sft"""\nx = "supervised"\n') == set()

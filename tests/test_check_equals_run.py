@@ -177,7 +177,7 @@ def test_a_checkpoint_of_a_run_that_did_not_stream_is_refused_to_a_streaming_rec
 
 
 def test_lora_checkpoint_against_another_rank_and_a_full_recipe(tmp_path, tiny_model_dir):
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
     from hftrain.launch.resume import compatibility_problems
     from hftrain.modeling import load_tokenizer
 
@@ -204,7 +204,7 @@ def test_lora_checkpoint_against_another_rank_and_a_full_recipe(tmp_path, tiny_m
 
 def test_another_vocabulary_is_named(tmp_path, tiny_model_dir, other_checkpoint):
     """The same model shapes, another tokenizer (trained on other text, the same size): the ids mean other tokens."""
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
     from hftrain.launch.resume import compatibility_problems
     from hftrain.modeling import load_tokenizer
     from hftrain.tiny import build_tiny_model

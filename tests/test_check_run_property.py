@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hftrain import outdir  # noqa: E402
-from hftrain.trainer import SFTTrainer  # noqa: E402
+from hftrain.methods.sft import SFTTrainer  # noqa: E402
 
 from .test_bad_input import run_check, run_main  # noqa: E402
 

@@ -19,9 +19,9 @@ from .conftest import DEMO_TRAIN, PY, run
 def make_trainer(model_dir, out, lora=None, **training):
     from hftrain.data import build_datasets
     from hftrain.modeling import load_model, load_tokenizer
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
     from hftrain.launch.setup import training_arguments
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     recipe = load_recipe(None, raw={
         "model": {"name_or_path": model_dir, "dtype": "float32", **({"lora": lora} if lora else {})},
@@ -236,7 +236,7 @@ def test_launch_checks_resume_against_the_world_it_will_start(tmp_path, referenc
 def test_final_save_on_a_full_disk_leaves_no_half_file(tmp_path, tiny_model_dir, reference):
     """The final model is written aside and moved in file by file: a disk too small for model.safetensors fails
     the save with the no-space message, and output_dir holds no partial weights."""
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
     from hftrain.artifacts import save_final
 
     small = tmp_path / "small"
@@ -418,7 +418,7 @@ def test_rng_file_damaged_after_the_check_is_named_by_the_trainer(tmp_path, tiny
 
 
 def test_resume_weights_only_needs_a_resume_and_no_deepspeed():
-    from hftrain.config.loading import parse_recipe
+    from hftrain.methods import parse_recipe
 
     def problems(**training):
         _, found = parse_recipe(None, raw={"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},

@@ -141,7 +141,7 @@ def tiny_lm(vocab=512, tie=True, kind="llama", seed=0):
 
 def trainer_for(model, impl, tmp_path, **kwargs):
     from hftrain.config import HFTrainingArguments
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     args = HFTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_impl=impl,
                                label_smoothing_factor=kwargs.pop("label_smoothing", 0.0),
@@ -317,7 +317,8 @@ def test_the_head_runs_under_the_autocast_of_the_forward(tmp_path):
 
 
 def test_loss_impl_key():
-    from hftrain.config import RecipeError, load_recipe
+    from hftrain.config import RecipeError
+    from hftrain.methods import load_recipe
     from hftrain.launch.setup import training_arguments
 
     base = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from hftrain import lifecycle, outdir
-from hftrain.config import load_recipe
+from hftrain.methods import load_recipe
 from hftrain.launch import setup_run
 from hftrain.methods import sft
 

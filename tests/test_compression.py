@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from hftrain import compression as comp
-from hftrain.config import RecipeError, load_recipe
+from hftrain.config import RecipeError
+from hftrain.methods import load_recipe
 
 from .conftest import DEMO_TRAIN, REPO, launch_prefix, run_matrix
 

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import re
+import typing
 
 import pytest
 from transformers import TrainingArguments
@@ -12,6 +13,7 @@ from transformers import TrainingArguments
 from hftrain.cli import build_parser
 from hftrain.config import sections
 from hftrain.config.training import HFTrainOptions
+from hftrain.methods import Recipe
 
 from .conftest import REPO
 
@@ -31,9 +33,10 @@ def _field_names(cls) -> set[str]:
 def _section_keys() -> dict[str, set[str]]:
     """section -> the keys a recipe may set in it."""
     keys = {"training": _field_names(TrainingArguments) | _field_names(HFTrainOptions)}
-    for f in dataclasses.fields(sections.Recipe):
-        kind = next((t for t in vars(sections).values() if isinstance(t, type) and dataclasses.is_dataclass(t)
-                     and t.__name__ in str(f.type)), None)
+    hints = typing.get_type_hints(Recipe)  # config's sections and the methods'
+    for f in dataclasses.fields(Recipe):
+        kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+        kind = next((t for t in kinds if isinstance(t, type) and dataclasses.is_dataclass(t)), None)
         if kind is not None:
             keys[f.name] = _field_names(kind)
     keys["data"] |= _field_names(sections.DataSource)  # data.sources' entries: data.columns etc. name those

@@ -53,7 +53,7 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set_for_any_batch_size(eval_s
 
     from hftrain.config import HFTrainingArguments
     from hftrain.modeling import load_model
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     path, ref, old = eval_set
     tok = AutoTokenizer.from_pretrained(spiky_model_dir)

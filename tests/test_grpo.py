@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from hftrain.config import DataSection, DataSource, GrpoSection, RewardSpec, parse_recipe
+from hftrain.config import DataSection, DataSource
+from hftrain.methods import GrpoSection, RewardSpec, load_recipe, parse_recipe
 from hftrain.methods.prompts import read_prompts
 from hftrain.errors import DataError, RecipeError, RewardError
 from hftrain.methods.rewards import Reward, dry_run, exact_match, load_rewards
@@ -326,13 +327,16 @@ def test_launch_picks_the_grpo_module_and_the_other_scripts_refuse_the_recipe(tm
 
 
 def test_the_model_card_names_the_grpo_stage(tmp_path):
+    """The method as the run records it in run_info.json (lifecycle: Method.card) is what the card says."""
     from hftrain.hub.card import build_card
+    from hftrain.methods import method_of
 
     tree = {"model": {"name_or_path": "runs/demo/sft"}, "data": {"sources": [{"path": "d.jsonl"}]},
-            "grpo": {"rewards": [{"function": "exact_match"}, {"function": "regex"}], "loss_type": "dapo",
-                     "num_generations": 8, "beta": 0.0}}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(tree))
-    (tmp_path / "run_info.json").write_text("{}")
+            "grpo": {"rewards": [{"function": "exact_match"}, {"function": "regex", "pattern": "a+"}],
+                     "loss_type": "dapo", "num_generations": 8, "beta": 0.0}}
+    recipe = load_recipe(None, raw=tree)
+    (tmp_path / "recipe.yaml").write_text(recipe.to_yaml())
+    (tmp_path / "run_info.json").write_text(json.dumps({"method": method_of(recipe).card(recipe)}))
     card = str(build_card(str(tmp_path), os.listdir(tmp_path)))
     assert "trained by GRPO (dapo loss, groups of 8, beta=0.0, rewards: exact_match, regex) with hftrain" in card
     assert "- grpo" in card

@@ -9,7 +9,7 @@ import time
 import pytest
 from transformers.utils import get_json_schema
 
-from hftrain.config import GrpoSection, RewardSpec, parse_recipe
+from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
 from hftrain.methods.environments import guarded_environment, load_environment
 from hftrain.methods.tools import ToolCounts

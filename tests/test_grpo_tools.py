@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from hftrain.config import GrpoSection, RewardSpec, parse_recipe
+from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
 from hftrain.methods.tools import ToolCounts, guarded, load_tools, tool_template_problem
 

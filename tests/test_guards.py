@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from hftrain import guards
 from hftrain.errors import LaunchError, NonFiniteError, exit_on_user_error
-from hftrain.trainer import SFTTrainer
+from hftrain.methods.sft import SFTTrainer
 
 from . import guard_worker
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, run
@@ -224,7 +224,7 @@ def test_a_quantised_bases_packed_weights_are_not_read_as_numbers():
 
 def test_checkpoint_and_final_save_refuse_non_finite_weights(tmp_path, tiny_model_dir):
     from hftrain.artifacts import save_final
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
 
     from .test_checkpoints import make_trainer
 
@@ -350,7 +350,7 @@ def test_use_cpu_launch_of_zero2_is_stopped(early, tmp_path, tiny_model_dir, dee
 
 
 def test_max_bad_steps_rules():
-    from hftrain.config import parse_recipe
+    from hftrain.methods import parse_recipe
 
     def problems(**training):
         raw = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]}, "training": training}

@@ -23,7 +23,8 @@ import yaml
 from hftrain.errors import HubError
 from hftrain.hub.checks import validate_folder
 from hftrain.hub.push import STAGE_DIR, STAGE_MARKER, push
-from hftrain.config import HubSection, RecipeError, load_recipe
+from hftrain.config import HubSection, RecipeError
+from hftrain.methods import load_recipe
 from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from hftrain.cli import main as cli_main
-from hftrain.config import DataSection, DataSource, RecipeError, load_recipe
+from hftrain.config import DataSection, DataSource, RecipeError
+from hftrain.methods import load_recipe
 from hftrain.constants import DataLayout
 from hftrain.data import build_datasets, detect_format, read_canonical, to_messages_or_text
 from hftrain.data.layouts import LAYOUT_COLUMNS

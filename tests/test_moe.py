@@ -203,7 +203,8 @@ def test_recipe_upcycles_trains_and_experts_specialise(tiny_model_dir, tmp_path)
 
 
 def test_recipe_moe_section_is_validated():
-    from hftrain.config import RecipeError, load_recipe
+    from hftrain.config import RecipeError
+    from hftrain.methods import load_recipe
 
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.upcycle.num_experts=1",
@@ -497,7 +498,8 @@ def test_capacity_factor_drops_tokens_and_still_saves_a_native_model(tiny_model_
 
 
 def test_expert_parallel_options_are_validated():
-    from hftrain.config import RecipeError, load_recipe
+    from hftrain.config import RecipeError
+    from hftrain.methods import load_recipe
 
     with pytest.raises(RecipeError) as e:
         load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
@@ -523,7 +525,7 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
 
     from hftrain import losses
     from hftrain.config import HFTrainingArguments, MoeSection
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     cfg = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=32, intermediate_size=64,
                                moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=2,

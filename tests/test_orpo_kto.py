@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from hftrain.config import parse_recipe
+from hftrain.methods import parse_recipe
 from hftrain.config.sections import DataSection, DataSource
 from hftrain.methods.unpaired import build_unpaired_data, read_unpaired, split_in_two
 from hftrain.errors import DataError
@@ -303,9 +303,12 @@ def test_the_card_is_tagged_with_the_method_that_trained_the_model(tmp_path, pre
     """A KTO or ORPO model's card was tagged `dpo` (issue 43): the tag is the method's (the Hub lists models by it)."""
     from hftrain.constants import RECIPE_FILE, RUN_INFO_FILE
     from hftrain.hub.card import build_card
+    from hftrain.methods import load_recipe, method_of
 
-    recipe = {"model": {"name_or_path": "base"}, **({"preference": preference} if preference is not None else {})}
-    (tmp_path / RECIPE_FILE).write_text(yaml.safe_dump(recipe))
-    (tmp_path / RUN_INFO_FILE).write_text("{}")
+    tree = {"model": {"name_or_path": "base"}, "data": {"sources": [{"path": "pairs.jsonl"}]},
+            **({"preference": preference} if preference is not None else {})}
+    recipe = load_recipe(None, raw=tree)
+    (tmp_path / RECIPE_FILE).write_text(recipe.to_yaml())
+    (tmp_path / RUN_INFO_FILE).write_text(json.dumps({"method": method_of(recipe).card(recipe)}))
     card = build_card(str(tmp_path), [RECIPE_FILE, RUN_INFO_FILE])
     assert tag in card.data.tags and ({"dpo", "orpo", "kto", "sft"} - {tag}).isdisjoint(card.data.tags)

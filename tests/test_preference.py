@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from hftrain.config import parse_recipe
+from hftrain.methods import parse_recipe
 from hftrain.config.sections import DataSource
 from hftrain.methods.pairs import read_pairs
 from hftrain.errors import DataError
@@ -58,13 +58,13 @@ def test_all_problems_at_once_and_loss_specific_rules():
 
 
 def test_losses_map_to_trl():
-    from hftrain.config import PreferenceSection
+    from hftrain.methods import PreferenceSection
     from hftrain.methods.dpo import trl_loss
 
     assert trl_loss(PreferenceSection()) == "sigmoid"
     assert trl_loss(PreferenceSection(label_smoothing=0.1)) == "robust"  # TRL's sigmoid ignores label_smoothing
     assert trl_loss(PreferenceSection(loss_type="ipo")) == "ipo"
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
     from hftrain.methods import method_of
     from hftrain.methods.simpo import TRL_LOSS, SimPOTrainer
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from hftrain.config import LoraSection, ModelSection, QuantizationSection, RecipeError, load_recipe
+from hftrain.config import LoraSection, ModelSection, QuantizationSection, RecipeError
+from hftrain.methods import load_recipe
 from hftrain.launch import plan as memory_plan
 from hftrain.launch.preflight import check_recipe
 from hftrain.modeling import load_model, save_merged

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from hftrain.cli import main as cli_main
-from hftrain.config import TRAINING_DEFAULTS, RecipeError, load_recipe, parse_overrides
+from hftrain.config import TRAINING_DEFAULTS, RecipeError, parse_overrides
+from hftrain.methods import load_recipe
 from hftrain.launch.setup import training_arguments
 
 from .conftest import REPO

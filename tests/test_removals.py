@@ -326,7 +326,7 @@ def test_a_leftover_staged_save_is_replaced_and_nothing_else(what, tmp_path, tin
     """A save interrupted earlier left output_dir/_incomplete/<name>: the next save of that name replaces it; a file
     of the user's in output_dir and another staged folder stay."""
     from hftrain.artifacts import save_final
-    from hftrain.config import load_recipe
+    from hftrain.methods import load_recipe
 
     from .test_checkpoints import make_trainer
 

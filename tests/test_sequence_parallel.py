@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hftrain import losses
 from hftrain import sequence_parallel as sp
 from hftrain.checkpoints import layout, layout_problems
-from hftrain.config import RecipeError, load_recipe
+from hftrain.config import RecipeError
+from hftrain.methods import load_recipe
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import make_collator, tokenize_example
 from hftrain.errors import LaunchError

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from hftrain.config import strategy_of_deepspeed_config
-from hftrain.config import RecipeError, StrategySection, load_recipe
+from hftrain.config import RecipeError, StrategySection
+from hftrain.methods import load_recipe
 from hftrain.constants import STRATEGIES
 from hftrain.launch.strategies import accelerate_config, deepspeed_config, render
 from tests.references import STEPS

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from hftrain.config import DataSection, DataSource, RecipeError, load_recipe
+from hftrain.config import DataSection, DataSource, RecipeError
+from hftrain.methods import load_recipe
 from hftrain.data.stream import CHECK_ROWS, Position, SourceStream, TrainStream, stream_dataset
 from hftrain.data.stream_position import POSITION_FILE, StreamPositionMixin
 from hftrain.errors import DataError
@@ -24,7 +25,7 @@ def make_trainer(model_dir, out, sources, resume_mixin=True, **training):
     from hftrain.data import build_datasets
     from hftrain.launch.setup import training_arguments
     from hftrain.modeling import load_model, load_tokenizer
-    from hftrain.trainer import SFTTrainer
+    from hftrain.methods.sft import SFTTrainer
 
     recipe = load_recipe(None, raw={
         "model": {"name_or_path": model_dir, "dtype": "float32"},

@@ -16,7 +16,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from hftrain.config import DataSection, DataSource
-from hftrain.config.loading import parse_recipe
+from hftrain.methods import parse_recipe
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import build_datasets, tokenize_example, tokenize_examples
 from hftrain.data.templates import FIXED_DATE, eos_problem, template_kwargs

@@ -1,5 +1,7 @@
 """The recipe: typed sections, their rules, YAML and command-line loading. Imports nothing else of hftrain but
-its constants and errors: every other part receives the typed piece it needs."""
+its constants and errors: every other part receives the typed piece it needs. The methods' own sections are
+theirs (hftrain/methods/, config.MethodSection): a recipe is read with the Recipe type that holds them
+(methods.load_recipe), and config names no method."""
 
 from ..errors import RecipeError
 from .loading import (
@@ -16,15 +18,14 @@ from .sections import (
                        DataSection,
                        DataSource,
                        EvalSection,
-                       GrpoSection,
                        HubSection,
                        LoraSection,
+                       MethodSection,
                        ModelSection,
                        MoeSection,
-                       PreferenceSection,
+                       Problems,
                        QuantizationSection,
                        Recipe,
-                       RewardSpec,
                        UpcycleSection,
 )
 from .strategy import StrategySection, resolved_strategy, strategy_of_deepspeed_config
@@ -39,8 +40,8 @@ from .training import (
 __all__ = [
     "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
     "recipe_problems", "strategy_problems", "CompressionSection", "DataSection", "DataSource", "EvalSection",
-    "GrpoSection", "RewardSpec", "HubSection", "LoraSection", "ModelSection", "MoeSection", "PreferenceSection",
-    "QuantizationSection", "Recipe", "StrategySection", "UpcycleSection",
+    "HubSection", "LoraSection", "MethodSection", "ModelSection", "MoeSection", "Problems", "QuantizationSection",
+    "Recipe", "StrategySection", "UpcycleSection",
     "resolved_strategy", "strategy_of_deepspeed_config", "TRAINING_DEFAULTS", "arguments_kwargs",
     "arguments_problem", "HFTrainingArguments", "HFTrainOptions",
 ]

@@ -8,10 +8,7 @@ import math
 
 from ..constants import ROLE_TARGETS
 from .fields import is_number
-from .sections import DataSource, Recipe
-
-Problems = list[tuple[str, str]]
-
+from .sections import DataSource, Problems, Recipe
 
 _num = is_number
 
@@ -91,6 +88,3 @@ def _streaming_problems(recipe: Recipe, out: Problems) -> None:
     if _num(workers) and workers > 0:
         out.append(("training.dataloader_num_workers", "must be 0 with data.streaming: the stream's position, which "
                     "a checkpoint records, lives in the training process (rows are tokenised there as they come)"))
-    if recipe.preference is not None or recipe.grpo is not None:
-        what = "preference pairs" if recipe.preference is not None else "GRPO's prompts"
-        out.append(("data.streaming", f"applies to supervised fine-tuning, not to {what}: remove it"))

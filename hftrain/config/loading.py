@@ -6,7 +6,9 @@ from (the file, or `command line`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from typing import Any
 
 import yaml
@@ -18,11 +20,10 @@ from .sections import (
     CompressionSection,
     DataSection,
     EvalSection,
-    GrpoSection,
     HubSection,
+    MethodSection,
     ModelSection,
     MoeSection,
-    PreferenceSection,
     Recipe,
     StrategySection,
 )
@@ -37,9 +38,19 @@ SECTIONS = {
     "compression": CompressionSection,
     "hub": HubSection,
     "moe": MoeSection,
-    "preference": PreferenceSection,
-    "grpo": GrpoSection,
 }
+
+
+def method_section_types(recipe_type: type[Recipe]) -> dict[str, type]:
+    """The methods' sections a Recipe subclass adds (methods.Recipe): recipe key -> its MethodSection class."""
+    hints = typing.get_type_hints(recipe_type)
+    out = {}
+    for f in dataclasses.fields(recipe_type):
+        kinds = typing.get_args(hints[f.name]) or (hints[f.name],)
+        section = next((k for k in kinds if isinstance(k, type) and issubclass(k, MethodSection)), None)
+        if section is not None:
+            out[f.name] = section
+    return out
 
 
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of YAML; data lives in data files
@@ -182,18 +193,20 @@ def _refuse_hub_token(raw: dict, ctx: Ctx) -> dict:
     return {k: v for k, v in raw.items() if k not in ("token", "hub_token")}
 
 
-def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None
-                 ) -> tuple[Recipe, list[str]]:
+def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | None = None, *,
+                 recipe_type: type[Recipe]) -> tuple[Recipe, list[str]]:
     """The typed recipe from a tree of sections, and every problem the recipe alone shows (types, unknown keys,
-    rules across sections): 'origin: key: message' each."""
+    rules across sections): 'origin: key: message' each. `recipe_type` is Recipe with the methods' sections
+    (methods.Recipe): config knows no method's section by itself."""
     ctx = Ctx(source, origins or {})
+    sections = {**SECTIONS, **method_section_types(recipe_type)}
     built: dict[str, Any] = {}
     for name, value in tree.items():
-        if name not in SECTIONS:
-            unknown(str(name), str(name), list(SECTIONS), ctx)
+        if name not in sections:
+            unknown(str(name), str(name), list(sections), ctx)
             continue
         # an optional section, written as `moe: null` by to_yaml
-        if value is None and name in ("moe", "preference", "grpo"):
+        if value is None and (name == "moe" or name not in SECTIONS):
             continue
         if not isinstance(value, dict):
             ctx.add(name, f"expected a mapping of keys, got {value!r}")
@@ -203,11 +216,11 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         elif name == "hub":
             built[name] = build(HubSection, _refuse_hub_token(value, ctx), name, ctx)
         else:
-            built[name] = build(SECTIONS[name], value, name, ctx)
+            built[name] = build(sections[name], value, name, ctx)
     for name in ("model", "data"):
         if name not in tree:
             ctx.add(name, "required section is missing")
-    recipe = Recipe(
+    recipe = recipe_type(
         model=built.get("model"),
         data=built.get("data"),
         training=built["training"] if "training" in built else validate_training({}, ctx),
@@ -216,10 +229,9 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         compression=built.get("compression") or CompressionSection(),
         hub=built.get("hub") or HubSection(),
         moe=built.get("moe"),
-        preference=built.get("preference"),
-        grpo=built.get("grpo"),
         source=source,
         origins=dict(origins or {}),
+        **{name: built.get(name) for name in sections if name not in SECTIONS},
     )
     for key, msg in recipe_problems(recipe):
         ctx.add(key, msg)
@@ -227,8 +239,8 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
     return recipe, ctx.problems
 
 
-def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None
-                 ) -> tuple[Recipe, list[str]]:
+def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None, *,
+                 recipe_type: type[Recipe]) -> tuple[Recipe, list[str]]:
     """Read a recipe file (or `raw` dict) and apply command-line overrides: the recipe and its problems. Raises
     only when there is nothing to check (no file, a YAML syntax error, a malformed override)."""
     tree = read_yaml(path) if path is not None else dict(raw or {})
@@ -241,12 +253,13 @@ def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict
         except (ValueError, TypeError, AttributeError):
             raise RecipeError([f"command line: cannot set '{key}'"]) from None
         origins[key] = "command line"
-    return build_recipe(tree, path or "<dict>", origins)
+    return build_recipe(tree, path or "<dict>", origins, recipe_type=recipe_type)
 
 
-def load_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None) -> Recipe:
+def load_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None, *,
+                recipe_type: type[Recipe]) -> Recipe:
     """parse_recipe, raising every problem at once. The launch adds its environment's (launch.preflight)."""
-    recipe, problems = parse_recipe(path, overrides, raw)
+    recipe, problems = parse_recipe(path, overrides, raw, recipe_type=recipe_type)
     if problems:
         raise RecipeError(problems)
     return recipe

@@ -10,15 +10,12 @@ import math
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ..constants import (ZERO_STAGE)
-from .data_rules import Problems, data_problems
+from .data_rules import data_problems
 from .fields import is_number
-from .grpo_rules import grpo_problems
-from .preference_rules import preference_problems
 from .strategy import STRATEGY_OPTIONS
 from .strategy_rules import section_problems, strategy_problems
-from .sections import (COMPRESSION_OPTIONS, CompressionSection, GrpoSection, HubSection,
-                       LoraSection, MoeSection, PreferenceSection, QuantizationSection, Recipe, StrategySection,
-                       UpcycleSection)
+from .sections import (COMPRESSION_OPTIONS, CompressionSection, HubSection, LoraSection, MoeSection,
+                       Problems, QuantizationSection, Recipe, StrategySection, UpcycleSection)
 
 _num = is_number
 
@@ -52,14 +49,21 @@ def recipe_problems(recipe: Recipe) -> Problems:
         out += quantization_problems(recipe)
     if isinstance(recipe.hub, HubSection):
         out += hub_problems(recipe.hub, lora)
-    if isinstance(recipe.preference, PreferenceSection):
-        out += preference_problems(recipe)
-    if isinstance(recipe.grpo, GrpoSection):
-        out += grpo_problems(recipe)
+    out += method_problems(recipe)
     if isinstance(recipe.strategy, StrategySection):
         out += section_problems(recipe.strategy)
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
         out += strategy_problems(recipe, recipe.strategy.name)
+    return out
+
+
+def method_problems(recipe: Recipe) -> Problems:
+    """A recipe trains one method; the section of the one it holds checks its own rules (hftrain/methods/)."""
+    sections = recipe.method_sections()
+    first, *others = list(sections) or [None]
+    out: Problems = [(name, f"a recipe trains one method: remove the {first}: section or this one") for name in others]
+    for section in sections.values():
+        out += section.problems(recipe)
     return out
 
 

@@ -13,16 +13,6 @@ import yaml
 
 from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout
 from .fields import _f
-from .method_sections import (  # noqa: F401 (re-exported)
-    BUILTIN_REWARDS,
-    REFERENCE_FREE,
-    UNPAIRED,
-    GrpoLoss,
-    GrpoSection,
-    PreferenceLoss,
-    PreferenceSection,
-    RewardSpec,
-)
 from .schema import origin_of
 from .strategy import StrategySection
 from .training import training_value
@@ -244,6 +234,27 @@ class MoeSection:
     )
 
 
+Problems = list[tuple[str, str]]  # (key as the user spells it, message with the fix)
+
+
+class MethodSection:
+    """A method's recipe section. The methods declare theirs in hftrain/methods/ as fields of their Recipe subclass
+    (methods.Recipe); config builds them from YAML as it builds its own sections, and asks each for its rules instead
+    of naming a method: over the whole recipe, under a strategy, and at launch (the processes, this machine)."""
+
+    HELP: str = ""  # what the section is for, in `hftrain check` and the docs
+
+    def problems(self, recipe: Recipe) -> Problems:
+        return []
+
+    def strategy_problems(self, recipe: Recipe, strategy: str) -> Problems:
+        return []
+
+    def launch_problems(self, recipe: Recipe, world: int, environment: bool) -> Problems:
+        """`world`: the processes launched; `environment`: whether this machine is the one that runs."""
+        return []
+
+
 @dataclass
 class Recipe:
     model: ModelSection
@@ -255,11 +266,6 @@ class Recipe:
                                             metadata={"help": "Gradient compression."})
     hub: HubSection = field(default_factory=HubSection, metadata={"help": "Push the validated result to the Hub."})
     moe: MoeSection | None = field(default=None, metadata={"help": "Mixture of experts: upcycling, aux losses."})
-    preference: PreferenceSection | None = field(default=None, metadata={
-        "help": "Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
-        "(kto: also prompt/completion/label)."})
-    grpo: GrpoSection | None = field(default=None, metadata={
-        "help": "Online RL with verifiable rewards (recipes/grpo.py): rewards, group size, loss, generation."})
     source: str = field(default="<dict>", metadata={"help": "Where the recipe was read from.", "internal": True})
     origins: dict[str, str] = field(default_factory=dict, metadata={"help": "key -> 'command line' for overrides.",
                                                                     "internal": True})
@@ -274,6 +280,11 @@ class Recipe:
     @property
     def output_dir(self) -> str:
         return self.training["output_dir"]
+
+    def method_sections(self) -> dict[str, MethodSection]:
+        """The methods' sections this recipe holds (the fields methods.Recipe adds), by their recipe key."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), MethodSection)}
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

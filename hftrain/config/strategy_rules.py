@@ -8,11 +8,8 @@ from dataclasses import fields
 
 from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, QUANTIZED_STRATEGIES, REDUCE_DTYPES,
                          SEQUENCE_PARALLEL_ATTENTION, SEQUENCE_PARALLEL_STRATEGIES, SHARDED, STRATEGIES, ZERO_STAGE)
-from .data_rules import Problems
 from .fields import is_number as _num
-from .grpo_rules import GRPO_STRATEGIES
-from .preference_rules import PREFERENCE_STRATEGIES
-from .sections import CompressionSection, MoeSection, Recipe
+from .sections import CompressionSection, MoeSection, Problems, Recipe
 from .strategy import STRATEGY_OPTIONS, StrategySection
 
 MIN_RANK_TIMEOUT = 10  # seconds; the heartbeat beats every min(5, timeout / 5) s, a few beats must fit
@@ -88,12 +85,8 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
-    if recipe.preference is not None and name not in PREFERENCE_STRATEGIES:
-        out.append(("strategy.name", f"preference tuning runs under {', '.join(PREFERENCE_STRATEGIES)} (where its "
-                    f"exactness is tested), not '{name}': launch with one of those accelerate_configs"))
-    if recipe.grpo is not None and name not in GRPO_STRATEGIES:
-        out.append(("strategy.name", f"GRPO runs under {', '.join(GRPO_STRATEGIES)} (where its exactness is "
-                    f"tested), not '{name}': launch with one of those accelerate_configs"))
+    for section in recipe.method_sections().values():  # where the method runs (hftrain/methods/)
+        out += section.strategy_problems(recipe, name)
     if isinstance(s, StrategySection) and _num(s.sequence_parallel) and s.sequence_parallel > 1:
         out += sequence_parallel_problems(recipe, s.sequence_parallel)
     if recipe.model is not None and recipe.model.quantization is not None:
@@ -127,13 +120,6 @@ def sequence_parallel_problems(recipe: Recipe, n: int) -> Problems:
         out.append(("compression.method", f"'{c.method}' cannot be used with strategy.sequence_parallel: DeepSpeed "
                     "reduces gradients in fp32 under sequence parallelism (its seq_parallel_communication_data_type), "
                     "so the reduce dtype would be ignored; remove compression"))
-    if recipe.preference is not None:
-        out.append(("strategy.sequence_parallel", "preference tuning does not run under sequence parallelism (TRL "
-                    "scores whole sequences on each rank): remove strategy.sequence_parallel"))
-    if recipe.grpo is not None:
-        out.append(("strategy.sequence_parallel", "GRPO does not run under sequence parallelism (its rollouts are "
-                    "generated and scored whole on each rank: nothing would split them): remove "
-                    "strategy.sequence_parallel"))
     if recipe.moe is not None:
         out.append(("moe", "cannot be combined with strategy.sequence_parallel: the router losses are means over "
                     "a rank's tokens and would not be exact over a split sequence; remove one of them"))
@@ -150,9 +136,6 @@ def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
         return [("model.quantization", f"a quantised base trains under {', '.join(QUANTIZED_STRATEGIES)} (where "
                  f"its exactness is tested), not '{name}' (not tried with bitsandbytes' packed weights). Use "
                  "strategy.name: fsdp or zero3 to shard a 4-bit base, or ddp")]
-    if name != "ddp" and (recipe.preference is not None or recipe.grpo is not None):
-        out.append(("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "
-                    f"'{name}': use strategy.name: ddp (the 4-bit base is about a quarter of its 16-bit size)"))
     if name not in SHARDED:
         return out
     if q.bits != 4:

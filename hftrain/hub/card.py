@@ -31,21 +31,6 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _grpo_method(g: dict) -> str:
-    rewards = ", ".join(str(r.get("function")) for r in g.get("rewards") or [] if isinstance(r, dict))
-    return (f"GRPO ({g.get('loss_type')} loss, groups of {g.get('num_generations')}, beta={g.get('beta')}, "
-            f"rewards: {rewards})")
-
-
-def _method_tag(preference, grpo) -> str:
-    """The card's method tag, as the Hub's model pages name methods: orpo and kto are methods of their own, the other
-    preference losses (sigmoid, ipo, simpo) are DPO's family; a preference: section without loss_type is DPO."""
-    if isinstance(preference, dict):
-        loss = preference.get("loss_type")
-        return loss if loss in ("orpo", "kto") else "dpo"
-    return "grpo" if isinstance(grpo, dict) else "sft"
-
-
 def build_card(output_dir: str, files: list[str], repo_id: str | None = None, license: str | None = None,
                merged: bool = False):
     """The model card (huggingface_hub.ModelCard): metadata, results, curves, how it was made, the recipe and configs.
@@ -63,11 +48,10 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     sources = [s.get("path") for s in (data.get("sources") or []) + (data.get("eval_sources") or [])
                if isinstance(s, dict)]
     strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
-    pref = recipe.get("preference")  # a preference stage (recipes/dpo.py) on top of its base model
-    grpo = recipe.get("grpo")  # online RL with verifiable rewards (recipes/grpo.py)
-    method = (f"preference tuning ({pref.get('loss_type')} loss, beta={pref.get('beta')})" if isinstance(pref, dict)
-              else _grpo_method(grpo) if isinstance(grpo, dict) else "supervised fine-tuning")
-    tags = ["hftrain", _method_tag(pref, grpo), strategy] + (["lora", "peft"] if lora else [])
+    trained_by = info.get("method") or {}  # the method as the run recorded it (methods.Method.card)
+    method = trained_by.get("description") or "fine-tuning"
+    tags = ["hftrain", *([trained_by["tag"]] if trained_by.get("tag") else []), strategy]
+    tags += ["lora", "peft"] if lora else []
     card_data = ModelCardData(
         base_model=base if _hub_id(base) else None,
         datasets=[s for s in sources if _hub_id(s)] or None,

@@ -88,7 +88,7 @@ def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:
     for name in sorted(set(saved) & set(expected)):
         if saved[name] != expected[name]:
             hint = (" (an empty partition: ZeRO-3/FSDP weights were saved unconsolidated; hftrain's save gathers "
-                    "them, so save through recipes/sft.py or gather before saving)") if 0 in saved[name] else ""
+                    "them, so save through a recipe script or gather before saving)") if 0 in saved[name] else ""
             problems.append(f"{name}: saved shape {list(saved[name])}, the config needs {list(expected[name])}{hint}")
     if problems:
         return problems  # loading broken weights would only repeat these

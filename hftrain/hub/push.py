@@ -25,7 +25,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from .. import distributed
-from ..config import HubSection, load_recipe
+from ..config import HubSection, Recipe
 from ..config.rules import hub_problems, repo_id_problem
 from ..constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
 from ..errors import HubError
@@ -124,8 +124,7 @@ def stage_folder(output_dir: str, dest: str, merge_lora: bool = False, repo_id: 
     must be new, empty, or an earlier stage of hftrain's (stage_problem): nothing else is ever removed. With
     merge_lora the model files come from output_dir/merged instead of the adapter. Returns the file names.
     """
-    if not os.path.isfile(os.path.join(output_dir, RECIPE_FILE)):
-        raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (recipes/sft.py writes it)")
+    run_recipe(output_dir)
     dest = os.path.abspath(dest)
     problem = stage_problem(dest)
     if problem:
@@ -319,15 +318,19 @@ def push_after_training(recipe) -> str | None:
     return push(recipe.output_dir, recipe.hub, trust_remote_code=recipe.model.trust_remote_code)
 
 
-def settings_for_run(output_dir: str, **overrides):
-    """The run's own `hub:` settings (from output_dir/recipe.yaml) with the command line's values on top."""
+def run_recipe(output_dir: str) -> str:
+    """A finished run's recipe.yaml (the CLI reads it with the methods' sections: methods.load_recipe)."""
     path = os.path.join(output_dir, RECIPE_FILE)
     if not os.path.isfile(path):
-        raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (recipes/sft.py writes it)")
-    recipe = load_recipe(path)
+        raise HubError(f"{output_dir} has no recipe.yaml: not a finished hftrain run (every recipe script writes it)")
+    return path
+
+
+def settings_for_run(recipe: Recipe, **overrides) -> HubSection:
+    """The run's own `hub:` settings (its recipe.yaml, read: run_recipe) with the command line's values on top."""
     hub = recipe.hub if isinstance(recipe.hub, HubSection) else HubSection()
     hub = dataclasses.replace(hub, **{k: v for k, v in overrides.items() if v is not None})
     problems = [f"{k}: {m}" for k, m in hub_problems(dataclasses.replace(hub, push=False), recipe.model.lora)]
     if problems:
         raise HubError(problems, header="cannot push")
-    return hub, recipe
+    return hub

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib.util
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-from ..distributed import accelerator_available
 
 
 def unwritable(folder: str) -> str | None:
@@ -58,17 +56,6 @@ def async_io_problem() -> str | None:
         return ("strategy.name: zero_infinity needs DeepSpeed's async_io op, which needs libaio: "
                 "`apt-get install libaio-dev` (Debian/Ubuntu) or `conda install -c conda-forge libaio`")
     return None
-
-
-def vllm_problems() -> list[str]:
-    """grpo.generation: vllm runs TRL's colocated vLLM engine: it needs the vllm package and a GPU."""
-    out = []
-    if importlib.util.find_spec("vllm") is None:
-        out.append("vllm is not installed here: `pip install vllm` (a version TRL supports), or use generation: "
-                   "transformers")
-    if not accelerator_available():
-        out.append("vllm generates on a GPU and there is none on this machine: use generation: transformers")
-    return out
 
 
 def extensions_dir() -> str:

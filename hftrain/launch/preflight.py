@@ -12,8 +12,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .. import checkpoints, outdir
-from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, parse_recipe, resolved_strategy
-from ..config.grpo_rules import grpo_batch_problem
+from ..config import Recipe, StrategySection, arguments_kwargs, arguments_problem, resolved_strategy
 from ..config.strategy_rules import strategy_problems
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES, ZERO_STAGE
@@ -21,13 +20,13 @@ from ..data.stream_position import stream_resume_problems
 from ..distributed import accelerator_available, print0, restart_count
 from ..errors import LaunchError, RecipeError
 from ..guards import environment_engine_problem
-from ..methods import method_of
+from ..methods import method_of, parse_recipe
 from ..kernels import liger_problem
 from ..modeling import load_tokenizer, local_config, path_problems
 from ..quantization import bitsandbytes_problem
 from ..sequence_parallel import heads_problem
 from . import libraries
-from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable, vllm_problems
+from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks, unwritable
 from .plan import model_facts, swap_buffer_elems
 from .resume import compatibility_problems
 
@@ -159,11 +158,8 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
                         f"the {world} processes (data-parallel groups of {sp} ranks share each sequence); launch a "
                         f"multiple of {sp} processes")
     strategy = replace(s, name=name)
-    grpo = grpo_batch_problem(recipe, world) if not any(k.startswith("training.") for k in recipe.invalid) else None
-    if grpo:
-        problems.append(_message(recipe, *grpo))
-    if environment and recipe.grpo is not None and recipe.grpo.generation == "vllm":
-        problems += [_message(recipe, "grpo.generation", msg) for msg in vllm_problems()]
+    for section in recipe.method_sections().values():  # the method's own, over these processes and this machine
+        problems += [_message(recipe, k, m) for k, m in section.launch_problems(recipe, world, environment)]
     if environment:
         # The run's own train() says what it accepts with a caveat (an unverified checkpoint); check and launch say it.
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if launcher is None else (lambda _m: None)

@@ -28,7 +28,7 @@ from ..distributed import (accelerator_available, all_gather_object, barrier, el
                            is_local_main_process, is_main_process, launcher_world_size, print0, restart_count,
                            world_size)
 from ..errors import LaunchError, RecipeError, UserError
-from ..methods import METHODS, method_of
+from ..methods import DEFAULT_SCRIPT, METHODS, method_of
 from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
                         start_heartbeat)
 from .. import sequence_parallel
@@ -101,7 +101,7 @@ def _example_of(script: str) -> str:
     return next(m.example for m in METHODS if m.script == script and m.example)
 
 
-def setup_run(argv: list[str], script: str = "sft", raw: dict | None = None) -> Run:
+def setup_run(argv: list[str], script: str = DEFAULT_SCRIPT, raw: dict | None = None) -> Run:
     """Validate, then set this process up: environment, patches, process group, the run's arguments, seed.
 
     The launcher decides processes and the engine family; the recipe's `strategy:` options apply on top (for ZeRO

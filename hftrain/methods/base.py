@@ -28,6 +28,7 @@ class Method:
     show: Callable | None = None  # (recipe, tokenizer, n) -> what `hftrain data` prints
     arguments: Callable | None = None  # (recipe, **TrainingArguments values) -> the run's arguments (TRL's config)
     trainer_class: type | None = None
+    hub_tag: str | None = None  # the model card's method tag, as the Hub's model pages name methods (default: name)
     # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
     reported: ClassVar[tuple[str, ...]] = ("eval_loss",)
 
@@ -41,6 +42,14 @@ class Method:
     def metrics(self, run, trainer, data, before: bool) -> dict:
         """Held-out metrics of this method beyond `reported` (e.g. exact match), before or after training."""
         return {}
+
+    def describe(self, recipe: Recipe) -> str:
+        """How the model card says the model was made: 'trained by <this> with hftrain'."""
+        return self.name
+
+    def card(self, recipe: Recipe) -> dict:
+        """The method as run_info.json records it for the model card (hub.card reads it, naming no method)."""
+        return {"name": self.name, "tag": self.hub_tag or self.name, "description": self.describe(recipe)}
 
 
 def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:

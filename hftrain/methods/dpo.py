@@ -19,11 +19,12 @@ from trl import DPOConfig, DPOTrainer
 
 from .. import losses
 from ..losses import GlobalBatchMixin
-from ..config import HFTrainOptions, PreferenceSection, Recipe
+from ..config import HFTrainOptions, Recipe
 from .pairs import build_preference_data
 from ..trainer import RUN_MIXINS
 from .base import first_rows, has_template
 from .policy import PreferenceMethod
+from .preference_section import PreferenceSection
 
 def trl_loss(p: PreferenceSection) -> str:
     """TRL's loss_type for a preference section (see the module docstring)."""
@@ -85,4 +86,4 @@ METHOD = PreferenceMethod(
     name="dpo", script="dpo", section="preference", example="preference: {loss_type: sigmoid, beta: 0.1}",
     selects=lambda recipe: recipe.preference is not None,  # the section's default: kto, orpo, simpo are asked first
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
-    arguments=dpo_config, trainer_class=PreferenceTrainer)
+    arguments=dpo_config, trainer_class=PreferenceTrainer)  # ipo too: the Hub counts it in DPO's family

@@ -24,7 +24,7 @@ import functools
 import inspect
 import sys
 
-from ..config import GrpoSection
+from .grpo_section import GrpoSection
 from ..errors import RewardError
 from .rewards import CallTimeout, import_function, time_limit
 from .tools import ToolCounts, load_tools, schema_problem

@@ -183,6 +183,11 @@ class GRPO(SFT):
         answer = ToolAnswer(load_tools(g), g.max_tool_calls or DEFAULT_TOOL_ROUNDS) if g.tools else greedy_answer
         return exact_match_metrics(run, trainer, data, before, answer)
 
+    def describe(self, recipe):
+        g = recipe.grpo
+        rewards = ", ".join(str(r.function) for r in g.rewards or [])
+        return f"GRPO ({g.loss_type} loss, groups of {g.num_generations}, beta={g.beta}, rewards: {rewards})"
+
     def trainer(self, run, model, tokenizer, data, callbacks):
         counts = ToolCounts()
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,

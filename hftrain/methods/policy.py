@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ModelSection
+from ..config import ModelSection, Problems, Recipe
+from ..config.fields import is_number
+from ..constants import QUANTIZED_STRATEGIES
 from ..modeling import load_model, lora_config
 from .base import Method
+
+# Where the TRL-based methods are tested exact (tests/test_preference.py, test_orpo_kto.py, test_grpo_runs.py).
+POLICY_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
 
 def load_policy(cfg: ModelSection):
@@ -23,6 +28,23 @@ def policy_peft_config(cfg: ModelSection):
     return lora_config(cfg) if cfg.lora is not None else None
 
 
+def policy_strategy_problems(recipe: Recipe, name: str, method: str, whole: str) -> Problems:
+    """Where a TRL-based `method` runs: a strategy it is tested exact under, never sequence parallelism (`whole`: why
+    each rank needs whole sequences), and a quantised policy under DDP only."""
+    out: Problems = []
+    if name not in POLICY_STRATEGIES:
+        out.append(("strategy.name", f"{method} runs under {', '.join(POLICY_STRATEGIES)} (where its exactness is "
+                    f"tested), not '{name}': launch with one of those accelerate_configs"))
+    if is_number(recipe.strategy.sequence_parallel) and recipe.strategy.sequence_parallel > 1:
+        out.append(("strategy.sequence_parallel", f"{method} does not run under sequence parallelism ({whole}): "
+                    "remove strategy.sequence_parallel"))
+    quantized = recipe.model is not None and recipe.model.quantization is not None
+    if quantized and name in QUANTIZED_STRATEGIES and name != "ddp":
+        out.append(("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "
+                    f"'{name}': use strategy.name: ddp (the 4-bit base is about a quarter of its 16-bit size)"))
+    return out
+
+
 class PreferenceMethod(Method):
     """DPO (and IPO, SimPO), ORPO and KTO in the run: the policy, and TRL's trainer for the loss with hftrain's mixins
     (`trainer_class`), judged by held-out reward accuracy and margin (KTO: margin; its examples are unpaired)."""
@@ -34,6 +56,9 @@ class PreferenceMethod(Method):
 
     def model(self, run):
         return load_policy(run.recipe.model)
+
+    def describe(self, recipe):
+        return f"preference tuning ({recipe.preference.loss_type} loss, beta={recipe.preference.beta})"
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,

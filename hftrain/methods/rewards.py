@@ -37,7 +37,7 @@ import sys
 import threading
 import traceback
 
-from ..config import GrpoSection, RewardSpec
+from .grpo_section import GrpoSection, RewardSpec
 from ..errors import RewardError
 
 

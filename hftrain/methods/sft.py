@@ -1,9 +1,11 @@
-"""Supervised fine-tuning: transformers' Trainer with every hftrain concern (trainer.SFTTrainer), on examples rendered
+"""Supervised fine-tuning: transformers' Trainer with every hftrain concern (SFTTrainer), on examples rendered
 and labelled from any layout (data/), previewed by `hftrain data` as the model sees them. What SFT adds to the run:
 the model (MoE blocks, packing), the trainer with the exact token-level loss, and greedy-answer accuracy on held-out
 prompts."""
 
 from __future__ import annotations
+
+from transformers import Trainer
 
 from .. import moe
 from ..config import HFTrainingArguments, Recipe
@@ -11,9 +13,17 @@ from ..constants import SHARDED, ZERO3
 from ..data import build_datasets
 from ..data.preview import preview
 from ..evaluate import exact_match, greedy_answer
+from ..data.stream_position import StreamPositionMixin
+from ..losses import ChunkedLossMixin, ExactLossMixin
 from ..modeling import load_model
-from ..trainer import SFTTrainer
+from ..sequence_parallel import SequenceParallelMixin
+from ..trainer import RUN_MIXINS
 from .base import Method
+
+
+class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
+    """Supervised fine-tuning: transformers' Trainer with every hftrain concern (trainer/: the mixins, in their
+    method resolution order)."""
 
 
 def read(recipe: Recipe, tokenizer, world_size: int, seed: int):
@@ -45,6 +55,9 @@ class SFT(Method):
 
     def metrics(self, run, trainer, data, before):
         return exact_match_metrics(run, trainer, data, before)
+
+    def describe(self, recipe):
+        return "supervised fine-tuning"
 
 
 METHOD = SFT(name="sft", script="sft", section=None, example=None, selects=lambda recipe: True, read=read,

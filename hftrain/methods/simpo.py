@@ -53,4 +53,4 @@ METHOD = PreferenceMethod(
     name="simpo", script="dpo", section="preference", example="preference: {loss_type: simpo, beta: 2.0}",
     selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "simpo",
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
-    arguments=simpo_config, trainer_class=SimPOTrainer)
+    arguments=simpo_config, trainer_class=SimPOTrainer, hub_tag="dpo")  # the Hub counts SimPO in DPO's family

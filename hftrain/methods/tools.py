@@ -18,7 +18,7 @@ import functools
 import sys
 import types
 
-from ..config import GrpoSection
+from .grpo_section import GrpoSection
 from ..constants import IGNORE_INDEX
 from ..data.preview import marked
 from ..data.templates import stop_ids, template_kwargs

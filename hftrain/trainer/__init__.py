@@ -12,11 +12,9 @@ lives in its feature's package beside the mechanism it drives (trainer/ only com
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
-first and call `super()` through to it. preference.py, orpo.py, kto.py (and grpo) compose RUN_MIXINS onto TRL's
-trainers.
+first and call `super()` through to it. Every method composes RUN_MIXINS onto its trainer (hftrain/methods/: SFT's
+onto transformers' Trainer with the loss, sequence-parallel and stream mixins; the others onto TRL's).
 """
-
-from transformers import Trainer
 
 from ..checkpoints import StagedCheckpointMixin
 from ..losses import ChunkedLossMixin
@@ -31,9 +29,5 @@ from ..data.stream_position import StreamPositionMixin
 RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)
 
 
-class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, SequenceParallelMixin, ExactLossMixin, ChunkedLossMixin, Trainer):
-    """Supervised fine-tuning: transformers' Trainer with every hftrain concern."""
-
-
-__all__ = ["SFTTrainer", "RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
+__all__ = ["RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
            "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin"]

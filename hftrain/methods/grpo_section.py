@@ -1,39 +1,104 @@
-"""Rules of a GRPO recipe: the `grpo:` section, its reward functions, what the rest of the recipe may not ask for,
-and whether the group size divides the global batch (which needs the number of processes: launch.preflight)."""
+"""The `grpo:` section of a recipe (hftrain grpo: grpo.py, rewards.py, tools.py and environments.py read it) and
+its rules: the section's values and reward functions, what the rest of a GRPO recipe may not ask for, where it runs,
+and at launch whether the group size divides the global batch and whether vLLM can generate here. config builds it as
+a field of methods.Recipe and asks it for its rules (config.MethodSection)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+from dataclasses import dataclass
+from typing import Literal
 
-from .fields import is_number
-from .sections import (
-    BUILTIN_REWARDS,
-    DataSource,
-    GrpoSection,
-    LoraSection,
-    Recipe,
-    RewardSpec,
-)
+from ..config import DataSource, LoraSection, MethodSection, Problems, Recipe
+from ..config.fields import _f
+from ..config.fields import is_number as _num
+from ..distributed import accelerator_available
+from .policy import policy_strategy_problems
 
-Problems = list[tuple[str, str]]
-GRPO_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")  # where its exactness is tested (tests/test_grpo_runs.py)
+GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
+BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
+
+
+@dataclass
+class RewardSpec:
+    function: str = _f(
+        help="exact_match (1 when the completion equals the reference answer, whitespace-stripped), regex (1 when the "
+        "whole completion matches `pattern`), length_penalty (-tokens beyond `limit` / grpo.max_completion_length), "
+        "or your own as module:function or path/to/file.py:function, called as fn(prompts, completions, reference, "
+        "**kwargs) and returning one number (or None: does not apply) per completion.")
+    weight: float = _f(1.0, "Weight of this reward in the sum that scores each completion.")
+    pattern: str | None = _f(None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
+    limit: int | None = _f(None, "length_penalty: completion tokens that cost nothing; default 0.")
+
+
+@dataclass
+class GrpoSection(MethodSection):
+    HELP = "Online RL with verifiable rewards (recipes/grpo.py): rewards, group size, loss, generation."
+
+    rewards: list[RewardSpec] = _f(help="The reward functions each completion is scored by (weighted sum).")
+    num_generations: int = _f(
+        8, "Group size G: completions sampled per prompt, whose rewards are normalised within the group. Must divide "
+        "the global batch (processes x per_device_train_batch_size x gradient_accumulation_steps).")
+    loss_type: GrpoLoss = _f(
+        "dapo", "How the per-token loss is averaged: grpo (each sequence's mean, averaged over the sequences), "
+        "dr_grpo (sum over tokens / (sequences x max_completion_length)), dapo (sum over tokens / tokens); each over "
+        "the optimizer step's global batch.")
+    beta: float = _f(0.0, "KL coefficient to the reference model (0: none is built). The reference: with model.lora "
+                     "the policy with the adapter disabled, else a frozen copy of the model.")
+    num_iterations: int = _f(1, "Optimizer steps on each batch of completions (mu); > 1 makes the clipping bite.")
+    epsilon: float | None = _f(
+        None, "Clipping: the probability ratio to the policy that generated is kept within [1 - epsilon, "
+        "1 + epsilon_high]; needs num_iterations > 1 (with one step per batch the ratio is 1); default 0.2.")
+    epsilon_high: float | None = _f(None, "Upper clipping bound (DAPO's clip-higher, e.g. 0.28); default epsilon.")
+    max_completion_length: int = _f(256, "Tokens generated at most per completion.")
+    temperature: float = _f(1.0, "Sampling temperature of the generation.")
+    top_p: float = _f(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "Divide each advantage by the reward std of its group, of the batch, or not at all (Dr. GRPO).")
+    reward_timeout: float = _f(
+        60.0, "Seconds one call of a reward function (a batch of completions) may take; one that runs longer stops "
+        "the run naming it, instead of leaving every rank waiting. 0: no limit.")
+    tools: list[str] | None = _f(
+        None, "Tools the model may call while it generates (multi-turn rollouts): `module:function` or "
+        "`path/to/file.py:function`, each with type hints and a docstring (its JSON schema, as transformers reads "
+        "it). A tool's output is in the context, never in the loss.")
+    environment: str | None = _f(
+        None, "An environment class (`module:Class` or `path/to/file.py:Class`; TRL's environment_factory, "
+        "experimental there): one instance per rollout, reset(**row) before it (a text it returns is appended to the "
+        "prompt), its public methods the model's tools, get_reward() (optional) a reward beside grpo.rewards. One "
+        "that crashes ends the rollout with reward 0 (counted in tools/env_crashes), not the run.")
+    max_tool_calls: int | None = _f(None, "Rounds of tool calls per rollout at most; past it the rollout is cut. "
+                                    "Default: no limit but max_completion_length.")
+    tool_timeout: float = _f(
+        30.0, "Seconds one tool call may take; a call past it, or one that raises or returns no text, gives the model "
+        "an error message (counted in tools/errors, tools/timeouts) instead of stopping the run. 0: no limit.")
+    generation: Literal["transformers", "vllm"] = _f(
+        "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
+        "and a GPU; untested here).")
+
+    def problems(self, recipe: Recipe) -> Problems:
+        return grpo_problems(recipe)
+
+    def strategy_problems(self, recipe: Recipe, strategy: str) -> Problems:
+        return policy_strategy_problems(recipe, strategy, "GRPO", whole="its rollouts are generated and scored "
+                                        "whole on each rank: nothing would split them")
+
+    def launch_problems(self, recipe: Recipe, world: int, environment: bool) -> Problems:
+        return launch_problems(recipe, world, environment)
+
+
 # data: options of supervised fine-tuning that mean nothing to GRPO, which trains on the completions it samples
 # (data.truncation: drop does: it drops too-long prompts).
 _SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
                   "skip_untrainable": False, "train_turns": "all"}
 
 
-_num = is_number
-
-
 def grpo_problems(recipe: Recipe) -> Problems:
     """Rules of the `grpo:` section, and what the rest of a GRPO recipe may not ask for. Whether the group size
-    divides the global batch needs the number of processes: `grpo_batch_problem`."""
-    out: Problems = []
-    if recipe.preference is not None:
-        out.append(("grpo", "a recipe trains one method: remove the preference: section (recipes/dpo.py) or this one"))
-    return out + _section_problems(recipe.grpo) + _data_problems(recipe) + _other_section_problems(recipe)
+    divides the global batch needs the number of processes: `launch_problems`."""
+    return _section_problems(recipe.grpo) + _data_problems(recipe) + _other_section_problems(recipe)
 
 
 def _section_problems(g) -> Problems:
@@ -100,6 +165,8 @@ def _data_problems(recipe: Recipe) -> Problems:
         if getattr(d, key) != unset:
             out.append((f"data.{key}", "applies to supervised fine-tuning, not to GRPO (it trains on the "
                         "completions it samples): remove it"))
+    if d.streaming is True:
+        out.append(("data.streaming", "applies to supervised fine-tuning, not to GRPO's prompts: remove it"))
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format == "text":
@@ -185,3 +252,26 @@ def grpo_batch_problem(recipe: Recipe, world: int) -> tuple[str, str] | None:
                 f"gradient_accumulation_steps {accumulation}): every prompt's group must be whole within one step; "
                 f"use a group size among {fits[:8]} or change the batch")
     return None
+
+
+def launch_problems(recipe: Recipe, world: int, environment: bool) -> Problems:
+    """What the launch decides: the group size against the global batch of `world` processes (unless a training:
+    value it needs is already wrong), and, on the machine that runs, whether vLLM can generate."""
+    out: Problems = []
+    batch = None if any(k.startswith("training.") for k in recipe.invalid) else grpo_batch_problem(recipe, world)
+    if batch:
+        out.append(batch)
+    if environment and recipe.grpo.generation == "vllm":
+        out += [("grpo.generation", msg) for msg in vllm_problems()]
+    return out
+
+
+def vllm_problems() -> list[str]:
+    """grpo.generation: vllm runs TRL's colocated vLLM engine: it needs the vllm package and a GPU."""
+    out = []
+    if importlib.util.find_spec("vllm") is None:
+        out.append("vllm is not installed here: `pip install vllm` (a version TRL supports), or use generation: "
+                   "transformers")
+    if not accelerator_available():
+        out.append("vllm generates on a GPU and there is none on this machine: use generation: transformers")
+    return out

@@ -1,15 +1,49 @@
-"""Rules of a preference recipe (hftrain dpo: sigmoid, ipo, simpo, orpo, kto): the `preference:` section, KTO's
-batches, and what the rest of the recipe may not ask for."""
+"""The `preference:` section of a recipe (hftrain dpo: sigmoid and ipo in dpo.py, simpo.py, orpo.py, kto.py read
+it), and its rules: the section's values, KTO's batches, what the rest of a preference recipe may not ask for, and
+where it runs. config builds it as a field of methods.Recipe and asks it for its rules (config.MethodSection)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
-from .fields import is_number as _num
-from .sections import REFERENCE_FREE, UNPAIRED, DataSource, Recipe
+from ..config import DataSection, DataSource, MethodSection, Problems, Recipe
+from ..config.fields import _f
+from ..config.fields import is_number as _num
+from .policy import policy_strategy_problems
 
-Problems = list[tuple[str, str]]
-PREFERENCE_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")  # where the loss is tested exact (tests/test_preference.py)
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
+REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
+UNPAIRED = ("kto",)  # losses trained on single examples labelled desirable or not (pairs are split in two)
+
+
+@dataclass
+class PreferenceSection(MethodSection):
+    HELP = ("Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
+            "(kto: also prompt/completion/label).")
+
+    loss_type: PreferenceLoss = _f(
+        "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised); "
+        "orpo: ORPO (reference-free: NLL of the chosen + odds-ratio term); kto: KTO (unpaired examples with a "
+        "true/false label, or pairs split in two; KL reference point).")
+    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO/KTO), the reward scale (SimPO), or the weight "
+                     "lambda of the odds-ratio term (ORPO).")
+    label_smoothing: float = _f(0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
+                                "in [0, 0.5).")
+    simpo_gamma: float | None = _f(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
+    precompute_ref_log_probs: bool = _f(
+        False, "sigmoid/ipo/kto without LoRA: compute the reference log-probs once before training and keep no "
+        "reference model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
+    desirable_weight: float = _f(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
+    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
+
+    def problems(self, recipe: Recipe) -> Problems:
+        return preference_problems(recipe)
+
+    def strategy_problems(self, recipe: Recipe, strategy: str) -> Problems:
+        return policy_strategy_problems(recipe, strategy, "preference tuning",
+                                        whole="TRL scores whole sequences on each rank")
 
 
 # data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
@@ -46,6 +80,8 @@ def preference_problems(recipe: Recipe) -> Problems:
         if getattr(d, key) != unset:
             out.append((f"data.{key}", "applies to supervised fine-tuning, not to preference pairs (each pair is "
                         "scored on its chosen and rejected answers whole): remove it"))
+    if isinstance(d, DataSection) and d.streaming is True:
+        out.append(("data.streaming", "applies to supervised fine-tuning, not to preference pairs: remove it"))
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format != "auto":
@@ -87,3 +123,4 @@ def _unpaired_problems(recipe: Recipe, out: Problems) -> None:
         out.append(("training.train_sampling_strategy", f"must be sequential for kto, got {sampling!r}: the KL "
                     "completions are paired within fixed micro-batches (hftrain shuffles the examples once, with "
                     "training.seed, before they are batched): remove it"))
+
