@@ -7,16 +7,24 @@
 # we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio.h ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null) \
-      || echo "setup: could not install libaio-dev; ZeRO-Infinity tests will be skipped"
-  else
-    echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
+system_packages() {
+  if ! ldconfig -p 2>/dev/null | grep -q "libaio.so" || [ ! -e /usr/include/libaio.h ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null) \
+        || echo "setup: could not install libaio-dev; ZeRO-Infinity tests will be skipped"
+    else
+      echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
+    fi
   fi
-fi
-# The SLURM tests stand up a 2-node cluster of the distribution's slurmctld/slurmd/munge: installed when missing.
-bash scripts/install_slurm.sh || echo "setup: SLURM packages not installed; the SLURM tests will be skipped"
+  # The SLURM tests stand up a 2-node cluster of the distribution's slurmctld/slurmd/munge: installed when missing.
+  bash scripts/install_slurm.sh || echo "setup: SLURM packages not installed; the SLURM tests will be skipped"
+}
+# The system packages install while pip installs the Python ones (apt and pip share nothing); DeepSpeed's async_io
+# op, built below, needs libaio's header, so they are waited for before the ops are built.
+apt_log=$(mktemp)
+system_packages > "$apt_log" 2>&1 &
+apt_job=$!
+trap 'wait "$apt_job" 2>/dev/null || true' EXIT  # a failed pip step never leaves apt half-done behind it
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
@@ -28,5 +36,7 @@ else
   .venv/bin/pip install -q -e ".[test]" -c constraints.txt
 fi
 .venv/bin/python -c "import hftrain, torch, transformers, accelerate, trl, deepspeed; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| trl', trl.__version__, '| deepspeed', deepspeed.__version__)"
+wait "$apt_job" || true
+cat "$apt_log"; rm -f "$apt_log"
 # DeepSpeed's CPU ops are JIT-built on first use: build them here, once (cached), not inside a run or a test.
 .venv/bin/python scripts/build_deepspeed_ops.py

@@ -272,6 +272,8 @@ BIASED = ("deepseek_v3", "glm4_moe")
 # Today's families with a softmax router and their own load-balancing loss, beside the tiny Mixtral.
 AUX_FAMILIES = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 BIAS_RATE = 0.05  # large enough to change routings within the runs' 3 steps (the default is the paper's 0.001)
+EP_TRAINING = {"optim": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 0.05, "save_strategy": "steps",
+               "save_steps": 2}
 AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "1x_ga4": (1, 4, "recipes/sft.py", {}),
     "2x_ga2": (2, 2, "recipes/sft.py", {}),
@@ -279,6 +281,15 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "2x_ga2_ep": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2}),
     "2x_ga2_ep_unscaled": (2, 2, "tests/moe_ep_unscaled.py", {"expert_parallel_size": 2}),
     "1x_ga4_unscaled": (1, 4, "tests/moe_unscaled_aux.py", {}),
+    # with AdamW, clipping that bites, a checkpoint at step 2 and held-out exact match; the resume continues the split
+    # experts' checkpoint-2 (the same launch, after it) to step 3
+    "1x_ga4_clip": (1, 4, "recipes/sft.py", {"training": EP_TRAINING, "exact_match": True}),
+    "2x_ga2_ep_clip": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2, "training": EP_TRAINING,
+                                                "exact_match": True}),
+    "2x_ga2_ep_resumed": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2, "training": EP_TRAINING,
+                                                   "resume": "2x_ga2_ep_clip/checkpoint-2"}),
+    "1x_ga4_resumed": (1, 4, "recipes/sft.py", {"training": EP_TRAINING, "resume": "1x_ga4_clip/checkpoint-2"}),
+    "2x_ga2_ep_local_clip": (2, 2, "tests/moe_ep_local_clip.py", {"expert_parallel_size": 2, "training": EP_TRAINING}),
     "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
     # aux-loss-free balancing: the biases moved from the global batch's loads (moe/balance.py)
     **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"bias_update_rate": BIAS_RATE, "family": family})
@@ -301,8 +312,9 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
     launches: dict[tuple[int, str], dict] = {}
     for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
-        family = extra.get("family")
-        extra = {k: v for k, v in extra.items() if k != "family"}
+        family, training = extra.get("family"), extra.get("training", {})
+        resume, exact = extra.get("resume"), extra.get("exact_match")
+        extra = {k: v for k, v in extra.items() if k not in ("family", "training", "resume", "exact_match")}
         moe_keys = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01} if family not in BIASED else {}
         tree = {
             "model": {"name_or_path": models[family] if family else tiny_mixtral_dir, "dtype": "float32"},
@@ -311,9 +323,14 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
                          "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.5,
                          "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
                          "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
-                         "seed": 0, "report_to": "none", "disable_tqdm": True},
+                         "seed": 0, "report_to": "none", "disable_tqdm": True, **training},
             "moe": {**moe_keys, **extra},
         }
+        if resume:
+            tree["training"]["resume_from_checkpoint"] = str(tmp / resume)
+        if exact:
+            tree["data"]["eval_sources"] = [{"path": data}]
+            tree["eval"] = {"exact_match": 6, "max_new_tokens": 4}
         rec = tmp / f"{name}.yaml"
         rec.write_text(yaml.safe_dump(tree))
         launches.setdefault((world, script), {})[name] = rec
@@ -329,8 +346,9 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
         else:
             (name, rec), = recipes.items()
             r = run([*prefix, script, str(rec)], timeout=600)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            outputs = {name: r.stdout}
+            if script != "tests/moe_ep_local_clip.py":  # that one is expected to stop at its save (its test says)
+                assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            outputs = {name: r.stdout + r.stderr}
         for name, stdout in outputs.items():
             res[name] = aux_outputs(tmp / name, world, stdout)
     return res
@@ -422,6 +440,38 @@ def test_expert_parallel_training_under_ddp_equals_one_rank_with_all_experts(aux
     assert max_rel(bad["final"], base["final"]) > 1e-3
 
 
+@pytest.mark.launches
+def test_expert_parallel_clips_resumes_and_answers_as_one_rank_with_all_experts(aux_runs):
+    """Split experts with gradient clipping (the norm over every rank's experts), a resume (each rank's experts'
+    optimizer state put back) and held-out exact match (generated in lockstep): 2 ranks train, log and answer as 1
+    rank with all experts, and a resume from step 2 gives the uninterrupted run."""
+    base, ep, resumed = aux_runs["1x_ga4_clip"], aux_runs["2x_ga2_ep_clip"], aux_runs["2x_ga2_ep_resumed"]
+    norms = [h["grad_norm"] for h in base["logs"]]
+    assert len(norms) == 3 and min(norms) > 2 * EP_TRAINING["max_grad_norm"]  # clipping bites on every step
+    assert [h["grad_norm"] for h in ep["logs"]] == pytest.approx(norms, rel=1e-5)
+    assert ep["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(ep["final"], base["final"]) <= 1e-5
+    for key in ("initial_exact_match", "final_exact_match"):
+        assert ep["info"]["metrics"][key] == base["info"]["metrics"][key], key
+    assert resumed["losses"] == pytest.approx(ep["losses"], rel=1e-5)  # steps 1-2 from the checkpoint, then 3
+    assert max_rel(resumed["final"], ep["final"]) <= 1e-5
+    # without experts split too: transformers saves the experts per expert, the resume converts them back
+    assert aux_runs["1x_ga4_resumed"]["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(aux_runs["1x_ga4_resumed"]["final"], base["final"]) <= 1e-5
+    # each rank's experts have an optimizer state of their own; optimizer.pt (the Trainer's) holds rank 0's only
+    ck = ep["folder"] / "checkpoint-2"
+    mine = [torch.load(ck / f"expert_optimizer_rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert set(mine[0]) == set(mine[1]) and len(mine[0]) == 4  # 2 layers x gate_up_proj, down_proj
+    assert all(not torch.equal(mine[0][k]["exp_avg"], mine[1][k]["exp_avg"]) for k in mine[0])
+    assert json.load(open(ck / "hftrain_checkpoint.json"))["expert_parallel"] == 2
+    # Negative control: the Trainer's own clipping norm is each rank's alone (its own experts): rank 0 logs another
+    # norm, the ranks clip by different factors, and the run stops at its save because their weights differ
+    bad = aux_runs["2x_ga2_ep_local_clip"]
+    local = [h["grad_norm"] for h in bad["logs"]]
+    assert len(local) == 3 and all(abs(a - b) > 1e-3 * b for a, b in zip(local, norms)), (local, norms)
+    assert "ranks hold different weights after training" in bad["stdout"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ZeRO-3: MoE blocks registered as leaf modules automatically; the run finishes and its saved model reloads
 
@@ -507,12 +557,17 @@ def test_expert_parallel_options_are_validated():
                            "eval.exact_match=4", "moe.capacity_factor=0"], raw={})
     msg = str(e.value)
     for part in ("moe.expert_parallel_size: runs under strategy ddp only, not 'zero2'",
-                 "training.max_grad_norm: set it to 0", "training.resume_from_checkpoint: cannot resume",
-                 "eval.exact_match: set it to 0", "moe.capacity_factor: must be > 0"):
+                 "moe.capacity_factor: must be > 0"):
         assert part in msg, msg
+    # clipping, resume and held-out exact match run with split experts (tests below)
+    assert "max_grad_norm" not in msg and "resume_from_checkpoint" not in msg and "exact_match" not in msg, msg
     ok = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
-                            "training.max_grad_norm=0"], raw={})
+                            "data.eval_fraction=0.1", "eval.exact_match=4", "training.resume_from_checkpoint=true"],
+                     raw={})
     assert ok.moe.expert_parallel_size == 2
+    with pytest.raises(RecipeError, match="model.lora: cannot be combined with moe.expert_parallel_size > 1"):
+        load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", "moe.expert_parallel_size=2",
+                           "model.lora.r=4"], raw={})
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
@@ -607,3 +662,18 @@ def test_the_recipe_chooses_the_experts_implementation(tiny_mixtral_dir, tmp_pat
     default = load_model(ModelSection(name_or_path=base, dtype="float32"))
     assert chosen.config._experts_implementation == "batched_mm"
     assert default.config._experts_implementation != "batched_mm"
+
+
+def test_a_moe_checkpoint_is_recognised_as_the_model_its_recipe_builds(tiny_mixtral_dir):
+    """transformers 5 keeps a Mixtral's experts fused (gate_up_proj) and saves them per expert (w1, w2, w3): a
+    checkpoint of the recipe's own model was refused as "another model" before the resume compared the saved names."""
+    from hftrain.launch.resume import _headers, compatibility_problems
+    from hftrain.methods import load_recipe
+
+    assert any(".experts.0.w1." in k for k in _headers(tiny_mixtral_dir, ("model.safetensors",)))  # saved per expert
+    recipe = load_recipe(None, [f"model.name_or_path={tiny_mixtral_dir}", "data.sources.0.path=d"], raw={})
+    assert compatibility_problems(tiny_mixtral_dir, recipe) == []
+    other = load_recipe(None, [f"model.name_or_path={tiny_mixtral_dir}", "data.sources.0.path=d", "model.lora.r=4"],
+                        raw={})
+    assert "holds a whole model and this recipe trains a LoRA adapter" in compatibility_problems(tiny_mixtral_dir,
+                                                                                                 other)[0]

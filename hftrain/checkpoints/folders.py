@@ -9,6 +9,8 @@ import os
 import re
 import shutil
 
+from safetensors import safe_open
+
 from ..errors import CheckpointError
 from ..fileio import is_no_space, safetensors_problem
 from . import manifest
@@ -22,6 +24,20 @@ STATE = "trainer_state.json"
 # Files or folders of which at least one holds the model in a checkpoint the Trainer can load.
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
            "pytorch_model.bin", "pytorch_model_fsdp_0", "pytorch_model_fsdp.bin", "latest")
+
+
+def saved_weight_names(path: str) -> set[str]:
+    """The tensor names of a checkpoint's whole-model safetensors (model.safetensors, or its index), from the headers
+    alone; empty when it holds none (an adapter, FSDP's or DeepSpeed's own format)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            return set(json.load(fh)["weight_map"])
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        return set()
+    with safe_open(single, framework="pt") as fh:
+        return set(fh.keys())
 
 
 def staging_root(run_dir: str) -> str:

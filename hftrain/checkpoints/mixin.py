@@ -4,6 +4,8 @@
   the manifest (size and sha256 of every file) are added and the folder is renamed into place, then rotated;
 - `train`: resumes from a verified checkpoint (`True`: the newest complete one), converting a ZeRO checkpoint of
   another world size to DeepSpeed's universal format first;
+- `_load_from_checkpoint`: weights saved in a family's original format (transformers 5 saves fused MoE experts per
+  expert) read through from_pretrained, which converts them, instead of the Trainer's unconverted, non-strict load;
 - `_load_optimizer_and_scheduler`: skipped with training.resume_weights_only;
 - `_load_rng_state`: an error naming the damaged file instead of torch's advice to unpickle it.
 The Trainer's own save writes in place and has no staging folder: patches/transformers.py redirects it.
@@ -21,6 +23,8 @@ from .. import distributed, fileio
 from ..config import strategy_of_deepspeed_config
 from ..errors import CheckpointError
 from ..guards import check_finite_weights
+from ..moe.blocks import unwrap
+from ..moe.expert_parallel import expert_parallel_size
 from ..patches.deepspeed import untie_zero3_universal_steps
 from ..patches.transformers import staged_checkpoint_dir
 from . import folders, manifest, verify, world_size
@@ -59,6 +63,22 @@ class StagedCheckpointMixin:
                                f"universal checkpoint {universal}")
         return super().train(resume_from_checkpoint=path, **kwargs)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The Trainer loads model.safetensors with load_state_dict(strict=False) as it is on disk. transformers 5
+        saves some families in their original format (Mixtral's, Qwen-MoE's experts: per expert, where the model
+        holds them fused), so every expert would keep its initial weights with no more than a warning. Such a
+        checkpoint is read with from_pretrained, which converts, and loaded strictly."""
+        model = self.model if model is None else model
+        saved = folders.saved_weight_names(resume_from_checkpoint)
+        own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        if self.is_fsdp_enabled or not saved or saved <= own:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        first = next(model.parameters())
+        converted = type(model).from_pretrained(resume_from_checkpoint, dtype=first.dtype, device_map="cpu",
+                                                use_safetensors=True)
+        model.load_state_dict(converted.state_dict(), strict=True)
+        del converted
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Skipped with training.resume_weights_only (the Trainer would load whatever of them is there)."""
         if not self.args.resume_weights_only:
@@ -81,7 +101,8 @@ class StagedCheckpointMixin:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args
         return world_size.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy,
-                                  distributed.sequence_parallel_size(self.args))
+                                  distributed.sequence_parallel_size(self.args),
+                                  expert_parallel_size(unwrap(self.model)))
 
     def _save_checkpoint(self, model, trial) -> None:
         check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards

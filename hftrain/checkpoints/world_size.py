@@ -28,7 +28,7 @@ def checkpoint_format(strategy: str | None) -> str:
 
 
 def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None,
-           sequence_parallel: int = 1) -> dict:
+           sequence_parallel: int = 1, expert_parallel: int = 1) -> dict:
     """How a run is laid out, as a checkpoint records it; `sequence_parallel` only when > 1 (ranks per sequence:
     the data-parallel size is world_size / it)."""
     out = {"world_size": world_size, "per_device_train_batch_size": per_device,
@@ -36,6 +36,8 @@ def layout(world_size: int, per_device: int, accumulation: int, strategy: str | 
            "nvme_optimizer": strategy == "zero_infinity"}
     if sequence_parallel > 1:
         out["sequence_parallel"] = sequence_parallel
+    if expert_parallel > 1:  # each rank's experts and their optimizer state are its own (moe/mixin.py)
+        out["expert_parallel"] = expert_parallel
     return out
 
 
@@ -102,6 +104,12 @@ def layout_problems(path: str, now: dict) -> list[str]:
                         f"this run has {now['world_size']} and {sp_now}: a sequence-parallel checkpoint resumes on "
                         f"the same layout only; resume with {was['world_size']} processes and "
                         f"strategy.sequence_parallel: {sp_was}")
+        return problems
+    ep_was, ep_now = was.get("expert_parallel", 1), now.get("expert_parallel", 1)
+    if ep_was != ep_now:
+        problems.append(f"{path} was written with moe.expert_parallel_size {ep_was}, this run has {ep_now}: each "
+                        "rank's experts keep their optimizer state in a file of its own; resume with "
+                        f"moe.expert_parallel_size: {ep_was} on {ep_was} processes")
         return problems
     g_was = was["world_size"] * was["per_device_train_batch_size"] * was["gradient_accumulation_steps"]
     g_now = now["world_size"] * now["per_device_train_batch_size"] * now["gradient_accumulation_steps"]

@@ -156,18 +156,9 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
     if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
         out.append(("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}"))
     if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
-        why = "with moe.expert_parallel_size > 1 (each rank holds different experts)"
-        if recipe.training_value("max_grad_norm") not in (0, 0.0, None):
-            out.append(("training.max_grad_norm", f"set it to 0 {why}: the clipping norm would differ between "
-                        "ranks and the replicated weights would drift apart"))
-        if recipe.training.get("resume_from_checkpoint"):
-            out.append(("training.resume_from_checkpoint", f"cannot resume {why}: checkpoints hold the optimizer "
-                        "state of rank 0's experts only"))
-        if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
-            out.append(("eval.exact_match", f"set it to 0 {why}: generation lengths differ between ranks and the "
-                        "expert all_to_all needs every rank in every forward"))
         if recipe.model is not None and recipe.model.lora is not None:
-            out.append(("model.lora", f"cannot be combined {why}; train all weights"))
+            out.append(("model.lora", "cannot be combined with moe.expert_parallel_size > 1 (each rank holds "
+                        "different experts); train all weights"))
     u = m.upcycle
     if isinstance(u, UpcycleSection):
         if isinstance(u.num_experts, int) and u.num_experts < 2:

@@ -275,8 +275,9 @@ def _output_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
     out = [("training.output_dir", msg) for msg in where]
     if "training.resume_from_checkpoint" not in skip:
         sp = strategy.sequence_parallel if _typed(strategy.sequence_parallel, int) else 1
+        ep = recipe.moe.expert_parallel_size if recipe.moe and _typed(recipe.moe.expert_parallel_size, int) else 1
         now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
-                                 recipe.training_value("gradient_accumulation_steps"), strategy.name, sp)
+                                 recipe.training_value("gradient_accumulation_steps"), strategy.name, sp, ep)
         out += [("training.resume_from_checkpoint", msg)
                 for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
                                            recipe.training_value("resume_weights_only") is True,

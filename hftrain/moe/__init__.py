@@ -1,5 +1,6 @@
 """Mixture of experts: upcycling dense models to native MoE classes, router aux / z losses, aux-loss-free balancing of
-biased routers, router health, expert parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer."""
+biased routers, router health, expert parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer; mixin.py
+is SFTTrainer's part of expert parallelism (the gradient norm and the optimizer state over every rank's experts)."""
 
 from __future__ import annotations
 

@@ -143,6 +143,49 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
+def parallel_blocks(model: nn.Module) -> list[ExpertParallelMoE]:
+    """The blocks whose experts are split over more than one rank (a capacity factor alone splits nothing)."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and m.ep_size > 1]
+
+
+def expert_parallel_size(model: nn.Module) -> int:
+    blocks = parallel_blocks(model)
+    return blocks[0].ep_size if blocks else 1
+
+
+def local_experts(model: nn.Module) -> dict[str, nn.Parameter]:
+    """This rank's expert slices by their names in `model` (they differ from rank to rank)."""
+    mine = {id(p) for b in parallel_blocks(model) for p in (b.experts.gate_up_proj, b.experts.down_proj)}
+    return {n: p for n, p in model.named_parameters() if id(p) in mine}
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over every rank's parameters: the dense gradients are the same on every rank
+    (DDP averaged them), each rank's experts are its own, so their squares are summed over the expert-parallel group.
+    Every rank gets the same norm and scales by the same factor (a rank-local norm would clip ranks differently and
+    the replicated weights would drift apart). Returns the norm before clipping."""
+    experts = local_experts(model)
+    mine = {id(p) for p in experts.values()}
+    dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in mine]
+    own = [p.grad for p in experts.values() if p.grad is not None]
+    if not dense and not own:
+        return torch.zeros(())
+    device = (dense or own)[0].device
+    squares = torch.zeros(2, dtype=torch.float32, device=device)
+    for i, grads in enumerate((dense, own)):
+        for g in grads:
+            squares[i] += torch.linalg.vector_norm(g.float()).square()
+    own_squares = squares[1:].clone()
+    dist.all_reduce(own_squares, group=parallel_blocks(model)[0].group)
+    total = (squares[0] + own_squares[0]).sqrt()
+    if math.isfinite(max_norm):
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grad_norm_
+        for g in dense + own:
+            g.mul_(scale.to(g.device))
+    return total
+
+
 def expert_param_names(model: nn.Module) -> list[str]:
     return [f"{n}.experts.{p}" for n, m in model.named_modules() if isinstance(m, ExpertParallelMoE)
             for p in ("gate_up_proj", "down_proj")]

@@ -1,0 +1,60 @@
+"""Expert parallelism in the Trainer (expert_parallel.py: the layer). Each rank holds other experts, so what the
+Trainer does over "the" parameters is done here over every rank's:
+
+- the gradient norm, for clipping and for the logged grad_norm: the dense gradients (equal on every rank after DDP's
+  average) and every rank's experts (expert_parallel.clip_grad_norm_);
+- the optimizer state: the Trainer saves rank 0's optimizer.pt, which holds rank 0's experts; each rank also saves
+  the state of its own experts (EXPERT_OPTIMIZER) and puts it back after the Trainer's load on resume.
+Without experts split over ranks every method is the Trainer's own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import CheckpointError
+from . import expert_parallel as ep
+from .blocks import unwrap
+
+EXPERT_OPTIMIZER = "expert_optimizer_rank{rank}.pt"  # one per rank: the optimizer state of its own experts
+
+
+class ExpertParallelMixin:
+    def _clip_grad_norm(self, model):
+        if not ep.parallel_blocks(unwrap(self.model)):
+            return super()._clip_grad_norm(model)
+        return ep.clip_grad_norm_(unwrap(self.model), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and ep.parallel_blocks(unwrap(self.model)):
+            grad_norm = ep.clip_grad_norm_(unwrap(self.model), float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        experts = ep.local_experts(unwrap(self.model))
+        if experts:  # every rank, into the staged checkpoint (the Trainer's main process may not have made it yet)
+            state = {name: self.optimizer.state[p] for name, p in experts.items() if p in self.optimizer.state}
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(state, os.path.join(output_dir, EXPERT_OPTIMIZER.format(rank=self.args.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        experts = ep.local_experts(unwrap(self.model))
+        if checkpoint is None or not experts:
+            return
+        path = os.path.join(checkpoint, EXPERT_OPTIMIZER.format(rank=self.args.process_index))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"cannot resume from {checkpoint}: {os.path.basename(path)} (this rank's experts' "
+                                  "optimizer state) is missing; resume with the checkpoint's moe.expert_parallel_size "
+                                  "and processes, or with training.resume_weights_only: true")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        for name, p in experts.items():
+            state = self.optimizer.state[p]
+            for key, value in saved.get(name, {}).items():
+                if key in state and isinstance(state[key], torch.Tensor):
+                    state[key].copy_(value)  # onto the tensors the Trainer's load made: their device and dtype
+                else:
+                    state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
