@@ -289,6 +289,10 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     "2x_ga2_ep_resumed": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2, "training": EP_TRAINING,
                                                    "resume": "2x_ga2_ep_clip/checkpoint-2"}),
     "1x_ga4_resumed": (1, 4, "recipes/sft.py", {"training": EP_TRAINING, "resume": "1x_ga4_clip/checkpoint-2"}),
+    # the best checkpoint loaded at the end: the one with the highest held-out loss, so not the last
+    "1x_ga4_best": (1, 4, "recipes/sft.py", {"exact_match": True, "training": {
+        **EP_TRAINING, "save_steps": 1, "eval_strategy": "steps", "eval_steps": 1, "load_best_model_at_end": True,
+        "metric_for_best_model": "eval_loss", "greater_is_better": True}}),
     "2x_ga2_ep_local_clip": (2, 2, "tests/moe_ep_local_clip.py", {"expert_parallel_size": 2, "training": EP_TRAINING}),
     "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
     # aux-loss-free balancing: the biases moved from the global batch's loads (moe/balance.py)
@@ -455,6 +459,11 @@ def test_expert_parallel_clips_resumes_and_answers_as_one_rank_with_all_experts(
         assert ep["info"]["metrics"][key] == base["info"]["metrics"][key], key
     assert resumed["losses"] == pytest.approx(ep["losses"], rel=1e-5)  # steps 1-2 from the checkpoint, then 3
     assert max_rel(resumed["final"], ep["final"]) <= 1e-5
+    # the best model loaded at the end is the best checkpoint's, experts included (saved per expert, converted back)
+    best = aux_runs["1x_ga4_best"]
+    step = json.load(open(best["folder"] / "trainer_state.json"))["best_global_step"]
+    assert step != 3, "the best checkpoint must not be the last one"
+    assert max_rel(best["final"], load_file(str(best["folder"] / f"checkpoint-{step}" / "model.safetensors"))) == 0
     # without experts split too: transformers saves the experts per expert, the resume converts them back
     assert aux_runs["1x_ga4_resumed"]["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert max_rel(aux_runs["1x_ga4_resumed"]["final"], base["final"]) <= 1e-5

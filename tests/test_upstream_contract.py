@@ -39,6 +39,7 @@ CONTRACT = [
     ("transformers:Trainer", "_load_rng_state", ["checkpoint"], "checkpointing: name a damaged RNG file"),
     ("transformers:Trainer", "_load_from_checkpoint", ["resume_from_checkpoint", "model"],
      "checkpointing: weights saved in a family's original format, converted on resume"),
+    ("transformers:Trainer", "_load_best_model", [], "checkpointing: the best model's weights, converted likewise"),
     ("transformers:Trainer", "_save_checkpoint", ["model", "trial"], "checkpointing: staged saves"),
     ("transformers:Trainer", "_save_rng_state", ["output_dir"],
      "stream_position: each rank's stream position beside its RNG state, in the folder being written"),

@@ -4,8 +4,9 @@
   the manifest (size and sha256 of every file) are added and the folder is renamed into place, then rotated;
 - `train`: resumes from a verified checkpoint (`True`: the newest complete one), converting a ZeRO checkpoint of
   another world size to DeepSpeed's universal format first;
-- `_load_from_checkpoint`: weights saved in a family's original format (transformers 5 saves fused MoE experts per
-  expert) read through from_pretrained, which converts them, instead of the Trainer's unconverted, non-strict load;
+- `_load_from_checkpoint`, `_load_best_model`: weights saved in a family's original format (transformers 5 saves
+  fused MoE experts per expert) read through from_pretrained, which converts them, instead of the Trainer's
+  unconverted, non-strict load;
 - `_load_optimizer_and_scheduler`: skipped with training.resume_weights_only;
 - `_load_rng_state`: an error naming the damaged file instead of torch's advice to unpickle it.
 The Trainer's own save writes in place and has no staging folder: patches/transformers.py redirects it.
@@ -64,20 +65,28 @@ class StagedCheckpointMixin:
         return super().train(resume_from_checkpoint=path, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """The Trainer loads model.safetensors with load_state_dict(strict=False) as it is on disk. transformers 5
-        saves some families in their original format (Mixtral's, Qwen-MoE's experts: per expert, where the model
-        holds them fused), so every expert would keep its initial weights with no more than a warning. Such a
-        checkpoint is read with from_pretrained, which converts, and loaded strictly."""
-        model = self.model if model is None else model
-        saved = folders.saved_weight_names(resume_from_checkpoint)
+        if not self._load_converted(resume_from_checkpoint, self.model if model is None else model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not self._load_converted(self.state.best_model_checkpoint, self.model):
+            super()._load_best_model()
+
+    def _load_converted(self, path: str, model) -> bool:
+        """The Trainer loads model.safetensors with load_state_dict(strict=False) as it is on disk (a resume, the best
+        model at the end). transformers 5 saves some families in their original format (Mixtral's and Qwen-MoE's
+        experts per expert, where the model holds them fused), so every expert would keep the weights it had, with no
+        more than a warning. Such a checkpoint is read with from_pretrained, which converts, and loaded strictly.
+        False: nothing to convert (or FSDP's, DeepSpeed's, an adapter's own format): the Trainer loads it."""
+        saved = folders.saved_weight_names(path)
         own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        if self.is_fsdp_enabled or not saved or saved <= own:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        first = next(model.parameters())
-        converted = type(model).from_pretrained(resume_from_checkpoint, dtype=first.dtype, device_map="cpu",
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or not saved or saved <= own:
+            return False
+        converted = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype, device_map="cpu",
                                                 use_safetensors=True)
         model.load_state_dict(converted.state_dict(), strict=True)
         del converted
+        return True
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Skipped with training.resume_weights_only (the Trainer would load whatever of them is there)."""
