@@ -294,6 +294,11 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
         **EP_TRAINING, "save_steps": 1, "eval_strategy": "steps", "eval_steps": 1, "load_best_model_at_end": True,
         "metric_for_best_model": "eval_loss", "greater_is_better": True}}),
     "2x_ga2_ep_local_clip": (2, 2, "tests/moe_ep_local_clip.py", {"expert_parallel_size": 2, "training": EP_TRAINING}),
+    # the same under FSDP2: the dense part sharded, each rank's experts its own (one launch of the fsdp config)
+    "2x_ga2_ep_fsdp": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2, "training": EP_TRAINING, "strategy": "fsdp",
+                                                "exact_match": True}),
+    "2x_ga2_ep_fsdp_resumed": (2, 2, "recipes/sft.py", {"expert_parallel_size": 2, "training": EP_TRAINING,
+                                                        "strategy": "fsdp", "resume": "2x_ga2_ep_fsdp/checkpoint-2"}),
     "2x_ga2_unscaled": (2, 2, "tests/moe_unscaled_aux.py", {}),
     # aux-loss-free balancing: the biases moved from the global batch's loads (moe/balance.py)
     **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"bias_update_rate": BIAS_RATE, "family": family})
@@ -317,8 +322,8 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
     for name, (world, ga, script, extra) in AUX_RUNS.items():
         out = tmp / name
         family, training = extra.get("family"), extra.get("training", {})
-        resume, exact = extra.get("resume"), extra.get("exact_match")
-        extra = {k: v for k, v in extra.items() if k not in ("family", "training", "resume", "exact_match")}
+        resume, exact, strategy = extra.get("resume"), extra.get("exact_match"), extra.get("strategy", "ddp")
+        extra = {k: v for k, v in extra.items() if k not in ("family", "training", "resume", "exact_match", "strategy")}
         moe_keys = {"aux_loss_coef": 0.1, "router_z_loss_coef": 0.01} if family not in BIASED else {}
         tree = {
             "model": {"name_or_path": models[family] if family else tiny_mixtral_dir, "dtype": "float32"},
@@ -329,6 +334,7 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
                          "logging_steps": 1, "save_strategy": "no", "train_sampling_strategy": "sequential",
                          "seed": 0, "report_to": "none", "disable_tqdm": True, **training},
             "moe": {**moe_keys, **extra},
+            "strategy": {"name": strategy},
         }
         if resume:
             tree["training"]["resume_from_checkpoint"] = str(tmp / resume)
@@ -337,10 +343,10 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
             tree["eval"] = {"exact_match": 6, "max_new_tokens": 4}
         rec = tmp / f"{name}.yaml"
         rec.write_text(yaml.safe_dump(tree))
-        launches.setdefault((world, script), {})[name] = rec
+        launches.setdefault((world, script, strategy), {})[name] = rec
     res = {}
-    for (world, script), recipes in launches.items():
-        prefix = launch_prefix(world)
+    for (world, script, strategy), recipes in launches.items():
+        prefix = launch_prefix(world, strategy)
         if script == "recipes/sft.py":
             variants = {name: ("hftrain.recipes.sft", [rec]) for name, rec in recipes.items()}
             ran = run_matrix(prefix, variants, tmp / f"matrix_{world}", ranks=world)
@@ -354,15 +360,15 @@ def aux_runs(tmp_path_factory, tiny_mixtral_dir):
                 assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             outputs = {name: r.stdout + r.stderr}
         for name, stdout in outputs.items():
-            res[name] = aux_outputs(tmp / name, world, stdout)
+            res[name] = aux_outputs(tmp / name, world, stdout, strategy)
     return res
 
 
-def aux_outputs(out, world, stdout) -> dict:
+def aux_outputs(out, world, stdout, strategy="ddp") -> dict:
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == world
     if world > 1:
-        assert info["wrapper"] == "DistributedDataParallel"
+        assert info["wrapper"] == "DistributedDataParallel" if strategy == "ddp" else info["wrapper"].startswith("FSDP")
     logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "aux": [h.get("moe_aux_loss") for h in logs],
             "z": [h.get("moe_z_loss") for h in logs], "logs": logs, "folder": out,
@@ -481,6 +487,24 @@ def test_expert_parallel_clips_resumes_and_answers_as_one_rank_with_all_experts(
     assert "ranks hold different weights after training" in bad["stdout"]
 
 
+@pytest.mark.launches
+def test_expert_parallel_composes_with_fsdp2_sharding_the_dense_part(aux_runs):
+    """Under FSDP2 the dense part is sharded and each rank's experts stay its own (FSDP's ignored parameters): with
+    clipping (the norm over the sharded dense gradients and every rank's experts), held-out exact match and a resume,
+    2 ranks train as 1 rank with all experts under DDP, and resuming from step 2 gives the uninterrupted run."""
+    base, fsdp, resumed = aux_runs["1x_ga4_clip"], aux_runs["2x_ga2_ep_fsdp"], aux_runs["2x_ga2_ep_fsdp_resumed"]
+    assert "'expert_parallel': '2 blocks over 2 rank(s), capacity_factor None'" in fsdp["stdout"]
+    assert [h["grad_norm"] for h in fsdp["logs"]] == pytest.approx([h["grad_norm"] for h in base["logs"]], rel=1e-5)
+    assert fsdp["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert max_rel(fsdp["final"], base["final"]) <= 1e-5  # gathered: every expert, native names
+    for key in ("initial_exact_match", "final_exact_match"):
+        assert fsdp["info"]["metrics"][key] == base["info"]["metrics"][key], key
+    ck = fsdp["folder"] / "checkpoint-2"
+    assert (ck / "pytorch_model_fsdp_0").is_dir() and (ck / "expert_optimizer_rank1.pt").is_file()
+    assert resumed["losses"] == pytest.approx(fsdp["losses"], rel=1e-5)
+    assert max_rel(resumed["final"], fsdp["final"]) <= 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ZeRO-3: MoE blocks registered as leaf modules automatically; the run finishes and its saved model reloads
 
@@ -565,7 +589,7 @@ def test_expert_parallel_options_are_validated():
                            "strategy.name=zero2", "training.resume_from_checkpoint=true", "data.eval_fraction=0.1",
                            "eval.exact_match=4", "moe.capacity_factor=0"], raw={})
     msg = str(e.value)
-    for part in ("moe.expert_parallel_size: runs under strategy ddp only, not 'zero2'",
+    for part in ("moe.expert_parallel_size: runs under strategy ddp or fsdp, not 'zero2'",
                  "moe.capacity_factor: must be > 0"):
         assert part in msg, msg
     # clipping, resume and held-out exact match run with split experts (tests below)

@@ -221,7 +221,7 @@ class MoeSection:
     router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
     expert_parallel_size: int = _f(
         1, "Place the experts across this many ranks (all_to_all dispatch); must equal the number of processes; "
-        "DDP only, Mixtral-style blocks."
+        "strategy ddp or fsdp (the dense part sharded), Mixtral-style blocks."
     )
     capacity_factor: float | None = _f(
         None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "

@@ -93,10 +93,11 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
         out += quantized_strategy_problems(recipe, name)
     m = recipe.moe
     if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
-        if name != "ddp":
-            out.append(("moe.expert_parallel_size", f"runs under strategy ddp only, not {name!r}: ZeRO and FSDP "
-                        "would shard or average the per-rank experts. Use strategy.name: ddp, or keep every expert "
-                        "on every rank (expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
+        if name not in ("ddp", "fsdp"):
+            out.append(("moe.expert_parallel_size", f"runs under strategy ddp or fsdp, not {name!r}: ZeRO would "
+                        "shard or average the per-rank experts. Use strategy.name: ddp or fsdp (the dense part "
+                        "sharded, each rank's experts its own), or keep every expert on every rank "
+                        "(expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
     return out
 
 

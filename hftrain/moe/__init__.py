@@ -76,11 +76,11 @@ def _attach_bias_balancing(trainer, model, cfg, done: dict) -> None:
 def _expert_parallel(trainer, model, cfg) -> str:
     n = cfg.expert_parallel_size
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-        if n > 1:
-            raise MoeError("moe.expert_parallel_size: runs under strategy ddp only (ZeRO and FSDP would shard or "
-                           "average the per-rank experts); launch with accelerate_configs/ddp.yaml, or set "
+        if n > 1 and trainer.is_deepspeed_enabled:
+            raise MoeError("moe.expert_parallel_size: runs under strategy ddp or fsdp (ZeRO would shard or average "
+                           "the per-rank experts); launch with accelerate_configs/ddp.yaml or fsdp.yaml, or set "
                            "expert_parallel_size: 1 and keep every expert on every rank")
-        if is_deepspeed_zero3_enabled() or trainer.is_fsdp_enabled:
+        if n == 1 and (is_deepspeed_zero3_enabled() or trainer.is_fsdp_enabled):
             raise MoeError("moe.capacity_factor: needs the whole MoE block on each rank; not with ZeRO-3 / FSDP")
     world = trainer.args.world_size
     if n > 1 and n != world:
@@ -93,4 +93,15 @@ def _expert_parallel(trainer, model, cfg) -> str:
     except ValueError as e:
         raise MoeError(str(e)) from None
     trainer.add_callback(ep.ExpertParallelCallback(model))
+    if trainer.is_fsdp_enabled:
+        _leave_experts_to_their_ranks(trainer, model)
     return f"{swapped} blocks over {n} rank(s), capacity_factor {cfg.capacity_factor}"
+
+
+def _leave_experts_to_their_ranks(trainer, model) -> None:
+    """Under FSDP2 the dense part is sharded and each rank's experts stay whole and its own: they are FSDP's ignored
+    parameters (accelerate passes the plugin's ignored_modules to fully_shard), so FSDP neither shards nor averages
+    them. accelerate reads the model's state dict while it shards; the experts are gathered for it first."""
+    plugin = trainer.accelerator.state.fsdp_plugin
+    plugin.ignored_modules = [*(plugin.ignored_modules or []), *(b.experts for b in ep.parallel_blocks(model))]
+    ep.gather_for_save(model)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from .blocks import moe_blocks, router_of
@@ -92,8 +93,9 @@ class ExpertParallelMoE(nn.Module):
             idx = (local_e == i).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
-            gate, up = F.linear(recv[idx], self.experts.gate_up_proj[i]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.experts.down_proj[i])
+            # in the activations' dtype: FSDP's mixed precision casts the sharded part only, not these
+            gate, up = F.linear(recv[idx], self.experts.gate_up_proj[i].to(recv.dtype)).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.experts.down_proj[i].to(recv.dtype))
             out = out.index_copy(0, idx, y.to(out.dtype))
         back = _all_to_all(out, s, r, self.group) if self.ep_size > 1 else out
         w = weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
@@ -167,23 +169,28 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     the replicated weights would drift apart). Returns the norm before clipping."""
     experts = local_experts(model)
     mine = {id(p) for p in experts.values()}
-    dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in mine]
-    own = [p.grad for p in experts.values() if p.grad is not None]
-    if not dense and not own:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
         return torch.zeros(())
-    device = (dense or own)[0].device
-    squares = torch.zeros(2, dtype=torch.float32, device=device)
-    for i, grads in enumerate((dense, own)):
-        for g in grads:
-            squares[i] += torch.linalg.vector_norm(g.float()).square()
+    # [0]: gradients every rank holds alike (DDP's dense ones); [1]: each rank's own part (its experts, and FSDP's
+    # shards of the dense ones), summed over the ranks
+    squares = torch.zeros(2, dtype=torch.float32, device=_local(grads[0]).device)
+    for p in model.parameters():
+        if p.grad is not None:
+            own = id(p) in mine or isinstance(p.grad, DTensor)
+            squares[int(own)] += torch.linalg.vector_norm(_local(p.grad).float()).square()
     own_squares = squares[1:].clone()
     dist.all_reduce(own_squares, group=parallel_blocks(model)[0].group)
     total = (squares[0] + own_squares[0]).sqrt()
     if math.isfinite(max_norm):
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grad_norm_
-        for g in dense + own:
-            g.mul_(scale.to(g.device))
+        scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as torch's clip_grad_norm_
+        for g in grads:
+            g.mul_(scale)
     return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def expert_param_names(model: nn.Module) -> list[str]:
