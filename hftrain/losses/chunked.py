@@ -9,7 +9,7 @@ import torch
 
 from .. import distributed
 from ..errors import ModelError
-from . import chunked_ce
+from . import chunked_ce, fused_ce
 from . import maths as losses
 
 
@@ -29,6 +29,9 @@ class ChunkedLossMixin:
         # Every strategy: FSDP2 and ZeRO-3 shard lm_head's weight, _ce has it gathered for the loss.
         head, math, why = chunked_ce.head_of(self.model)
         if not why:
+            if fused_ce.usable(self.args.device, math, self.args.loss_averaging):
+                distributed.print0("hftrain: the chunked loss sums the token CE with liger-kernel's fused linear "
+                                   "cross-entropy (CUDA)")
             return head, math
         if loss_impl == "chunked":
             raise ModelError(f"training.loss_impl: chunked cannot be used: {why}; set training.loss_impl: auto "

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX, LossAveraging
+from . import fused_ce
 from .chunked_ce import HeadMath, linear_ce
 
 MODES = get_args(LossAveraging)
@@ -99,7 +100,11 @@ def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     mode: str = "token", position_ids: torch.Tensor | None = None, math: HeadMath = HeadMath(),
                     label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
     """`loss_sum` from the final hidden states and the output head, without the full logits: sum(w * CE) with
-    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk."""
+    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk, or on a GPU
+    by liger-kernel's fused kernel where it computes the same sum (fused_ce)."""
+    if fused_ce.usable(hidden.device, math, mode):
+        return fused_ce.linear_ce_sum(hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, bias,
+                                      labels[:, 1:].reshape(-1), math, label_smoothing)
     weights = target_weights(labels, mode, position_ids)
     return aligned_hidden_loss_sum(hidden[:, :-1], weight, bias, labels[:, 1:], weights, math, label_smoothing,
                                    chunk_size)
