@@ -42,9 +42,13 @@ def _keep_group(wait: bool = True) -> None:
 
 def _fresh_accelerate_state() -> None:
     from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    # the ZeRO-3 config the last variant's TrainingArguments registered with transformers: a new process has none
+    # (with it, models built before the next variant's arguments, e.g. preflight's meta model, would be partitioned)
+    unset_hf_deepspeed_config()
 
 
 def _meet_after_setup() -> None:

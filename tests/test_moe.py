@@ -306,11 +306,15 @@ AUX_RUNS = {  # name: (processes, accumulation, script, extra moe keys)
     # every family through the recipe, with its own aux loss and the z-loss
     **{f"{world}x_ga{ga}_{family}": (world, ga, "recipes/sft.py", {"family": family})
        for family in AUX_FAMILIES for world, ga in ((1, 4), (2, 2))},
+    # every family under ZeRO-3 (MoE blocks as leaf modules; one launch of the zero3 config)
+    **{f"2x_ga2_zero3_{family or 'mixtral'}": (2, 2, "recipes/sft.py", {
+        "family": family, "strategy": "zero3", **({"bias_update_rate": BIAS_RATE} if family in BIASED else {})})
+       for family in (None, *AUX_FAMILIES, *BIASED)},
 }
 
 
 @pytest.fixture(scope="module")
-def aux_runs(tmp_path_factory, tiny_mixtral_dir):
+def aux_runs(tmp_path_factory, tiny_mixtral_dir, deepspeed_ops):
     """Every AUX_RUNS run: the recipe script's runs in one launch per world size (tests/matrix_worker.py), each
     negative control (it patches the whole process) in a launch of its own."""
     from .test_loss import uneven_data
@@ -368,7 +372,8 @@ def aux_outputs(out, world, stdout, strategy="ddp") -> dict:
     info = json.load(open(out / "run_info.json"))
     assert info["world_size"] == world
     if world > 1:
-        assert info["wrapper"] == "DistributedDataParallel" if strategy == "ddp" else info["wrapper"].startswith("FSDP")
+        wrapper = {"ddp": "DistributedDataParallel", "zero3": "DeepSpeedEngine"}.get(strategy, "FSDP")
+        assert info["wrapper"].startswith(wrapper), info["wrapper"]
     logs = [h for h in json.load(open(out / "trainer_state.json"))["log_history"] if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "aux": [h.get("moe_aux_loss") for h in logs],
             "z": [h.get("moe_z_loss") for h in logs], "logs": logs, "folder": out,
@@ -433,6 +438,24 @@ def test_each_family_trains_through_the_recipe_with_its_aux_loss_exact_over_rank
     assert other["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert max_rel(other["final"], base["final"]) <= 1e-5
     assert AutoConfig.from_pretrained(base["folder"]).model_type == family
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("family", ("mixtral", *AUX_FAMILIES, *BIASED))
+def test_each_family_trains_under_zero3_as_on_one_rank(aux_runs, family):
+    """Every family under ZeRO-3 (2 ranks x GA2, its MoE blocks DeepSpeed leaf modules, parameters partitioned) trains
+    as 1 rank x GA4: the aux and z losses where the family has them, the router biases moved where it has those."""
+    base = aux_runs["1x_ga4" if family == "mixtral" else f"1x_ga4_{family}"]
+    z3 = aux_runs[f"2x_ga2_zero3_{family}"]
+    assert z3["info"]["zero_stage"] == 3 and "'zero3_leaf_modules'" in z3["stdout"]
+    assert z3["losses"] == pytest.approx(base["losses"], rel=1e-5)
+    assert set(z3["final"]) == set(base["final"]) and max_rel(z3["final"], base["final"]) <= 1e-5
+    if family in BIASED:
+        biases = [k for k in base["final"] if k.endswith("e_score_correction_bias")]
+        assert biases and all(base["final"][k].abs().max() > 0 for k in biases)
+        assert all(torch.allclose(z3["final"][k], base["final"][k], atol=1e-7) for k in biases)
+    else:
+        assert min(z3["aux"]) > 0 and min(z3["z"]) > 0
 
 
 @pytest.mark.launches
