@@ -733,3 +733,30 @@ def test_a_moe_checkpoint_is_recognised_as_the_model_its_recipe_builds(tiny_mixt
                         raw={})
     assert "holds a whole model and this recipe trains a LoRA adapter" in compatibility_problems(tiny_mixtral_dir,
                                                                                                  other)[0]
+
+
+EP_EXACT = ("qwen3_moe", "olmoe")  # beside Mixtral: blocks the expert-parallel layer computes as the family does
+
+
+@pytest.mark.parametrize("family", ("mixtral", *AUX_FAMILIES, *BIASED))
+def test_expert_parallelism_runs_a_family_exactly_or_refuses_it(family, tiny_mixtral_dir, tmp_path):
+    """The expert-parallel layer (here with every expert local) gives the native model's logits, or the family is
+    refused: DeepSeek-V3's and GLM-4.5's blocks were taken and computed other logits (no shared experts, another
+    routing) until the check named them."""
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.moe import expert_parallel as ep
+
+    folder = (tiny_mixtral_dir if family == "mixtral"
+              else tiny_family_moe(family, tiny_mixtral_dir, str(tmp_path / family)))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        native = model(input_ids=ids).logits
+    if family not in ("mixtral", *EP_EXACT):
+        with pytest.raises(ValueError, match=r"moe.expert_parallel_size: \w+ (has a shared expert|is not a fused)"):
+            ep.parallelize(model, None, None)
+        return
+    assert ep.parallelize(model, None, None) == len(list(moe_blocks(model)))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, native, rtol=1e-5, atol=1e-5)

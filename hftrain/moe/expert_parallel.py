@@ -211,13 +211,7 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in blocks:
-                if (not hasattr(child.experts, "gate_up_proj") or hasattr(child.experts, "gate_up_proj_bias")
-                        or not hasattr(router_of(child), "top_k")):  # gpt-oss's experts have biases and a clamp
-                    raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} is not a fused Mixtral-style "
-                                     "block (gate_up_proj / down_proj experts without biases and a top-k router)")
-                if hasattr(child, "shared_expert"):
-                    raise ValueError(f"moe.expert_parallel_size: {type(child).__name__} has a shared expert, which "
-                                     "this layer does not run; expert parallelism supports Mixtral-style blocks")
+                _check_reproducible(child)
                 ep = ExpertParallelMoE(child, group, capacity_factor)
                 if world > 1:
                     for p in (ep.experts.gate_up_proj, ep.experts.down_proj):
@@ -226,6 +220,24 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
                 swapped += 1
     model._ddp_params_and_buffers_to_ignore = expert_param_names(model)
     return swapped
+
+
+def _check_reproducible(block: nn.Module) -> None:
+    """Refuse a block this layer would not compute as the family does (its forward is the router's top-k weights
+    times fused experts, nothing else): gpt-oss's experts have biases and a clamp; Qwen2-MoE's block adds a shared
+    expert, DeepSeek-V3's and GLM-4.5's shared experts, and their routers choose by sigmoid score plus a bias within
+    groups of experts and scale the weights (tests/test_moe.py checks each family: refused, or the same logits)."""
+    name, router = type(block).__name__, router_of(block)
+    if (not hasattr(block.experts, "gate_up_proj") or hasattr(block.experts, "gate_up_proj_bias")
+            or not hasattr(router, "top_k")):
+        raise ValueError(f"moe.expert_parallel_size: {name} is not a fused Mixtral-style block (gate_up_proj / "
+                         "down_proj experts without biases and a top-k router)")
+    if hasattr(block, "shared_expert") or hasattr(block, "shared_experts"):
+        raise ValueError(f"moe.expert_parallel_size: {name} has a shared expert, which this layer does not run; "
+                         "expert parallelism supports Mixtral-style blocks")
+    if hasattr(router, "e_score_correction_bias") or hasattr(block, "e_score_correction_bias"):
+        raise ValueError(f"moe.expert_parallel_size: {name} routes by score plus a bias within groups of experts, "
+                         "which this layer does not run; expert parallelism supports Mixtral-style blocks")
 
 
 def gather_for_save(model: nn.Module) -> None:
