@@ -760,3 +760,28 @@ def test_expert_parallelism_runs_a_family_exactly_or_refuses_it(family, tiny_mix
     assert ep.parallelize(model, None, None) == len(list(moe_blocks(model)))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, native, rtol=1e-5, atol=1e-5)
+
+
+def test_check_refuses_an_expert_parallel_size_the_launch_or_the_model_cannot_take(tiny_mixtral_dir, tmp_path):
+    """`hftrain check` (preflight) says what the run would refuse only after loading the model: a size other than
+    the number of processes, one that does not divide the experts, a family the layer does not run."""
+    from hftrain.config import RecipeError
+    from hftrain.launch import check_recipe
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n' * 8)
+
+    def check(model, *extra):
+        return check_recipe(None, [f"model.name_or_path={model}", f"data.sources.0.path={data}",
+                                   f"training.output_dir={tmp_path / 'out'}", "strategy.num_processes=2", *extra],
+                            raw={}, environment=False)
+
+    with pytest.raises(RecipeError) as e:
+        check(tiny_mixtral_dir, "moe.expert_parallel_size=3")
+    assert "moe.expert_parallel_size: must equal the number of processes (2), got 3" in str(e.value)
+    assert "moe.expert_parallel_size: 3 does not divide the model's 4 experts per layer" in str(e.value)
+    deepseek = tiny_family_moe("deepseek_v3", tiny_mixtral_dir, str(tmp_path / "deepseek"))
+    with pytest.raises(RecipeError, match="moe.expert_parallel_size: DeepseekV3MoE has a shared expert"):
+        check(deepseek, "moe.expert_parallel_size=2", "moe.bias_update_rate=0")
+    recipe, strategy = check(tiny_mixtral_dir, "moe.expert_parallel_size=2")
+    assert recipe.moe.expert_parallel_size == 2

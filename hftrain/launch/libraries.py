@@ -41,6 +41,8 @@ from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
 from ..modeling import local_config, lora_config
 from ..moe.balance import bias_rate_problem
+from ..moe.blocks import moe_blocks
+from ..moe.expert_parallel import check_reproducible
 from .resume import meta_model
 from .strategies import render
 
@@ -242,6 +244,32 @@ def moe_bias_problems(recipe: Recipe) -> list[tuple[str, str]]:
         return []
     problem = bias_rate_problem(meta_model(config, recipe.model.trust_remote_code), recipe.moe.bias_update_rate)
     return [("moe.bias_update_rate", problem)] if problem else []
+
+
+def expert_parallel_problems(recipe: Recipe, world: int) -> list[tuple[str, str]]:
+    """moe.expert_parallel_size against the launch and the model, before anything loads (the run refuses the same
+    once the model is loaded): the experts are split over every process, so it equals their number and divides the
+    model's experts, whose blocks must be ones the layer computes as the family does (the model built from its config
+    on the meta device). Skipped where the model is upcycled (built from another config) or a key was already wrong."""
+    moe, n = recipe.moe, getattr(recipe.moe, "expert_parallel_size", 1)
+    if not isinstance(n, int) or n <= 1 or {"moe.expert_parallel_size", "model.name_or_path"} & recipe.invalid:
+        return []
+    out = []
+    if n != world:
+        out.append(("moe.expert_parallel_size", f"must equal the number of processes ({world}), got {n}: the "
+                    "experts are split over every process (no expert-parallel groups inside data parallelism); "
+                    f"launch {n} processes, or set it to {world}"))
+    config = local_config(recipe.model) if moe.upcycle is None else None
+    blocks = moe_blocks(meta_model(config, recipe.model.trust_remote_code)) if config is not None else []
+    try:
+        if blocks:
+            check_reproducible(blocks[0])
+    except ValueError as e:
+        return out + [("moe.expert_parallel_size", str(e).split(": ", 1)[1])]
+    experts = blocks[0].experts.gate_up_proj.shape[0] if blocks else None
+    if experts is not None and experts % n:
+        out.append(("moe.expert_parallel_size", f"{n} does not divide the model's {experts} experts per layer"))
+    return out
 
 
 def experts_problems(recipe: Recipe) -> list[tuple[str, str]]:

@@ -158,6 +158,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
                         f"the {world} processes (data-parallel groups of {sp} ranks share each sequence); launch a "
                         f"multiple of {sp} processes")
     strategy = replace(s, name=name)
+    problems += [_message(recipe, k, m) for k, m in libraries.expert_parallel_problems(recipe, world)]
     for section in recipe.method_sections().values():  # the method's own, over these processes and this machine
         problems += [_message(recipe, k, m) for k, m in section.launch_problems(recipe, world, environment)]
     if environment:

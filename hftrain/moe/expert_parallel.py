@@ -211,7 +211,7 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in blocks:
-                _check_reproducible(child)
+                check_reproducible(child)
                 ep = ExpertParallelMoE(child, group, capacity_factor)
                 if world > 1:
                     for p in (ep.experts.gate_up_proj, ep.experts.down_proj):
@@ -222,7 +222,7 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     return swapped
 
 
-def _check_reproducible(block: nn.Module) -> None:
+def check_reproducible(block: nn.Module) -> None:
     """Refuse a block this layer would not compute as the family does (its forward is the router's top-k weights
     times fused experts, nothing else): gpt-oss's experts have biases and a clamp; Qwen2-MoE's block adds a shared
     expert, DeepSeek-V3's and GLM-4.5's shared experts, and their routers choose by sigmoid score plus a bias within
