@@ -526,6 +526,16 @@ def test_expert_parallel_composes_with_fsdp2_sharding_the_dense_part(aux_runs):
     assert (ck / "pytorch_model_fsdp_0").is_dir() and (ck / "expert_optimizer_rank1.pt").is_file()
     assert resumed["losses"] == pytest.approx(fsdp["losses"], rel=1e-5)
     assert max_rel(resumed["final"], fsdp["final"]) <= 1e-5
+    # the saved folder is a native Mixtral with every expert: from_pretrained gives the run's own logits
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.constants import PROBE_IDS
+
+    model = AutoModelForCausalLM.from_pretrained(str(fsdp["folder"]), dtype=torch.float32).eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE_IDS) % model.config.vocab_size).logits
+    torch.testing.assert_close(logits, torch.tensor(fsdp["info"]["probe_logits"]), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
