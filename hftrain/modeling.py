@@ -282,6 +282,14 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     return model
 
 
+def saved_shapes(model) -> dict[str, tuple[int, ...]]:
+    """name -> shape of `model`'s weights as save_pretrained writes them (works on the meta device): transformers 5
+    holds some families' experts fused (Mixtral's, Qwen-MoE's) and saves them per expert, in the Hub's layout."""
+    from transformers.core_model_loading import revert_weight_conversion  # the one place saving's names come from
+
+    return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
+
+
 def lora_config(cfg: ModelSection):
     """peft's LoraConfig of model.lora."""
     from peft import LoraConfig  # optional dependency, heavy to import: LoRA runs only

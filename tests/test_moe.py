@@ -795,3 +795,25 @@ def test_check_refuses_an_expert_parallel_size_the_launch_or_the_model_cannot_ta
         check(deepseek, "moe.expert_parallel_size=2", "moe.bias_update_rate=0")
     recipe, strategy = check(tiny_mixtral_dir, "moe.expert_parallel_size=2")
     assert recipe.moe.expert_parallel_size == 2
+
+
+def test_a_pushed_moe_folder_has_its_experts_shapes_checked(tiny_mixtral_dir, tmp_path):
+    """The upload check compares each saved tensor's shape with the config's, named as save_pretrained writes them:
+    a Mixtral's experts are saved per expert, so before the names were reverted no expert was compared (only the
+    load after it failed, with transformers' conversion report instead of the tensor's name)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hftrain.hub.checks import validate_folder
+
+    folder = tmp_path / "mixtral"
+    shutil.copytree(tiny_mixtral_dir, folder)
+    assert validate_folder(str(folder)) == []
+    weights = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("experts.0.w1.weight"))
+    rows, cols = weights[name].shape
+    weights[name] = torch.zeros(rows + 1, cols)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    expected = f"{name}: saved shape [{rows + 1}, {cols}], the config needs [{rows}, {cols}]"
+    assert validate_folder(str(folder)) == [expected]

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from ..constants import PROBE_IDS
 from ..fileio import read_json
+from ..modeling import saved_shapes
 
 
 def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False) -> list[str]:
@@ -66,11 +67,12 @@ def _weight_files(path: str) -> tuple[list[str], list[str]]:
 
 
 def _expected_shapes(path: str, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
-    """The state_dict shapes the config describes, from a model built on the meta device (no memory, no weights)."""
+    """The shapes the config describes, named as save_pretrained writes them (MoE experts per expert), from a model
+    built on the meta device (no memory, no weights)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return saved_shapes(model)
 
 
 def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:

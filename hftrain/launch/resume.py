@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from ..config import Recipe
-from ..modeling import local_config, lora_config
+from ..modeling import local_config, lora_config, saved_shapes
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_FILES = ("adapter_model.safetensors",)
@@ -48,15 +48,6 @@ def _headers(folder: str, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] 
     return shapes
 
 
-def revert_weight_conversion(model, state_dict: dict) -> dict:
-    """The state dict as save_pretrained writes it: transformers 5 loads some families (Mixtral's, Qwen2-MoE's, ...
-    experts) into fused tensors and saves them back in their checkpoints' original per-expert names and shapes.
-    Works on the meta device (shapes only)."""
-    from transformers.core_model_loading import revert_weight_conversion as revert
-
-    return revert(model, dict(state_dict))
-
-
 def meta_model(config, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
@@ -71,8 +62,7 @@ def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[s
     model = meta_model(config, m.trust_remote_code)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if m.lora is None:  # named as save_pretrained writes them: MoE experts, for one, in their original format
-        saved = revert_weight_conversion(model, model.state_dict())
-        return {k: tuple(v.shape) for k, v in saved.items()}, tied
+        return saved_shapes(model), tied
     from peft import get_peft_model, get_peft_model_state_dict  # optional dependency: LoRA runs only
 
     with warnings.catch_warnings():
