@@ -12,6 +12,7 @@ chunked_ce runs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -20,6 +21,7 @@ from ..constants import IGNORE_INDEX
 from .chunked_ce import HeadMath
 
 
+@functools.cache  # asked at every loss step on a GPU: one look along sys.path per process
 def installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
