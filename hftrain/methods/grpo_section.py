@@ -15,7 +15,7 @@ from ..config import DataSource, LoraSection, MethodSection, Problems, Recipe
 from ..config.fields import _f
 from ..config.fields import is_number as _num
 from ..distributed import accelerator_available
-from .policy import policy_strategy_problems
+from .policy import policy_strategy_problems, sft_only_problems
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
@@ -89,16 +89,13 @@ class GrpoSection(MethodSection):
         return launch_problems(recipe, world, environment)
 
 
-# data: options of supervised fine-tuning that mean nothing to GRPO, which trains on the completions it samples
-# (data.truncation: drop does: it drops too-long prompts).
-_SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False, "train_turns": "all"}
-
-
 def grpo_problems(recipe: Recipe) -> Problems:
     """Rules of the `grpo:` section, and what the rest of a GRPO recipe may not ask for. Whether the group size
     divides the global batch needs the number of processes: `launch_problems`."""
-    return _section_problems(recipe.grpo) + _data_problems(recipe) + _other_section_problems(recipe)
+    # data.truncation is left to GRPO (drop: too-long prompts are dropped)
+    return (_section_problems(recipe.grpo) + _data_problems(recipe) + _other_section_problems(recipe)
+            + sft_only_problems(recipe, "GRPO", rows="GRPO (it trains on the completions it samples)",
+                                averaged="GRPO averages as grpo.loss_type says"))
 
 
 def _section_problems(g) -> Problems:
@@ -161,12 +158,6 @@ def _data_problems(recipe: Recipe) -> Problems:
     if _num(d.max_length) and _num(g.max_completion_length) and d.max_length <= g.max_completion_length:
         out.append(("data.max_length", f"bounds prompt + completion and must exceed grpo.max_completion_length "
                     f"({g.max_completion_length}), got {d.max_length}"))
-    for key, unset in _SFT_ONLY_DATA.items():
-        if getattr(d, key) != unset:
-            out.append((f"data.{key}", "applies to supervised fine-tuning, not to GRPO (it trains on the "
-                        "completions it samples): remove it"))
-    if d.streaming is True:
-        out.append(("data.streaming", "applies to supervised fine-tuning, not to GRPO's prompts: remove it"))
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format == "text":
@@ -182,12 +173,6 @@ def _other_section_problems(recipe: Recipe) -> Problems:
         out.append(("eval.exact_match", "held-out answers with grpo.environment need each row's environment, which "
                     "the evaluation does not run: set eval.exact_match: 0 (the environment's reward is logged per "
                     "step as rewards/<Class>/mean)"))
-    if recipe.training.get("loss_averaging") not in ("token", None):
-        out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; GRPO averages as "
-                    "grpo.loss_type says: remove it"))
-    if recipe.training.get("loss_impl") == "chunked":
-        out.append(("training.loss_impl", "applies to supervised fine-tuning (TRL computes GRPO's log-probs with "
-                    "its own fused head): remove it"))
     if recipe.training_value("eval_strategy") not in ("no", None):
         out.append(("training.eval_strategy", "GRPO is judged by eval.exact_match on held-out prompts before and "
                     "after training (greedy answers); remove eval_strategy"))
@@ -203,8 +188,6 @@ def _other_section_problems(recipe: Recipe) -> Problems:
                                              for v in (lora.target_modules, lora.modules_to_save)):
         out.append(("model.lora", "GRPO computes log-probs from lm_head's weight directly, so an adapter on lm_head "
                     "would never train: leave lm_head out of target_modules and modules_to_save"))
-    if recipe.moe is not None:
-        out.append(("moe", "is not supported with GRPO: train the MoE model with recipes/sft.py"))
     return out
 
 

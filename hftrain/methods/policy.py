@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ModelSection, Problems, Recipe
+from ..config import DataSection, ModelSection, Problems, Recipe
 from ..config.fields import is_number
 from ..constants import QUANTIZED_STRATEGIES
 from ..modeling import load_model, lora_config
 from .base import Method
 
+# data: options of supervised fine-tuning that mean nothing to the TRL-based methods (their value when unset).
+SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
+                 "skip_untrainable": False, "train_turns": "all"}
 # Where the TRL-based methods are tested exact (tests/test_preference.py, test_orpo_kto.py, test_grpo_runs.py).
 POLICY_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
@@ -26,6 +29,26 @@ def load_policy(cfg: ModelSection):
 def policy_peft_config(cfg: ModelSection):
     """The LoraConfig TRL wraps the policy with (model.lora), or None."""
     return lora_config(cfg) if cfg.lora is not None else None
+
+
+def sft_only_problems(recipe: Recipe, method: str, rows: str, averaged: str, data: dict | None = None) -> Problems:
+    """Supervised fine-tuning's keys asked of a TRL-based `method`: SFT_ONLY_DATA and the method's own `data`
+    options, streaming, the CE's averaging, the chunked loss and MoE. `rows`: what the method trains on and why those
+    options mean nothing to it; `averaged`: how its loss averages instead."""
+    d, out = recipe.data, []
+    for key, unset in ({**SFT_ONLY_DATA, **(data or {})}.items() if isinstance(d, DataSection) else ()):
+        if getattr(d, key) != unset:
+            out.append((f"data.{key}", f"applies to supervised fine-tuning, not to {rows}: remove it"))
+    if isinstance(d, DataSection) and d.streaming is True:
+        out.append(("data.streaming", f"applies to supervised fine-tuning, not to {method}: remove it"))
+    if recipe.training.get("loss_averaging") not in ("token", None):
+        out.append(("training.loss_averaging", f"applies to the CE of supervised fine-tuning; {averaged}: remove it"))
+    if recipe.training.get("loss_impl") == "chunked":
+        out.append(("training.loss_impl", f"applies to supervised fine-tuning (TRL computes {method}'s log-probs "
+                    "with its own fused head): remove it"))
+    if recipe.moe is not None:
+        out.append(("moe", f"is not supported with {method}: train the MoE model with recipes/sft.py"))
+    return out
 
 
 def policy_strategy_problems(recipe: Recipe, name: str, method: str, whole: str) -> Problems:

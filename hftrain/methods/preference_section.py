@@ -8,10 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import DataSection, DataSource, MethodSection, Problems, Recipe
+from ..config import DataSource, MethodSection, Problems, Recipe
 from ..config.fields import _f
 from ..config.fields import is_number as _num
-from .policy import policy_strategy_problems
+from .policy import policy_strategy_problems, sft_only_problems
 
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
@@ -46,11 +46,6 @@ class PreferenceSection(MethodSection):
                                         whole="TRL scores whole sequences on each rank")
 
 
-# data: and training: options of supervised fine-tuning that mean nothing to a preference loss (value when unset).
-_SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
-                  "skip_untrainable": False, "truncation": "right", "train_turns": "all"}
-
-
 def preference_problems(recipe: Recipe) -> Problems:
     """Rules of the `preference:` section, and what the rest of a preference recipe may not ask for."""
     p, out = recipe.preference, []
@@ -76,28 +71,17 @@ def preference_problems(recipe: Recipe) -> Problems:
         out.append(("preference.precompute_ref_log_probs", f"loss_type {p.loss_type} is reference-free: there is "
                     "nothing to precompute; remove it"))
     d = recipe.data
-    for key, unset in (_SFT_ONLY_DATA.items() if d is not None else ()):
-        if getattr(d, key) != unset:
-            out.append((f"data.{key}", "applies to supervised fine-tuning, not to preference pairs (each pair is "
-                        "scored on its chosen and rejected answers whole): remove it"))
-    if isinstance(d, DataSection) and d.streaming is True:
-        out.append(("data.streaming", "applies to supervised fine-tuning, not to preference pairs: remove it"))
+    out += sft_only_problems(recipe, "preference tuning", data={"truncation": "right"},
+                             rows="preference pairs (each pair is scored on its chosen and rejected answers whole)",
+                             averaged="a preference loss is the mean over the pairs of the global batch")
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format != "auto":
                 out.append((f"data.{group}.{i}.format", "preference rows are read by their columns prompt/chosen/"
                             "rejected (rename yours with columns:): remove format"))
-    if recipe.training.get("loss_averaging") not in ("token", None):
-        out.append(("training.loss_averaging", "applies to the CE of supervised fine-tuning; a preference loss is "
-                    "the mean over the pairs of the global batch: remove it"))
-    if recipe.training.get("loss_impl") == "chunked":
-        out.append(("training.loss_impl", "applies to supervised fine-tuning (TRL computes the preference "
-                    "log-probs with its own fused head): remove it"))
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
         out.append(("eval.exact_match", "is not measured by preference tuning (held-out reward accuracy and margins "
                     "are): set it to 0"))
-    if recipe.moe is not None:
-        out.append(("moe", "is not supported with preference tuning: train the MoE model with recipes/sft.py"))
     return out
 
 
