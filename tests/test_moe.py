@@ -817,3 +817,21 @@ def test_a_pushed_moe_folder_has_its_experts_shapes_checked(tiny_mixtral_dir, tm
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     expected = f"{name}: saved shape [{rows + 1}, {cols}], the config needs [{rows}, {cols}]"
     assert validate_folder(str(folder)) == [expected]
+
+
+def test_the_gathered_experts_are_dropped_while_training(tiny_mixtral_dir):
+    """The full copy of every expert (gathered for a save) is dropped when training starts and after each save:
+    kept, it would put every expert back on every rank, what expert parallelism is there to avoid."""
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.moe import expert_parallel as ep
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_mixtral_dir, dtype=torch.float32)
+    ep.parallelize(model, None, None)
+    blocks = [m for m in model.modules() if isinstance(m, ep.ExpertParallelMoE)]
+    callback = ep.ExpertParallelCallback(model)
+    for event in ("on_train_begin", "on_save"):
+        ep.gather_for_save(model)
+        assert all(b._full is not None for b in blocks)
+        getattr(callback, event)(None, None, None)
+        assert all(b._full is None for b in blocks), event

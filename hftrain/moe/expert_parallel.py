@@ -162,30 +162,28 @@ def local_experts(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, experts: list[nn.Parameter], group) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over every rank's parameters: the dense gradients are the same on every rank
-    (DDP averaged them), each rank's experts are its own, so their squares are summed over the expert-parallel group.
-    Every rank gets the same norm and scales by the same factor (a rank-local norm would clip ranks differently and
-    the replicated weights would drift apart). Returns the norm before clipping."""
-    experts = local_experts(model)
-    mine = {id(p) for p in experts.values()}
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    (DDP averaged them), each rank's `experts` are its own, so their squares are summed over the expert-parallel
+    `group`. Every rank gets the same norm and scales by the same factor (a rank-local norm would clip ranks
+    differently and the replicated weights would drift apart). Returns the norm before clipping."""
+    mine = {id(p) for p in experts}
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    if not with_grad:
         return torch.zeros(())
     # [0]: gradients every rank holds alike (DDP's dense ones); [1]: each rank's own part (its experts, and FSDP's
     # shards of the dense ones), summed over the ranks
-    squares = torch.zeros(2, dtype=torch.float32, device=_local(grads[0]).device)
-    for p in model.parameters():
-        if p.grad is not None:
-            own = id(p) in mine or isinstance(p.grad, DTensor)
-            squares[int(own)] += torch.linalg.vector_norm(_local(p.grad).float()).square()
+    squares = torch.zeros(2, dtype=torch.float32, device=_local(with_grad[0].grad).device)
+    for p in with_grad:
+        own = id(p) in mine or isinstance(p.grad, DTensor)
+        squares[int(own)] += torch.linalg.vector_norm(_local(p.grad).float()).square()
     own_squares = squares[1:].clone()
-    dist.all_reduce(own_squares, group=parallel_blocks(model)[0].group)
+    dist.all_reduce(own_squares, group=group)
     total = (squares[0] + own_squares[0]).sqrt()
     if math.isfinite(max_norm):
         scale = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as torch's clip_grad_norm_
-        for g in grads:
-            g.mul_(scale)
+        for p in with_grad:
+            p.grad.mul_(scale)
     return total
 
 
@@ -246,12 +244,27 @@ def gather_for_save(model: nn.Module) -> None:
             m.gather_for_save()
 
 
+def release_gathered(model: nn.Module) -> None:
+    """Drop the gathered copies of every expert (gather_for_save) once what needed them has read them."""
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            m._full = m._full_versions = None
+
+
 class ExpertParallelCallback(TrainerCallback):
     """Gathers the experts on every rank right before the Trainer saves (checkpoints and the final save), so the
-    saved model holds all experts in the native layout."""
+    saved model holds all experts in the native layout, and drops the gathered copies while training (a copy of every
+    expert on every rank is what expert parallelism saves): once accelerate's preparation and a resume's load have
+    read them, and after each checkpoint."""
 
     def __init__(self, model):
         self.model = model
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        release_gathered(self.model)
+
+    def on_save(self, args, state, control, **kwargs):
+        release_gathered(self.model)
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save:  # set by DefaultFlowCallback, which runs first

@@ -22,19 +22,34 @@ EXPERT_OPTIMIZER = "expert_optimizer_rank{rank}.pt"  # one per rank: the optimiz
 
 
 class ExpertParallelMixin:
+    _split_experts: tuple[dict, object] | None = None
+
+    def _experts(self) -> tuple[dict, object]:
+        """(this rank's expert parameters by name, their group), found once, at the first use in train(): the blocks
+        are swapped before it (moe.attach) and stay (FSDP2 replaces the dense parameters, not these)."""
+        if self._split_experts is None:
+            model = unwrap(self.model)
+            blocks = ep.parallel_blocks(model)
+            self._split_experts = (ep.local_experts(model), blocks[0].group if blocks else None)
+        return self._split_experts
+
+    def _global_norm(self, max_norm: float):
+        experts, group = self._experts()
+        return ep.clip_grad_norm_(unwrap(self.model), max_norm, list(experts.values()), group)
+
     def _clip_grad_norm(self, model):
-        if not ep.parallel_blocks(unwrap(self.model)):
+        if not self._experts()[0]:
             return super()._clip_grad_norm(model)
-        return ep.clip_grad_norm_(unwrap(self.model), self.args.max_grad_norm)
+        return self._global_norm(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and ep.parallel_blocks(unwrap(self.model)):
-            grad_norm = ep.clip_grad_norm_(unwrap(self.model), float("inf"))
+        if grad_norm is None and self._experts()[0]:
+            grad_norm = self._global_norm(float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        experts = ep.local_experts(unwrap(self.model))
+        experts = self._experts()[0]
         if experts:  # every rank, into the staged checkpoint (the Trainer's main process may not have made it yet)
             state = {name: self.optimizer.state[p] for name, p in experts.items() if p in self.optimizer.state}
             os.makedirs(output_dir, exist_ok=True)
@@ -42,7 +57,7 @@ class ExpertParallelMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        experts = ep.local_experts(unwrap(self.model))
+        experts = self._experts()[0]
         if checkpoint is None or not experts:
             return
         path = os.path.join(checkpoint, EXPERT_OPTIMIZER.format(rank=self.args.process_index))
