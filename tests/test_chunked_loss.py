@@ -175,15 +175,21 @@ def loss_and_grads(model, impl, tmp_path, batch, chunk=16, **kwargs):
     return trainer, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("case", ["tied", "untied", "packed", "gemma2_softcap", "cohere", "granite", "sequence",
-                                  "label_smoothing"])
-def test_trainer_step_chunked_equals_logits(case, tmp_path):
+def trainer_case(case: str):
+    """(model kind, tiny model, batch, trainer options) of a named case of the trainer-step tests."""
     kind = {"gemma2_softcap": "gemma2", "cohere": "cohere", "granite": "granite"}.get(case, "llama")
     model = tiny_lm(tie=case != "untied", kind=kind)
     batch = lm_batch(512, b=3 if case == "packed" else 2, packed=case == "packed")
     kwargs = {"loss_averaging": "sequence"} if case == "sequence" else {}
     if case == "label_smoothing":
         kwargs["label_smoothing"] = 0.1
+    return kind, model, batch, kwargs
+
+
+@pytest.mark.parametrize("case", ["tied", "untied", "packed", "gemma2_softcap", "cohere", "granite", "sequence",
+                                  "label_smoothing"])
+def test_trainer_step_chunked_equals_logits(case, tmp_path):
+    kind, model, batch, kwargs = trainer_case(case)
     ref_trainer, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch, **kwargs)
     trainer, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch, **kwargs)
     assert ref_trainer._head is None and trainer._head is not None
@@ -381,12 +387,7 @@ def test_on_a_gpu_the_token_sum_comes_from_ligers_fused_kernel(case, tmp_path, m
     monkeypatch.setattr(fused_ce, "_liger_loss", lambda smoothing, softcap: _LigerStandIn(
         fused_ce.IGNORE_INDEX, smoothing, "sum", softcap))
     _LigerStandIn.calls = []
-    kind = {"gemma2_softcap": "gemma2", "cohere": "cohere"}.get(case, "llama")
-    model = tiny_lm(kind=kind)
-    batch = lm_batch(512, b=3 if case == "packed" else 2, packed=case == "packed")
-    kwargs = {"loss_averaging": "sequence"} if case == "sequence" else {}
-    if case == "label_smoothing":
-        kwargs["label_smoothing"] = 0.1
+    _, model, batch, kwargs = trainer_case(case)
     _, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch, **kwargs)
     _, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch, **kwargs)
     assert bool(_LigerStandIn.calls) == (case not in ("sequence", "cohere")), _LigerStandIn.calls
