@@ -18,8 +18,8 @@ from hftrain.launch.machine import extensions_dir  # noqa: E402
 from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
 from tests import forked, launch_log  # noqa: E402
 from tests.support import free_port  # noqa: E402
-from tests.launch_log import (pytest_configure, pytest_runtest_setup,  # noqa: F401  (hooks: the suite's launch log)
-                              pytest_terminal_summary)
+from tests.launch_log import (pytest_configure, pytest_runtest_protocol,  # noqa: F401  (hooks: the suite's
+                              pytest_runtest_setup, pytest_terminal_summary)  # launch log)
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
@@ -194,7 +194,8 @@ def _run_forked(cmd: list[str], timeout: int, env: dict) -> subprocess.Completed
     try:
         result = forked.launch(cmd, env, REPO, timeout)
     finally:
-        launch_log.record(record, result.returncode if result is not None else -9)
+        launch_log.record(record, result.returncode if result is not None else -9,
+                          getattr(result, "cpu_seconds", None))
     return result
 
 

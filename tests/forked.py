@@ -31,6 +31,7 @@ import atexit
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -53,6 +54,7 @@ STOP_GRACE_S = 30.0  # after one rank fails, the others' time to end on SIGTERM 
 # The server imports its preload under the environment the suite started with (conftest imports this module before
 # any test runs), not under whatever the test that first launches has patched.
 SERVER_ENV = dict(os.environ)
+CPU_FILE = "cpu_seconds"  # beside the launch's stdout and stderr files
 _context = None
 
 
@@ -93,10 +95,12 @@ def launch(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> sub
         if timed_out:
             _kill_session(proc.pid)
             proc.join()
-        stdout, stderr = (_read(path) for path in (out, err))
+        stdout, stderr, cpu = (_read(path) for path in (out, err, os.path.join(folder, CPU_FILE)))
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+    result = subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
+    result.cpu_seconds = float(cpu) if cpu else None  # for the launch log: this launch is no child of pytest's
+    return result
 
 
 def _read(path: str) -> str:
@@ -132,7 +136,15 @@ def _play(cmd: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> 
         _fresh_interpreter(launched=False)
         code = _exit_code(lambda: _run_python(args))
     _finish()
+    _write_cpu_seconds(os.path.join(os.path.dirname(out), CPU_FILE))
     os._exit(code)
+
+
+def _write_cpu_seconds(path: str) -> None:
+    """This launch's CPU seconds and its ranks' (a forked child's usage starts at zero)."""
+    own, ranks = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(path, "w") as fh:
+        fh.write(str(own.ru_utime + own.ru_stime + ranks.ru_utime + ranks.ru_stime))
 
 
 def _redirect(out: str, err: str) -> None:

@@ -2,6 +2,12 @@
 seconds) in LAUNCH_LOG, and the end of the session prints a summary of it beside pytest's own durations (the
 most expensive launches, launches and seconds per file, the total).
 
+Wall seconds hide what the suite is short of: on 2 cores it is CPU-bound (a launch that waits for a time-out costs
+little, one that imports torch in three processes a lot). So each test also writes its CPU seconds: the pytest
+process's own, and its reaped child processes' (`resource.RUSAGE_CHILDREN`: a launched process and the processes it
+waited for); a launch forked from tests/forked.py's server (not a child of the pytest process) reports its own and
+its ranks' in its line. The summary names the tests and files that use the most CPU.
+
 A pytest plugin (conftest.py registers it): `subprocess.Popen` is replaced, in the pytest process(es) running tests
 (not in xdist's controller, whose processes are the workers), by a
 subclass that writes its line when the process is first seen ended (wait, poll, communicate and subprocess.run all
@@ -13,9 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import time
 from collections import defaultdict
+
+import pytest
 
 LAUNCH_LOG_ENV = "HFTRAIN_LAUNCH_LOG"
 TOP = 15
@@ -66,20 +75,38 @@ def started(argv) -> dict:
     return {"test": _current_test(), "argv": _argv(argv), "start": time.monotonic(), "marked": _current["marked"]}
 
 
-def record(launch: dict, returncode: int) -> None:
-    if not RecordedPopen.log_path:
-        return
+def record(launch: dict, returncode: int, cpu: float | None = None) -> None:
+    """`cpu`: the CPU seconds of a launch that is not a child of the pytest process (a forked one)."""
     line = {"test": launch["test"], "argv": launch["argv"], "rc": returncode, "marked": launch["marked"],
             "seconds": round(time.monotonic() - launch["start"], 3)}
+    if cpu is not None:
+        line["cpu"] = round(cpu, 3)
+    _write(line)
+
+
+def _write(line: dict) -> None:
+    if not RecordedPopen.log_path:
+        return
     with open(RecordedPopen.log_path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
 
 
-def read_launches(path: str) -> list[dict]:
+def cpu_seconds(who: int) -> float:
+    """User plus system CPU seconds of `who` (resource.RUSAGE_SELF or RUSAGE_CHILDREN) so far."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def read_log(path: str) -> list[dict]:
+    """Every line of the log: launches, and each test's CPU ("kind": "test")."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def read_launches(path: str) -> list[dict]:
+    return [x for x in read_log(path) if x.get("kind") != "test"]
 
 
 def short_argv(argv: list[str], width: int = 110) -> str:
@@ -87,8 +114,13 @@ def short_argv(argv: list[str], width: int = 110) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def summary_lines(launches: list[dict]) -> list[str]:
-    """The summary CI prints: the TOP most expensive launches, launches and seconds per file, the total."""
+def summary_lines(log: list[dict]) -> list[str]:
+    """The summary CI prints: the TOP most expensive launches, launches and seconds per file, the total; then CPU."""
+    launches = [x for x in log if x.get("kind") != "test"]
+    return launch_lines(launches) + cpu_lines(log)
+
+
+def launch_lines(launches: list[dict]) -> list[str]:
     if not launches:
         return ["no process was launched"]
     total = sum(x["seconds"] for x in launches)
@@ -107,6 +139,31 @@ def summary_lines(launches: list[dict]) -> list[str]:
         lines.append(f"tests that launch processes of over {UNMARKED_LIMIT_S:.0f} s without a marker of "
                      f"{' or '.join(TIER_MARKERS)} (they slow the fast tier: mark them):")
         lines.extend(f"  {t}" for t in unmarked)
+    return lines
+
+
+def cpu_lines(log: list[dict]) -> list[str]:
+    """CPU seconds per test and per file: the pytest process's own, its launches' (reaped children and forked)."""
+    tests = [x for x in log if x.get("kind") == "test"]
+    if not tests:
+        return []
+    per_test: dict[str, float] = defaultdict(float)
+    per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for x in tests:
+        per_test[x["test"]] += x["self"] + x["children"]
+        per_file[x["test"].split("::")[0]][0] += x["self"]
+        per_file[x["test"].split("::")[0]][1] += x["children"]
+    for x in log:
+        if "cpu" in x:
+            per_test[x["test"]] += x["cpu"]
+            per_file[x["test"].split("::")[0]][1] += x["cpu"]
+    total = sum(sum(v) for v in per_file.values())
+    lines = [f"CPU: {total:.0f} s in all (pytest processes and every process they launched); the "
+             f"{min(TOP, len(per_test))} tests that used the most:"]
+    lines += [f"  {cpu:7.1f} s  {test}" for test, cpu in sorted(per_test.items(), key=lambda kv: -kv[1])[:TOP]]
+    lines.append("CPU per file (in the pytest process + in launched processes = total):")
+    for name, (own, launched) in sorted(per_file.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"  {own:7.1f} + {launched:7.1f} = {own + launched:7.1f} s  {name}")
     return lines
 
 
@@ -129,9 +186,20 @@ def pytest_runtest_setup(item):
     _current["marked"] = any(item.get_closest_marker(m) for m in TIER_MARKERS)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The test's CPU seconds (set-up, call and tear-down): this process's and its reaped children's."""
+    own, children = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
+    try:
+        return (yield)
+    finally:
+        _write({"kind": "test", "test": item.nodeid, "self": round(cpu_seconds(resource.RUSAGE_SELF) - own, 3),
+                "children": round(cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3)})
+
+
 def pytest_terminal_summary(terminalreporter, config):
     if hasattr(config, "workerinput"):
         return
     terminalreporter.section(f"launched processes ({RecordedPopen.log_path})")
-    for line in summary_lines(read_launches(RecordedPopen.log_path)):
+    for line in summary_lines(read_log(RecordedPopen.log_path)):
         terminalreporter.write_line(line)
