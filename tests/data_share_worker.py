@@ -1,7 +1,11 @@
 """One rank of test_data_cache's rank-sharing test: build the data of one source in a 2-process group and write what
 this rank read and tokenised itself, and what it got (or the error it stopped with).
 
-    torchrun --nproc_per_node 2 tests/data_share_worker.py MODEL_DIR DATA.jsonl OUT_DIR
+    torchrun --nproc_per_node 2 tests/data_share_worker.py MODEL_DIR DATA.jsonl OUT_DIR DATASETS_CACHE
+
+DATASETS_CACHE is set as datasets' cache folder here, at run time (hftrain reads `datasets.config.HF_DATASETS_CACHE`
+when it prepares a source), not as HF_DATASETS_CACHE in the environment: datasets reads that variable at import, so
+the launch could not be forked from the suite's preloaded interpreter (tests/forked.py).
 """
 
 import json
@@ -11,7 +15,10 @@ import sys
 import torch.distributed as dist
 
 
-def main(model_dir: str, path: str, out: str) -> None:
+def main(model_dir: str, path: str, out: str, datasets_cache: str) -> None:
+    import datasets
+
+    datasets.config.HF_DATASETS_CACHE = datasets_cache
     dist.init_process_group("gloo")
     from hftrain.config import DataSection, DataSource, ModelSection
     from hftrain.data import rows, sources
@@ -47,4 +54,4 @@ def main(model_dir: str, path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

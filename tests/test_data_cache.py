@@ -4,7 +4,6 @@ cut before tokenisation (issue #33 point 7); BOM, blank files and folders mixing
 
 import json
 import os
-import subprocess
 
 import datasets
 import pytest
@@ -16,7 +15,7 @@ from hftrain.data import sources as sources_module
 from hftrain.data.rows import char_bound
 from hftrain.errors import DataError
 
-from .conftest import PY, REPO
+from .conftest import PY, run
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_share_worker.py")
 
@@ -237,15 +236,14 @@ def test_a_folder_mixing_layouts_names_its_files(tmp_path, tokenizer, own_cache)
 def test_one_rank_prepares_and_the_others_map_its_files(tmp_path, tiny_model_dir):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": f"row {i}"} for i in range(3000)])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": f"row {i}"} for i in range(2000)] + [{"text": 5}])
-    env = {**os.environ, "PYTHONPATH": REPO, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     from .support import free_port
 
     for path, name in ((good, "good"), (bad, "bad")):
         out = tmp_path / name
         out.mkdir()
         cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               WORKER, tiny_model_dir, path, str(out)]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+               WORKER, tiny_model_dir, path, str(out), str(tmp_path / "cache")]
+        r = run(cmd, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
         assert ranks[0]["read"] == 1 and ranks[0]["tokenised"] == (3000 if name == "good" else 2001)

@@ -191,11 +191,9 @@ def test_position_is_a_pure_function_of_the_examples_made(tokenizer, tmp_path):
 def test_two_processes_train_on_their_own_rows(tmp_path, tiny_model_dir):
     """Under `accelerate launch` with 2 processes, the Trainer's dataloaders (accelerate's sharding of the stream,
     dispatch_batches off) give each process rows the other never sees, and the run trains."""
-    import subprocess
-
     from .support import free_port
 
-    from .conftest import ACCELERATE_LAUNCH, REPO
+    from .conftest import ACCELERATE_LAUNCH, REPO, run
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(500)])
     out = tmp_path / "out"
@@ -203,8 +201,7 @@ def test_two_processes_train_on_their_own_rows(tmp_path, tiny_model_dir):
     cmd = [*ACCELERATE_LAUNCH, "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
            "--main_process_port", str(free_port()), os.path.join(REPO, "tests", "stream_worker.py"), tiny_model_dir,
            path, str(out)]
-    r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
-                       timeout=600)
+    r = run(cmd, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = (json.loads((out / f"rank{i}.json").read_text()) for i in range(2))
     assert a["dispatch"] is False and len(a["texts"]) == len(b["texts"]) == 20
