@@ -1,18 +1,25 @@
-"""How the suite's tests are spread over pytest-xdist's workers (`-n 2`, README's test command): whole modules, the
-heaviest first, and test_multinode alone.
+"""How the suite's tests are spread over pytest-xdist's workers (`-n 3` on 2 cores, README's test command): whole
+modules, the heaviest first, and test_multinode beside nothing that launches processes.
+
+- Three workers on two cores: many tests mostly wait (a rank time-out, elastic's 30 s SIGTERM grace, slurmctld's
+  time-limit pass, a killed launcher's restart), and with two workers the cores sat idle 17% of the suite (sampled
+  every 10 s; 1147 s in all). A third worker fills that time: 1020 s, 12% idle, most of it in the cluster unit. The
+  fast tier only computes, and runs best on two (141 s against 157 s on three).
 
 - A module is one unit of work (as `--dist loadfile`): its module-scoped fixtures (reference runs, matrix
   launches) are made once, by the worker that runs it; split over workers they would be made twice.
-- test_multinode (two machines in network namespaces) is the "cluster" unit, and it runs alone, first: each of its
-  tests runs two or three launchers of several processes at once, and beside another worker's 2-rank launches
-  (ranks waiting in collectives spin) they took 4x their time alone (measured: 18 min instead of 4), near their own
-  time-outs.
+- test_multinode (two machines in network namespaces) is the "cluster" unit, and it runs first, beside light units
+  only (modules that launch no process: not in WEIGHTS_S): each of its tests runs two or three launchers of several
+  processes at once, and beside another worker's 2-rank launches (ranks waiting in collectives spin) they took 4x
+  their time alone (measured: 18 min instead of 4), near their own time-outs. Alone it left the cores 30% idle
+  (its tests wait for rank time-outs); a light unit is one pytest process computing, which takes that time.
 - test_slurm (a SLURM cluster of its own namespaces) runs beside other work, started right after the cluster unit:
   its jobs mostly wait (5 s per step, slurmctld's time-limit pass every 30 s), and alone it left the machine 70-100%
   idle for about 2 of its 3 minutes (measured with the cluster unit holding both modules).
 - The heaviest units start first (longest processing time first), so the last unit to finish is a short one. The
   weights are the seconds each took in a measured run of the suite (`.pytest_launches.jsonl` and pytest's durations);
-  a module missing from the table counts as light.
+  a module missing from the table counts as light, and every module with a test marked `launches` or `cluster` must
+  be in it (tests/test_launch_log.py checks).
 
 xdist's own `--dist loadgroup` would group by `xdist_group` marks, but xdist 3.8 marks a test's group by rewriting
 `item._nodeid`, which pytest 9 no longer reads: the groups are silently ignored. A scheduler of our own (xdist's
@@ -36,7 +43,13 @@ WEIGHTS_S = {
     "test_guards": 225, "test_sequence_parallel_runs": 210, "test_hub": 200, "test_e2e": 150, "test_eval": 140,
     "test_wheel": 120, "test_compression": 120, "test_exit_codes": 115, "test_data_cache": 60, "test_checkpoints": 50,
     "test_stream": 30, "test_stop_signals": 80, "test_matrix": 27, "test_security": 18, "test_bad_input": 10,
+    "test_compile": 11, "test_outdir": 5, "test_forked": 3, "test_claim": 3, "test_launch_log": 2,
 }
+
+
+def is_light(unit: str) -> bool:
+    """A unit that launches no process (its module has no weight): it may run beside an exclusive unit."""
+    return unit not in WEIGHTS_S and unit not in EXCLUSIVE_UNITS
 
 
 def unit_of(nodeid: str) -> str:
@@ -59,9 +72,17 @@ def make_scheduler(config, log):
 
         def _running(self, exclusive: bool, besides=None) -> bool:
             """A node other than `besides` has unfinished tests of an exclusive unit (exclusive=True) or of any unit
-            (False)."""
+            that is not light (False)."""
             return any(not all(tests.values()) for other, units in self.assigned_work.items() if other is not besides
-                       for unit, tests in units.items() if not exclusive or unit in EXCLUSIVE_UNITS)
+                       for unit, tests in units.items()
+                       if (unit in EXCLUSIVE_UNITS if exclusive else not is_light(unit)))
+
+        def _light_unit_first(self) -> bool:
+            """Move a light unit to the head of the queue; False when none is left."""
+            light = next((unit for unit in self.workqueue if is_light(unit)), None)
+            if light is not None:
+                self.workqueue.move_to_end(light, last=False)
+            return light is not None
 
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # the queue is complete when the first unit is handed out
@@ -70,11 +91,11 @@ def make_scheduler(config, log):
                                                               -WEIGHTS_S.get(unit[0], 0))))
                 self.ordered = True
             # The node running an exclusive unit may queue the next unit behind it (an xdist worker holds its last
-            # test back until it has more work or is told to stop); the others get nothing beside it.
-            if self._running(exclusive=True, besides=node):
+            # test back until it has more work or is told to stop); the others get light units beside it, or nothing.
+            if self._running(exclusive=True, besides=node) and not self._light_unit_first():
                 return  # mark_test_complete hands them work once it is done
             if next(iter(self.workqueue)) in EXCLUSIVE_UNITS and self._running(exclusive=False, besides=node):
-                return  # an exclusive unit waits for the other machines to be idle
+                return  # an exclusive unit waits for the other machines to finish what is not light
             super()._assign_work_unit(node)
 
         def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
