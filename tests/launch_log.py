@@ -188,13 +188,15 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """The test's CPU seconds (set-up, call and tear-down): this process's and its reaped children's."""
+    """The test's CPU seconds (set-up, call and tear-down): this process's and its reaped children's; the worker
+    that ran it and when it ended (the suite's timeline: which units ran beside which)."""
     own, children = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     try:
         return (yield)
     finally:
         _write({"kind": "test", "test": item.nodeid, "self": round(cpu_seconds(resource.RUSAGE_SELF) - own, 3),
-                "children": round(cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3)})
+                "children": round(cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3),
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "ended": round(time.time(), 1)})
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -1,5 +1,5 @@
 """How the suite's tests are spread over pytest-xdist's workers (`-n 3` on 2 cores, README's test command): whole
-modules, the heaviest first, and test_multinode beside nothing that launches processes.
+modules, the heaviest first, and test_multinode alone.
 
 - Three workers on two cores: many tests mostly wait (a rank time-out, elastic's 30 s SIGTERM grace, slurmctld's
   time-limit pass, a killed launcher's restart), and with two workers the cores sat idle 17% of the suite (sampled
@@ -8,18 +8,19 @@ modules, the heaviest first, and test_multinode beside nothing that launches pro
 
 - A module is one unit of work (as `--dist loadfile`): its module-scoped fixtures (reference runs, matrix
   launches) are made once, by the worker that runs it; split over workers they would be made twice.
-- test_multinode (two machines in network namespaces) is the "cluster" unit, and it runs first, beside light units
-  only (modules that launch no process: not in WEIGHTS_S): each of its tests runs two or three launchers of several
-  processes at once, and beside another worker's 2-rank launches (ranks waiting in collectives spin) they took 4x
-  their time alone (measured: 18 min instead of 4), near their own time-outs. Alone it left the cores 30% idle
-  (its tests wait for rank time-outs); a light unit is one pytest process computing, which takes that time.
+- test_multinode (two machines in network namespaces) is the "cluster" unit, and it runs alone, first: each of its
+  tests runs two or three launchers of several processes at once, and beside another worker's 2-rank launches
+  (ranks waiting in collectives spin) they took 4x their time alone (measured: 18 min instead of 4), near their own
+  time-outs. Alone it leaves the cores about 30% idle, but the modules that launch nothing, run beside it, were
+  worse twice: on the slower machine its launches took 1260 s instead of 837 s, and on three workers the suite took
+  1049 s instead of 1020 s (its idle stretches stayed, and the end of the suite lost the light modules that even out
+  the workers' last minutes).
 - test_slurm (a SLURM cluster of its own namespaces) runs beside other work, started right after the cluster unit:
   its jobs mostly wait (5 s per step, slurmctld's time-limit pass every 30 s), and alone it left the machine 70-100%
   idle for about 2 of its 3 minutes (measured with the cluster unit holding both modules).
 - The heaviest units start first (longest processing time first), so the last unit to finish is a short one. The
   weights are the seconds each took in a measured run of the suite (`.pytest_launches.jsonl` and pytest's durations);
-  a module missing from the table counts as light, and every module with a test marked `launches` or `cluster` must
-  be in it (tests/test_launch_log.py checks).
+  a module missing from the table counts as light.
 
 xdist's own `--dist loadgroup` would group by `xdist_group` marks, but xdist 3.8 marks a test's group by rewriting
 `item._nodeid`, which pytest 9 no longer reads: the groups are silently ignored. A scheduler of our own (xdist's
@@ -47,11 +48,6 @@ WEIGHTS_S = {
 }
 
 
-def is_light(unit: str) -> bool:
-    """A unit that launches no process (its module has no weight): it may run beside an exclusive unit."""
-    return unit not in WEIGHTS_S and unit not in EXCLUSIVE_UNITS
-
-
 def unit_of(nodeid: str) -> str:
     """The unit of work of a test: its module's name, or "cluster"."""
     module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
@@ -72,17 +68,9 @@ def make_scheduler(config, log):
 
         def _running(self, exclusive: bool, besides=None) -> bool:
             """A node other than `besides` has unfinished tests of an exclusive unit (exclusive=True) or of any unit
-            that is not light (False)."""
+            (False)."""
             return any(not all(tests.values()) for other, units in self.assigned_work.items() if other is not besides
-                       for unit, tests in units.items()
-                       if (unit in EXCLUSIVE_UNITS if exclusive else not is_light(unit)))
-
-        def _light_unit_first(self) -> bool:
-            """Move a light unit to the head of the queue; False when none is left."""
-            light = next((unit for unit in self.workqueue if is_light(unit)), None)
-            if light is not None:
-                self.workqueue.move_to_end(light, last=False)
-            return light is not None
+                       for unit, tests in units.items() if not exclusive or unit in EXCLUSIVE_UNITS)
 
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # the queue is complete when the first unit is handed out
@@ -91,11 +79,11 @@ def make_scheduler(config, log):
                                                               -WEIGHTS_S.get(unit[0], 0))))
                 self.ordered = True
             # The node running an exclusive unit may queue the next unit behind it (an xdist worker holds its last
-            # test back until it has more work or is told to stop); the others get light units beside it, or nothing.
-            if self._running(exclusive=True, besides=node) and not self._light_unit_first():
+            # test back until it has more work or is told to stop); the others get nothing beside it.
+            if self._running(exclusive=True, besides=node):
                 return  # mark_test_complete hands them work once it is done
             if next(iter(self.workqueue)) in EXCLUSIVE_UNITS and self._running(exclusive=False, besides=node):
-                return  # an exclusive unit waits for the other machines to finish what is not light
+                return  # an exclusive unit waits for the other machines to be idle
             super()._assign_work_unit(node)
 
         def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:

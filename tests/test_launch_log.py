@@ -3,7 +3,6 @@ summary adds each file's CPU from the three places it is counted (the pytest pro
 launches) without counting one twice."""
 
 import os
-import re
 import sys
 
 import pytest
@@ -40,23 +39,6 @@ def test_the_cpu_summary_adds_each_file_once_from_where_it_was_counted():
     assert "      0.5 +     0.0 =     0.5 s  tests/test_b.py" in lines
 
 
-def test_every_module_that_launches_is_weighed_by_the_scheduler():
-    """tests/scheduling.py runs a module missing from WEIGHTS_S beside the cluster unit, as light (one pytest process
-    computing): a module with tests marked `launches` or `cluster` must be weighed, or its launches would run beside
-    test_multinode's, which then take 4x their time, near their time-outs."""
-    from tests.scheduling import CLUSTER_MODULES, is_light
-
-    folder = os.path.dirname(os.path.abspath(__file__))
-    unweighed = []
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("test_") and name.endswith(".py") and name[:-3] not in CLUSTER_MODULES:
-            with open(os.path.join(folder, name)) as fh:
-                if re.search(r"mark\.(launches|cluster)\b", fh.read()) and is_light(name[:-3]):
-                    unweighed.append(name)
-    assert unweighed == [], f"add these modules to tests/scheduling.py's WEIGHTS_S: {unweighed}"
-    assert is_light("test_recipe") and not is_light("test_resume") and not is_light("cluster")
-
-
 class _Config:
     """What xdist's scope scheduler reads of pytest's config: three workers."""
 
@@ -78,35 +60,27 @@ class _Node:
         self.shutting_down = True
 
 
-def test_the_cluster_unit_runs_first_beside_light_units_only():
-    """The scheduler on three simulated workers: test_multinode starts first; while it runs the other workers take
-    only modules that launch nothing (tests/scheduling.is_light), and nothing that launches starts until it is done;
-    then the heaviest go first."""
+def test_the_cluster_unit_runs_first_and_alone_then_the_heaviest_first():
+    """The scheduler on three simulated workers: test_multinode starts first and nothing starts beside it (the other
+    workers wait); once it is done the heaviest modules go first (tests/scheduling.WEIGHTS_S)."""
     from tests.scheduling import make_scheduler
 
-    collection = [f"tests/{module}.py::t{i}" for module in ("test_multinode", "test_resume", "test_slurm",
-                                                             "test_recipe", "test_templates") for i in range(4)]
+    collection = [f"tests/{module}.py::t{i}" for module in ("test_recipe", "test_multinode", "test_templates",
+                                                             "test_resume", "test_slurm") for i in range(4)]
     sched, nodes = make_scheduler(_Config(), None), [_Node(f"gw{i}") for i in range(3)]
     for node in nodes:
         sched.add_node(node)
         sched.add_node_collection(node, collection)
     sched.schedule()
 
-    def running(node):
-        return {collection[i].split("::")[0].split("/")[1][:-3] for i in node.sent} - done
+    def units(node, done=()):
+        return [collection[i].split("::")[0][6:-3] for i in node.sent if collection[i] not in done]
 
-    done: set[str] = set()
-    assert running(nodes[0]) == {"test_multinode"}
-    assert running(nodes[1]) | running(nodes[2]) <= {"test_recipe", "test_templates"}
-    assert running(nodes[1]) and running(nodes[2])  # both light units started beside it
-    for node in nodes[1:]:  # the light units end: nothing that launches starts beside the cluster unit
-        for i in list(node.sent):
-            sched.mark_test_complete(node, i)
-    done |= {"test_recipe", "test_templates"}
-    assert all(not running(node) for node in nodes[1:]), [n.sent for n in nodes]
-    for i in list(nodes[0].sent):
-        if "multinode" in collection[i]:
-            sched.mark_test_complete(nodes[0], i)
-    done.add("test_multinode")
-    started = [running(node) for node in nodes]
-    assert {"test_slurm"} in started and {"test_resume"} in started, started  # heaviest first, once it is done
+    assert set(units(nodes[0])) <= {"test_multinode", "test_slurm"} and units(nodes[0])[0] == "test_multinode"
+    assert units(nodes[1]) == units(nodes[2]) == []  # nothing beside it, not even a module that launches nothing
+    cluster = [i for i in nodes[0].sent if "multinode" in collection[i]]
+    for i in cluster:
+        sched.mark_test_complete(nodes[0], i)
+    done = {collection[i] for i in cluster}
+    started = [units(node, done)[:1] for node in nodes]
+    assert ["test_slurm"] in started and ["test_resume"] in started, started  # the two heaviest, then a light one
