@@ -41,6 +41,8 @@ import threading
 import time
 import traceback
 
+from tests.support import cpu_seconds
+
 PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo", "hftrain.methods.dpo", "hftrain.cli", "trl", "deepspeed",
            "accelerate.commands.launch", "torch.distributed.run",
            "matplotlib.pyplot"]  # every run's main process plots its curves (hftrain.artifacts); headless: Agg
@@ -142,9 +144,8 @@ def _play(cmd: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> 
 
 def _write_cpu_seconds(path: str) -> None:
     """This launch's CPU seconds and its ranks' (a forked child's usage starts at zero)."""
-    own, ranks = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(path, "w") as fh:
-        fh.write(str(own.ru_utime + own.ru_stime + ranks.ru_utime + ranks.ru_stime))
+        fh.write(str(cpu_seconds(resource.RUSAGE_SELF) + cpu_seconds(resource.RUSAGE_CHILDREN)))
 
 
 def _redirect(out: str, err: str) -> None:

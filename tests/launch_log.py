@@ -26,6 +26,8 @@ from collections import defaultdict
 
 import pytest
 
+from tests.support import cpu_seconds
+
 LAUNCH_LOG_ENV = "HFTRAIN_LAUNCH_LOG"
 TOP = 15
 TIER_MARKERS = ("launches", "cluster")  # the fast tier is `-m "not launches and not cluster"`
@@ -91,22 +93,12 @@ def _write(line: dict) -> None:
         fh.write(json.dumps(line) + "\n")
 
 
-def cpu_seconds(who: int) -> float:
-    """User plus system CPU seconds of `who` (resource.RUSAGE_SELF or RUSAGE_CHILDREN) so far."""
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
-
-
 def read_log(path: str) -> list[dict]:
     """Every line of the log: launches, and each test's CPU ("kind": "test")."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
-
-
-def read_launches(path: str) -> list[dict]:
-    return [x for x in read_log(path) if x.get("kind") != "test"]
 
 
 def short_argv(argv: list[str], width: int = 110) -> str:
@@ -151,10 +143,11 @@ def cpu_lines(log: list[dict]) -> list[str]:
     per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for x in tests:
         per_test[x["test"]] += x["self"] + x["children"]
-        per_file[x["test"].split("::")[0]][0] += x["self"]
-        per_file[x["test"].split("::")[0]][1] += x["children"]
+        own_and_launched = per_file[x["test"].split("::")[0]]
+        own_and_launched[0] += x["self"]
+        own_and_launched[1] += x["children"]
     for x in log:
-        if "cpu" in x:
+        if "cpu" in x:  # a forked launch, no child of the pytest process
             per_test[x["test"]] += x["cpu"]
             per_file[x["test"].split("::")[0]][1] += x["cpu"]
     total = sum(sum(v) for v in per_file.values())

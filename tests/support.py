@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import resource
 import socket
 
 # Under pytest-xdist each worker takes its ports from a range of its own, below Linux's ephemeral range (32768 and
@@ -46,3 +47,10 @@ def free_port() -> int:
         if _bindable(port):
             return port
     raise RuntimeError(f"no free port left in pytest worker {index}'s range")
+
+
+def cpu_seconds(who: int) -> float:
+    """User plus system CPU seconds of `who` (resource.RUSAGE_SELF or RUSAGE_CHILDREN) so far: the suite's cost
+    accounting (tests/launch_log.py, and tests/forked.py's launches, which are no children of the pytest process)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
