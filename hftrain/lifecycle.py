@@ -20,6 +20,7 @@ from .hub.push import check_token, push_after_training
 from .kernels import kernels_line
 from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
 from .methods import method_of
+from .moe.balance import balancing_line
 
 
 def read_data(run: Run):
@@ -46,6 +47,9 @@ def run(script: str, argv: list[str]) -> dict:
     model = method.model(run)
     distributed.print0("hftrain: " + kernels_line(recipe.model.kernels, model.config.model_type,
                                                   quantized=recipe.model.quantization is not None))
+    balancing = balancing_line(model, recipe.moe)  # on or off, one rule for every method (moe/balance.py)
+    if balancing:
+        distributed.print0("hftrain: " + balancing)
     stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
     write_recipe(recipe)
     if distributed.is_main_process():

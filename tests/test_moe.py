@@ -579,6 +579,8 @@ def test_zero3_two_ranks_with_mixtral_finishes_and_reloads(tiny_mixtral_dir, tmp
 
 @pytest.mark.launches
 def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
+    """tests/moe_ep_worker.py on 2 ranks: the layer against the native block, its gradient scaling against re-created
+    Parameters, and a trainer's save of experts nobody gathered."""
     r = run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
              "tests/moe_ep_worker.py", str(tmp_path)], timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -593,6 +595,14 @@ def test_expert_parallel_layer_equals_the_native_block_on_two_ranks(tmp_path):
             assert e["dropped"] == e["ref_dropped"] and e["saved_full"] and e["loaded_slice"]
         assert (rep["None"]["dropped"] == 0 and rep["1.0"]["dropped"] > 0
                 and rep["0.5"]["dropped"] > rep["1.0"]["dropped"])
+        # the experts' gradients divided by the world size inside the layer's forward (ScaleGrad): still so after the
+        # Parameters are re-created (new objects, to_empty + a load). Negative control: the old hook on the
+        # Parameters divides while they live, and is lost with them (gradients world-size times too large)
+        assert rep["recreated_grad"] <= 1e-6, rep
+        assert rep["hook_kept_grad"] <= 1e-6 and rep["hook_recreated_ratio"] == pytest.approx(2.0, rel=1e-5), rep
+        # save_model gathers the experts itself: nothing gathered them before, the weights changed, all are saved
+        assert rep["save_error"] is None, rep["save_error"]
+    assert json.load(open(tmp_path / "rank0.json"))["saved_all_experts"]
 
 
 @pytest.mark.launches

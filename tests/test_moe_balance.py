@@ -1,6 +1,6 @@
 """Aux-loss-free balancing (issue 40, point 2; hftrain/moe/balance.py) in one process: the bias update is the paper's
-rule on the loads of real tokens, evaluation does not count, and a model without biased routers refuses the key in
-`hftrain check` and in the run. Across ranks and accumulation: tests/test_moe.py (the aux runs' matrix)."""
+rule on the loads of real tokens, evaluation does not count, it is opt-in, and a model without biased routers refuses
+the key in `hftrain check` and in the run. Across ranks and accumulation: tests/test_moe.py (the aux runs' matrix)."""
 
 import pytest
 import torch
@@ -66,7 +66,8 @@ def test_the_bias_update_is_the_papers_rule_on_real_tokens(biased_dir):
     assert all(after[i, top[i]] <= loads[i, top[i]] for i in range(len(top)))
 
 
-def test_balancing_is_on_by_default_only_where_routers_have_a_bias(biased_dir, tiny_model_dir):
+def test_balancing_is_opt_in_and_refused_where_routers_have_no_bias(biased_dir, tiny_model_dir):
+    """Off unless moe.bias_update_rate asks (one rule for every method: tests/test_moe_refusals.py)."""
     from transformers import AutoModelForCausalLM
 
     class Trainer:
@@ -77,9 +78,11 @@ def test_balancing_is_on_by_default_only_where_routers_have_a_bias(biased_dir, t
             self.callbacks.append(cb)
 
     biased = Trainer(AutoModelForCausalLM.from_pretrained(biased_dir))
-    assert attach(biased)["bias_balancing"] == "2 routers, rate 0.001"
-    assert "bias_balancing" not in attach(Trainer(AutoModelForCausalLM.from_pretrained(biased_dir)),
-                                          MoeSection(bias_update_rate=0.0))  # 0: off
+    assert attach(biased, MoeSection(bias_update_rate=0.001))["bias_balancing"] == "2 routers, rate 0.001"
+    for cfg in (None, MoeSection(), MoeSection(bias_update_rate=0.0)):  # unset or 0: off
+        unasked = Trainer(AutoModelForCausalLM.from_pretrained(biased_dir))
+        assert "bias_balancing" not in attach(unasked, cfg)
+        assert not any(isinstance(cb, BiasBalancer) for cb in unasked.callbacks)
     dense = Trainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     assert attach(dense) == {} and dense.callbacks == []
     with pytest.raises(MoeError, match="moe.bias_update_rate: LlamaForCausalLM has no router with an expert bias"):

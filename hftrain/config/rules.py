@@ -143,6 +143,10 @@ def _compression_problems(c: CompressionSection, out: Problems) -> None:
         out.append(("compression.topk_ratio", f"must be in (0, 1], got {c.topk_ratio}"))
 
 
+# How hftrain's expert-parallel layer (moe/expert_parallel.py) runs the experts: a loop over the experts a rank holds.
+EXPERT_PARALLEL_IMPLEMENTATION = "eager"
+
+
 def _moe_problems(recipe: Recipe, out: Problems) -> None:
     m = recipe.moe
     for key in ("aux_loss_coef", "router_z_loss_coef"):
@@ -155,10 +159,16 @@ def _moe_problems(recipe: Recipe, out: Problems) -> None:
         out.append(("moe.bias_update_rate", f"must be >= 0 (0: off), got {m.bias_update_rate}"))
     if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size < 1:
         out.append(("moe.expert_parallel_size", f"must be >= 1, got {m.expert_parallel_size}"))
-    if isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
-        if recipe.model is not None and recipe.model.lora is not None:
-            out.append(("model.lora", "cannot be combined with moe.expert_parallel_size > 1 (each rank holds "
-                        "different experts); train all weights"))
+    parallel = isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1
+    if parallel and recipe.model is not None and recipe.model.lora is not None:
+        out.append(("model.lora", "cannot be combined with moe.expert_parallel_size > 1 (each rank holds "
+                    "different experts); train all weights"))
+    impl = recipe.model.experts_implementation if recipe.model is not None else None
+    if (parallel or _num(m.capacity_factor)) and impl not in (None, EXPERT_PARALLEL_IMPLEMENTATION):
+        key = "moe.expert_parallel_size" if parallel else "moe.capacity_factor"
+        out.append(("model.experts_implementation", f"'{impl}' is not used with {key}: the expert-parallel layer "
+                    f"runs its experts itself, one after another ('{EXPERT_PARALLEL_IMPLEMENTATION}'); remove "
+                    f"model.experts_implementation, or set it to '{EXPERT_PARALLEL_IMPLEMENTATION}'"))
     u = m.upcycle
     if isinstance(u, UpcycleSection):
         if isinstance(u.num_experts, int) and u.num_experts < 2:

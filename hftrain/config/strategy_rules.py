@@ -91,13 +91,29 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
         out += sequence_parallel_problems(recipe, s.sequence_parallel)
     if recipe.model is not None and recipe.model.quantization is not None:
         out += quantized_strategy_problems(recipe, name)
-    m = recipe.moe
-    if isinstance(m, MoeSection) and isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1:
-        if name not in ("ddp", "fsdp"):
-            out.append(("moe.expert_parallel_size", f"runs under strategy ddp or fsdp, not {name!r}: ZeRO would "
-                        "shard or average the per-rank experts. Use strategy.name: ddp or fsdp (the dense part "
-                        "sharded, each rank's experts its own), or keep every expert on every rank "
-                        "(expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
+    if isinstance(recipe.moe, MoeSection):
+        out += moe_strategy_problems(recipe.moe, s, name)
+    return out
+
+
+def moe_strategy_problems(m: MoeSection, s: StrategySection, name: str) -> Problems:
+    """Where the expert-parallel layer runs (moe.expert_parallel_size, moe.capacity_factor): its own experts on each
+    rank, under DDP or FSDP2 (the dense part sharded), with every parameter on the GPU."""
+    out: Problems = []
+    parallel = isinstance(m.expert_parallel_size, int) and m.expert_parallel_size > 1
+    if parallel and name not in ("ddp", "fsdp"):
+        out.append(("moe.expert_parallel_size", f"runs under strategy ddp or fsdp, not {name!r}: ZeRO would "
+                    "shard or average the per-rank experts. Use strategy.name: ddp or fsdp (the dense part "
+                    "sharded, each rank's experts its own), or keep every expert on every rank "
+                    "(expert_parallel_size: 1) with ZeRO-3 (MoE blocks are made leaf modules)"))
+    if parallel and name == "fsdp" and isinstance(s, StrategySection) and s.fsdp_offload_params is True:
+        out.append(("strategy.fsdp_offload_params", "cannot be combined with moe.expert_parallel_size > 1: each "
+                    "rank's experts stay on its GPU while the offloaded dense part is on the CPU, and the gradient "
+                    "norm over both mixes CPU and GPU tensors; set it to false, or keep every expert on every rank "
+                    "(expert_parallel_size: 1)"))
+    if not parallel and _num(m.capacity_factor) and name in SHARDED:
+        out.append(("moe.capacity_factor", f"needs the whole MoE block on each rank, which '{name}' shards; use "
+                    "strategy.name: ddp, or split the experts over the ranks (moe.expert_parallel_size) under fsdp"))
     return out
 
 

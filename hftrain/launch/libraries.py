@@ -35,14 +35,13 @@ from unittest import mock
 
 import torch
 
-from ..config import HFTrainingArguments, LoraSection, Recipe, StrategySection, arguments_kwargs
+from ..config import HFTrainingArguments, LoraSection, MoeSection, Recipe, StrategySection, arguments_kwargs
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
 from ..modeling import local_config, lora_config
 from ..moe.balance import bias_rate_problem
-from ..moe.blocks import moe_blocks
-from ..moe.expert_parallel import check_reproducible
+from ..moe.capabilities import section_problems
 from .resume import meta_model
 from .strategies import render
 
@@ -236,40 +235,28 @@ def launch_problems(recipe: Recipe, strategy: StrategySection, script: list[str]
 
 
 # -- MoE ------------------------------------------------------------------------------------------------------------
-def moe_bias_problems(recipe: Recipe) -> list[tuple[str, str]]:
-    """moe.bias_update_rate asked of a model whose routers have no bias: the model built from its config on the meta
-    device (moe.balance, as the run's attach refuses it)."""
-    config = local_config(recipe.model)
-    if config is None:
-        return []
-    problem = bias_rate_problem(meta_model(config, recipe.model.trust_remote_code), recipe.moe.bias_update_rate)
-    return [("moe.bias_update_rate", problem)] if problem else []
-
-
-def expert_parallel_problems(recipe: Recipe, world: int) -> list[tuple[str, str]]:
-    """moe.expert_parallel_size against the launch and the model, before anything loads (the run refuses the same
-    once the model is loaded): the experts are split over every process, so it equals their number and divides the
-    model's experts, whose blocks must be ones the layer computes as the family does (the model built from its config
-    on the meta device). Skipped where the model is upcycled (built from another config) or a key was already wrong."""
+def moe_problems(recipe: Recipe, world: int) -> list[tuple[str, str]]:
+    """The `moe:` section against the launch and the model, before anything loads (the run's moe.attach refuses the
+    same of the loaded model): the experts are split over every process, so moe.expert_parallel_size equals their
+    number; every key must be one the model can honour (moe.capabilities, on the model built from its config on the
+    meta device). An upcycled model is built from another config: only its bias rate is judged (no upcycled family
+    has a biased router). Keys already wrong are not judged again."""
     moe, n = recipe.moe, getattr(recipe.moe, "expert_parallel_size", 1)
-    if not isinstance(n, int) or n <= 1 or {"moe.expert_parallel_size", "model.name_or_path"} & recipe.invalid:
+    if not isinstance(moe, MoeSection):
         return []
     out = []
-    if n != world:
+    if isinstance(n, int) and n > 1 and n != world and "moe.expert_parallel_size" not in recipe.invalid:
         out.append(("moe.expert_parallel_size", f"must equal the number of processes ({world}), got {n}: the "
                     "experts are split over every process (no expert-parallel groups inside data parallelism); "
                     f"launch {n} processes, or set it to {world}"))
-    config = local_config(recipe.model) if moe.upcycle is None else None
-    blocks = moe_blocks(meta_model(config, recipe.model.trust_remote_code)) if config is not None else []
-    try:
-        if blocks:
-            check_reproducible(blocks[0])
-    except ValueError as e:
-        return out + [("moe.expert_parallel_size", str(e).split(": ", 1)[1])]
-    experts = blocks[0].experts.gate_up_proj.shape[0] if blocks else None
-    if experts is not None and experts % n:
-        out.append(("moe.expert_parallel_size", f"{n} does not divide the model's {experts} experts per layer"))
-    return out
+    config = local_config(recipe.model) if "model.name_or_path" not in recipe.invalid else None
+    if config is None or any(k.startswith("moe.") for k in recipe.invalid):
+        return out
+    model = meta_model(config, recipe.model.trust_remote_code)
+    if moe.upcycle is not None:
+        problem = bias_rate_problem(model, moe.bias_update_rate)
+        return out + ([("moe.bias_update_rate", problem.split(": ", 1)[1])] if problem else [])
+    return out + section_problems(model, moe)
 
 
 def experts_problems(recipe: Recipe) -> list[tuple[str, str]]:

@@ -158,7 +158,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
                         f"the {world} processes (data-parallel groups of {sp} ranks share each sequence); launch a "
                         f"multiple of {sp} processes")
     strategy = replace(s, name=name)
-    problems += [_message(recipe, k, m) for k, m in libraries.expert_parallel_problems(recipe, world)]
+    problems += [_message(recipe, k, m) for k, m in libraries.moe_problems(recipe, world)]
     for section in recipe.method_sections().values():  # the method's own, over these processes and this machine
         problems += [_message(recipe, k, m) for k, m in section.launch_problems(recipe, world, environment)]
     if environment:
@@ -187,7 +187,7 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
 
 
 def _model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple[str, str]]:
-    """The model's paths, the Trainer's and LoRA's own rules, the MoE bias, the kernels and bitsandbytes."""
+    """The model's paths, the Trainer's and LoRA's own rules, the kernels and bitsandbytes."""
     out: list[tuple[str, str]] = []
     m = recipe.model
     template = recipe.data.chat_template if recipe.data is not None else None
@@ -202,10 +202,6 @@ def _model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tupl
             out += libraries.trainer_problems(recipe, accelerator_available())
     if model_ok and not any(k.startswith("model.lora") for k in skip):
         out += libraries.lora_problems(recipe)
-    moe = recipe.moe
-    if model_ok and moe is not None and _typed(moe.bias_update_rate, (int, float)) and moe.bias_update_rate > 0 and (
-            "moe.bias_update_rate" not in skip):
-        out += libraries.moe_bias_problems(recipe)
     if model_ok and m.experts_implementation is not None and "model.experts_implementation" not in skip:
         out += libraries.experts_problems(recipe)
     if model_ok and m.kernels == "liger" and "model.kernels" not in skip:

@@ -11,16 +11,18 @@ from ..distributed import print0
 from ..errors import MoeError
 from . import expert_parallel as ep
 from .aux import MaskTap, model_aux_loss, z_loss
-from .balance import DEFAULT_RATE, BiasBalancer, bias_rate_problem, biased_routers
-from .blocks import check_moe_model, register_zero3_leaf_modules, routers, unwrap
+from .balance import BiasBalancer, biased_routers, resolved_rate
+from .blocks import register_zero3_leaf_modules, routers, unwrap
+from .capabilities import section_problems
 from .health import RouterHealthCallback
 
 
 def attach(trainer, cfg=None) -> dict:
-    """Wire MoE into an SFTTrainer before train(): ZeRO-3 leaf modules for any MoE block, the bias balancing of
-    routers that have a bias (with or without a `moe:` section), and with a `moe:` section the aux / z losses through
-    `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and accumulation) and the router-health
-    callback. Returns what was done (for the log)."""
+    """Wire MoE into an SFTTrainer before train(): ZeRO-3 leaf modules for any MoE block, and with a `moe:` section
+    the aux / z losses through `trainer.aux_losses` (scaled by losses.aux_loss_term, so exact over ranks and
+    accumulation), expert parallelism, the router-health callback and the bias balancing it asks for. A key the model
+    cannot honour is refused (capabilities.py; preflight refuses it before the model loads). Returns what was done
+    (for the log)."""
     model = unwrap(trainer.model)
     done: dict = {}
     if is_deepspeed_zero3_enabled():
@@ -28,8 +30,12 @@ def attach(trainer, cfg=None) -> dict:
         if leaves:  # a dense model has none: nothing to say
             done["zero3_leaf_modules"] = leaves
     if cfg is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        problems = section_problems(base, cfg)
+        if problems:
+            raise MoeError("; ".join(f"{key}: {message}" for key, message in problems))
         _attach_section(trainer, model, cfg, done)
-    _attach_bias_balancing(trainer, model, cfg, done)
+        _attach_bias_balancing(trainer, model, cfg, done)
     if done:
         print0(f"hftrain: moe: {done}")
     return done
@@ -38,7 +44,6 @@ def attach(trainer, cfg=None) -> dict:
 def _attach_section(trainer, model, cfg, done: dict) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if cfg.aux_loss_coef or cfg.router_z_loss_coef:
-        check_moe_model(base, "moe.aux_loss_coef / moe.router_z_loss_coef")
         # The model returns router logits and its load-balancing loss (computed with the attention mask) as
         # `outputs.aux_loss`; it adds nothing to a loss because hftrain passes no labels (outputs.loss is None).
         base.config.output_router_logits = True
@@ -59,14 +64,10 @@ def _attach_section(trainer, model, cfg, done: dict) -> None:
 
 
 def _attach_bias_balancing(trainer, model, cfg, done: dict) -> None:
-    """Aux-loss-free balancing (balance.py): on by default where the routers have a bias, refused where asked of a
-    model without one."""
+    """Aux-loss-free balancing (balance.py): where moe.bias_update_rate asks for it, the same rule for every method
+    (balance.resolved_rate; the run says which in one line, balance.balancing_line)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    rate = None if cfg is None else cfg.bias_update_rate
-    problem = bias_rate_problem(base, rate)
-    if problem:
-        raise MoeError(problem)
-    rate = DEFAULT_RATE if rate is None else rate
+    rate = resolved_rate(cfg)
     if rate and biased_routers(base):
         balancer = BiasBalancer(base, rate)
         trainer.add_callback(balancer)
@@ -86,7 +87,8 @@ def _expert_parallel(trainer, model, cfg) -> str:
     if n > 1 and n != world:
         raise MoeError(f"moe.expert_parallel_size: must equal the number of processes ({world}), got {n} "
                        "(expert-parallel groups inside data parallelism are not supported)")
-    check_moe_model(model, "moe.expert_parallel_size / moe.capacity_factor")
+    if n > 1 and trainer.is_fsdp_enabled and _offloads_parameters(trainer.accelerator.state.fsdp_plugin):
+        raise MoeError(OFFLOAD_REFUSAL)
     group = dist.group.WORLD if n > 1 else None
     try:
         swapped = ep.parallelize(model, group, cfg.capacity_factor)
@@ -96,6 +98,20 @@ def _expert_parallel(trainer, model, cfg) -> str:
     if trainer.is_fsdp_enabled:
         _leave_experts_to_their_ranks(trainer, model)
     return f"{swapped} blocks over {n} rank(s), capacity_factor {cfg.capacity_factor}"
+
+
+# The launcher's FSDP config may offload where the recipe's strategy: section did not ask (config.strategy_rules
+# refuses strategy.fsdp_offload_params with the same words).
+OFFLOAD_REFUSAL = ("moe.expert_parallel_size: cannot run with FSDP's parameter offload (fsdp_offload_params): each "
+                   "rank's experts stay on its GPU while the offloaded dense part is on the CPU, and the gradient "
+                   "norm over both mixes CPU and GPU tensors; turn the offload off, or keep every expert on every rank "
+                   "(expert_parallel_size: 1)")
+
+
+def _offloads_parameters(plugin) -> bool:
+    """accelerate's FSDP plugin: FSDP2's CPUOffloadPolicy, or FSDP1's CPUOffload(offload_params=True)."""
+    policy = plugin.cpu_offload
+    return type(policy).__name__ == "CPUOffloadPolicy" or bool(getattr(policy, "offload_params", False))
 
 
 def _leave_experts_to_their_ranks(trainer, model) -> None:

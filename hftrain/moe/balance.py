@@ -20,8 +20,8 @@ from transformers import TrainerCallback
 from .aux import MaskTap, expert_loads
 from .blocks import routers
 
-# The paper's bias update speed (gamma) for most of its pre-training.
-DEFAULT_RATE = 0.001
+# The paper's bias update speed (gamma) for most of its pre-training: the example the refusals and the run's line give.
+PAPER_RATE = 0.001
 BIAS = "e_score_correction_bias"
 
 
@@ -68,6 +68,26 @@ class BiasBalancer(TrainerCallback):
             for router, update in zip(self.routers, updates):
                 bias = getattr(router, BIAS)
                 bias.add_(update.to(bias.device, bias.dtype))
+
+
+def resolved_rate(cfg) -> float:
+    """The bias update rate of a run, one rule for every method (SFT, DPO, GRPO, ...): opt-in, moe.bias_update_rate
+    (`cfg`: the recipe's `moe:` section or None); unset or 0: off, the routers' biases stay as loaded. (On by default
+    for SFT alone, a DPO or GRPO run of the same model left the biases where SFT moved them.)"""
+    rate = getattr(cfg, "bias_update_rate", None)
+    return float(rate) if rate else 0.0
+
+
+def balancing_line(model, cfg) -> str | None:
+    """The run's one line on bias balancing, on or off and why; None for a model without biased routers."""
+    found = biased_routers(model)
+    if not found:
+        return None
+    rate = resolved_rate(cfg)
+    if rate:
+        return f"moe: router bias balancing on: {len(found)} routers, rate {rate} (moe.bias_update_rate)"
+    return (f"moe: router bias balancing off: the {len(found)} routers' biases ({BIAS}) stay as loaded "
+            f"(moe.bias_update_rate unset; set it, e.g. {PAPER_RATE}, to move them towards balance each step)")
 
 
 def bias_rate_problem(model, rate: float | None) -> str | None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MoeError
-
 
 ROUTER_NAMES = ("gate", "router")  # gpt-oss calls its block's router `router`; the other families `gate`
 
@@ -46,8 +44,3 @@ def register_zero3_leaf_modules(model) -> list[str]:
         set_z3_leaf_modules(model, classes)
     return [f"{c.__name__} x{sum(type(m) is c for m in get_z3_leaf_modules(model))}" for c in classes]
 
-
-def check_moe_model(model, key: str) -> None:
-    if not routers(model) or not hasattr(model.config, "output_router_logits"):
-        raise MoeError(f"{key}: {type(model).__name__} has no MoE router (no sparse block found and no "
-                       "config.output_router_logits); use an MoE model or set moe.upcycle")

@@ -89,13 +89,15 @@ class ExpertParallelMoE(nn.Module):
             recv, recv_e = send, e_sorted
         out = torch.zeros_like(recv)
         local_e = recv_e - self.ep_rank * self.local
+        gate_up_proj, down_proj = (scale_grad(p, 1.0 / self.ep_size) if self.ep_size > 1 else p
+                                   for p in (self.experts.gate_up_proj, self.experts.down_proj))
         for i in range(self.local):
             idx = (local_e == i).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             # in the activations' dtype: FSDP's mixed precision casts the sharded part only, not these
-            gate, up = F.linear(recv[idx], self.experts.gate_up_proj[i].to(recv.dtype)).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.experts.down_proj[i].to(recv.dtype))
+            gate, up = F.linear(recv[idx], gate_up_proj[i].to(recv.dtype)).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, down_proj[i].to(recv.dtype))
             out = out.index_copy(0, idx, y.to(out.dtype))
         back = _all_to_all(out, s, r, self.group) if self.ep_size > 1 else out
         w = weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
@@ -137,6 +139,25 @@ class ExpertParallelMoE(nn.Module):
             key = f"{prefix}experts.{name}"
             if key in state_dict and state_dict[key].shape[0] == self.num_experts != self.local:
                 state_dict[key] = state_dict[key][lo:hi]
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient times `scale` backward: the expert weights as the layer's forward uses them. Part of
+    the forward path, so the scaling holds for whatever Parameter objects the layer holds at that moment (a hook on
+    the Parameters would be lost to anything that re-creates them: loading to empty tensors, FSDP's preparation)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_grad(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    return ScaleGrad.apply(weight, scale)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -200,21 +221,16 @@ def parallelize(model: nn.Module, group=None, capacity_factor: float | None = No
     """Swap every native sparse MoE block of `model` for an ExpertParallelMoE over `group` (None: local experts,
     e.g. for a capacity factor without parallelism); returns how many were swapped.
 
-    The expert parameters differ between ranks, so DDP skips them (`_ddp_params_and_buffers_to_ignore`) and their
-    gradients are divided by the world size: the backward all_to_all already sums every rank's tokens, and the loss
-    is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
-    world = dist.get_world_size(group) if group is not None else 1
+    The expert parameters differ between ranks, so DDP skips them (`_ddp_params_and_buffers_to_ignore`) and the
+    layer's forward divides their gradients by the world size (ScaleGrad): the backward all_to_all already sums every
+    rank's tokens, and the loss is scaled by the data-parallel size for DDP's mean to cancel (losses.normalise)."""
     blocks = {id(b) for b in moe_blocks(model) if not isinstance(b, ExpertParallelMoE)}
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in blocks:
                 check_reproducible(child)
-                ep = ExpertParallelMoE(child, group, capacity_factor)
-                if world > 1:
-                    for p in (ep.experts.gate_up_proj, ep.experts.down_proj):
-                        p.register_hook(lambda g, w=world: g / w)
-                setattr(parent, name, ep)
+                setattr(parent, name, ExpertParallelMoE(child, group, capacity_factor))
                 swapped += 1
     model._ddp_params_and_buffers_to_ignore = expert_param_names(model)
     return swapped
@@ -252,10 +268,9 @@ def release_gathered(model: nn.Module) -> None:
 
 
 class ExpertParallelCallback(TrainerCallback):
-    """Gathers the experts on every rank right before the Trainer saves (checkpoints and the final save), so the
-    saved model holds all experts in the native layout, and drops the gathered copies while training (a copy of every
-    expert on every rank is what expert parallelism saves): once accelerate's preparation and a resume's load have
-    read them, and after each checkpoint."""
+    """Drops the gathered copies of the experts while training (a copy of every expert on every rank is what expert
+    parallelism saves): once accelerate's preparation and a resume's load have read them, and after each checkpoint.
+    The gather itself is part of every save (mixin.ExpertParallelMixin.save_model)."""
 
     def __init__(self, model):
         self.model = model
@@ -265,10 +280,3 @@ class ExpertParallelCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         release_gathered(self.model)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:  # set by DefaultFlowCallback, which runs first
-            gather_for_save(self.model)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        gather_for_save(self.model)

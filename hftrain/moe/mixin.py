@@ -3,6 +3,7 @@ Trainer does over "the" parameters is done here over every rank's:
 
 - the gradient norm, for clipping and for the logged grad_norm: the dense gradients (equal on every rank after DDP's
   average) and every rank's experts (expert_parallel.clip_grad_norm_);
+- the saved model: every save gathers all experts first (save_model), whatever asked for it;
 - the optimizer state: the Trainer saves rank 0's optimizer.pt, which holds rank 0's experts; each rank also saves
   the state of its own experts (EXPERT_OPTIMIZER) and puts it back after the Trainer's load on resume.
 Without experts split over ranks every method is the Trainer's own.
@@ -46,6 +47,15 @@ class ExpertParallelMixin:
         if grad_norm is None and self._experts()[0]:
             grad_norm = self._global_norm(float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every save (a checkpoint, the final save, one a callback or a stop request asks for) writes all experts in
+        the native layout: every rank gathers them first (a collective; the Trainer calls save_model on every rank).
+        The gathered copies stay for what reads the saved model next (the optimizer's save, the run's digest) and are
+        dropped when training goes on (expert_parallel.ExpertParallelCallback)."""
+        if self._experts()[0]:
+            ep.gather_for_save(unwrap(self.model))
+        super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
