@@ -32,6 +32,7 @@ from .collate import make_collator
 from .messages import content_text
 from .rows import STATS, TOKENISED, Layout, layout_of, row_examples, untrainable_error
 from .sources import Rows, read_rows, read_rows_sample
+from .split import split_rows
 from .stream import stream_dataset
 from .templates import stop_ids
 
@@ -145,16 +146,6 @@ def prepare_sample(src: DataSource, key: str, tokenizer, cfg: DataSection, n: in
     return Prepared(key, src, rows, layout, tok, None, summary(tok, cfg.max_length))
 
 
-def held_out_rows(n: int, fraction: float, seed: int, key: str, path: str) -> np.ndarray:
-    """Rows held out of one source for evaluation (a seeded permutation's first ceil(fraction x n))."""
-    n_test = int(np.ceil(fraction * n))
-    if n_test == 0 or n_test == n:
-        raise DataError(f"data.eval_fraction: {fraction} of the {n} rows of {key} ({path}) leaves "
-                        f"{'no row to hold out' if n_test == 0 else 'no row to train on'}; change "
-                        "data.eval_fraction or add rows")
-    return np.random.default_rng(seed).permutation(n)[:n_test]
-
-
 def choose(p: Prepared, cfg: DataSection, rows_mask: np.ndarray | None = None) -> datasets.Dataset:
     """The examples of a prepared source that train (of the rows in `rows_mask`): too long ones dropped with
     data.truncation: drop, untrainable ones refused by name, or dropped with data.skip_untrainable."""
@@ -212,7 +203,7 @@ def build_datasets(cfg: DataSection, tokenizer, seed: int = 42, exact_match: int
     train_parts, eval_parts, eval_examples = [], [], []
     for p in train_sources:
         if cfg.eval_fraction > 0:
-            held = held_out_rows(p.rows.count, cfg.eval_fraction, seed, p.key, p.src.path)
+            _, held = split_rows(p.rows.count, cfg.eval_fraction, seed, p.key, p.src.path)
             mask = np.zeros(p.rows.count, dtype=bool)
             mask[held] = True
             eval_parts.append(choose(p, cfg, mask))

@@ -24,6 +24,7 @@ from ..distributed import print0
 from ..errors import DataError
 from ..data.build import mix
 from ..data.layouts import read_canonical
+from ..data.split import held_out_split
 from ..data.templates import apply, template_kwargs
 from .tools import example_trajectory
 
@@ -143,10 +144,9 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
             held += rows
             continue
         ds = datasets.Dataset.from_list(rows)
-        if cfg.eval_fraction > 0:
-            split = ds.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            ds = split["train"]
-            held += list(split["test"])
+        if cfg.eval_fraction > 0:  # the rule every method holds rows out by
+            ds, held_out = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
+            held += list(held_out)
         train_parts.append(ds)
         weights.append(src.weight)
     examples = _eval_examples(held)[:exact_match]
