@@ -147,6 +147,28 @@ def test_a_missing_prompt_column_is_refused_by_hftrain_check(tmp_path, tiny_mode
     assert "format 'prompt_completion' needs column(s) ['prompt']" in capsys.readouterr().err
 
 
+def test_an_eval_fraction_that_leaves_a_source_no_training_row_is_refused_by_check_and_the_run_alike(
+        tmp_path, tiny_model_dir, capsys):
+    """The prompts hold rows out by the rule every method uses (data/split.py): datasets' bare ValueError was a
+    traceback (exit 1) from the run and from check."""
+    from hftrain.cli import main as cli_main
+    from hftrain.errors import exit_on_user_error
+    from hftrain.recipes import grpo
+
+    data = write(tmp_path, [{"prompt": f"reverse: {c} ->", "completion": f" {c}"} for c in "ab"])
+    argv = [str(write_recipe(tmp_path, tiny_model_dir, data)), "data.eval_fraction=0.9", "strategy.num_processes=1"]
+    expected = (f"hftrain: error: data.eval_fraction: 0.9 of the 2 rows of data.sources.0 ({data}) leaves no row to "
+                "train on; change data.eval_fraction or add rows")
+    errors = []
+    for run in (lambda: cli_main(["check", *argv]), lambda: grpo.main(argv)):
+        with pytest.raises(SystemExit) as e, exit_on_user_error():
+            run()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err and expected in err, err[-3000:]
+        errors.append(err[err.index("hftrain: error:"):])
+    assert errors[0] == errors[1]
+
+
 # -- reward functions ----------------------------------------------------------------------------------------------
 def test_builtin_rewards(tokenizer):
     g = GrpoSection(rewards=[RewardSpec("exact_match"), RewardSpec("regex", pattern="[a-j]( [a-j])*"),
