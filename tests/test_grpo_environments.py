@@ -12,7 +12,7 @@ from transformers.utils import get_json_schema
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
 from hftrain.methods.environments import guarded_environment, load_environment
-from hftrain.methods.tools import ToolCounts
+from hftrain.methods.sandbox import CallCounts, TimeLimit
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 
@@ -65,7 +65,7 @@ def trl_view(instance) -> dict:
 
 
 def test_trl_sees_the_environments_own_tools_and_schemas():
-    env = guarded_environment(Counter, 0.5, ToolCounts())()
+    env = guarded_environment(Counter, TimeLimit(0.5, "grpo.tool_timeout"), CallCounts())()
     view = trl_view(env)
     assert set(view["tools"]) == {"step"} and view["reset"] and view["get_reward"]
     assert get_json_schema(view["tools"]["step"]) == get_json_schema(Counter().step)
@@ -73,16 +73,16 @@ def test_trl_sees_the_environments_own_tools_and_schemas():
 
 
 def test_a_refused_action_answers_the_model_and_a_crash_ends_the_rollout_with_reward_0(capsys):
-    counts = ToolCounts()
-    env = guarded_environment(Counter, 0.5, counts)()
+    counts = CallCounts()
+    env = guarded_environment(Counter, TimeLimit(0.5, "grpo.tool_timeout"), counts)()
     assert env.reset(target=3) == " (target 3)" and env.step(by=1) == "1"
     assert env.step(by=5) == "error: step raised ValueError: by must be 1 or 2" and not env.crashed
     start = time.time()
-    assert env.step(by=2) == "error: step did not return within 0.5 s: the environment crashed"
+    assert env.step(by=2) == "error: step did not return within grpo.tool_timeout=0.5 s: the environment crashed"
     assert time.time() - start < 5 and env.crashed
-    assert env.step(by=1).startswith("error: the environment crashed (step did not return within 0.5 s)")
+    assert env.step(by=1).startswith("error: the environment crashed (step did not return within grpo.tool_timeout=")
     assert env.get_reward() == 0.0
-    assert counts.take() == {"calls": 4, "errors": 3, "timeouts": 0, "crashes": 1, "cut": 0}
+    assert counts.take() == {"calls": 4, "errors": 3, "timeouts": 1, "crashes": 1, "cut": 0}
     assert capsys.readouterr().err.count("the GRPO environment crashed") == 1
     assert env.reset(target=2) == " (target 2)" and not env.crashed  # the next rollout: a fresh instance
     assert env.step(by=2) == "2" and env.get_reward() == 1.0
@@ -90,9 +90,9 @@ def test_a_refused_action_answers_the_model_and_a_crash_ends_the_rollout_with_re
 
 @pytest.mark.parametrize("where", ["init", "reset", "reward"])
 def test_an_environment_raising_in_init_reset_or_get_reward_crashes_the_rollout_not_the_run(where):
-    counts = ToolCounts()
+    counts = CallCounts()
     setattr(Counter, f"fail_{where}", True)
-    env = guarded_environment(Counter, 0.5, counts)()
+    env = guarded_environment(Counter, TimeLimit(0.5, "grpo.tool_timeout"), counts)()
     env.reset(target=1)
     if where != "reward":
         assert env.crashed and env.step(by=1).startswith("error: the environment crashed")
@@ -131,3 +131,31 @@ def test_recipe_rules_of_the_environment(grpo, message):
     assert any(f": {message}" in p for p in found), found
     ok = {**BASE, "grpo": {"rewards": [], "environment": "envs:Counter", "max_tool_calls": 2}}
     assert not [p for p in parse_recipe(None, [], raw=ok)[1] if p.startswith("grpo")]
+
+
+def test_check_calls_the_rewards_with_the_environments_trl_passes_them(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """TRL passes reward functions `environments` (each completion's instance, reset with its row) when a recipe
+    has grpo.environment: check's dry run of the rewards refused such a reward (no `environments`), exit 2."""
+    import json
+
+    import yaml
+
+    from hftrain.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "game.py").write_text(
+        "class Game:\n    def reset(self, **row):\n        self.reference = row['reference']\n"
+        "    def act(self, x: int) -> str:\n        '''Act.\n\n        Args:\n            x: X.\n        '''\n"
+        "        return ''\n\n"
+        "def healthy(prompts, completions, environments, **kw):\n"
+        "    assert len(environments) == len(completions) and environments[0].reference == 'b a'\n"
+        "    return [float(e.crashed is None) for e in environments]\n")
+    row = {"messages": [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": "b a"}]}
+    (tmp_path / "d.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({
+        "model": {"name_or_path": tiny_model_dir},
+        "data": {"sources": [{"path": "d.jsonl"}], "max_length": 1024, "chat_template": "trl:qwen2_5"},
+        "grpo": {"rewards": [{"function": "game:healthy"}], "environment": "game:Game", "num_generations": 2,
+                 "max_completion_length": 16},
+        "training": {"output_dir": str(tmp_path / "o"), "per_device_train_batch_size": 2}}))
+    assert cli_main(["check", "r.yaml"]) == 0, capsys.readouterr().err[-2000:]

@@ -19,7 +19,8 @@ import pytest
 from transformers.utils import get_json_schema
 
 from hftrain.methods.grpo import GroupTrainer
-from hftrain.methods.tools import ToolCounts, guarded, suffix_after_stop, tool_template_problem
+from hftrain.methods.sandbox import CallCounts, TimeLimit
+from hftrain.methods.tools import guarded, suffix_after_stop, tool_template_problem
 
 from .template_families import FAMILIES, tokenizer_for
 
@@ -35,6 +36,7 @@ def add(a: int, b: int) -> str:
 
 
 TOOLS = [get_json_schema(add)]
+TOOL_LIMIT = TimeLimit(5.0, "grpo.tool_timeout")
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 CALL = {"role": "assistant", "content": "",
         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
@@ -83,7 +85,7 @@ def play(tokenizer, stops: list[int], prompt: list[int], first: list[int], then,
     from trl.chat_template_utils import add_response_schema, parse_response
 
     tokenizer = add_response_schema(tokenizer)
-    counts, seen = ToolCounts(), []
+    counts, seen = CallCounts(), []
 
     def generate(ids, *args, **kwargs):
         seen.append((ids[0], then(ids[0])))
@@ -92,7 +94,7 @@ def play(tokenizer, stops: list[int], prompt: list[int], first: list[int], then,
     trainer = GroupTrainer.__new__(GroupTrainer)  # the loop's state alone, without a model to train
     vars(trainer).update(
         processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
-        eos_token_ids=stops, _sync_tool_dicts=[{"add": guarded(add, 5.0, counts)}], _async_tool_dicts=[{}],
+        eos_token_ids=stops, _sync_tool_dicts=[{"add": guarded(add, TOOL_LIMIT, counts)}], _async_tool_dicts=[{}],
         max_tool_calling_iterations=rounds, tool_counts=counts, use_vllm=False, max_completion_length=4096, tools=[add],
         environment_factories=None, model=types.SimpleNamespace(config=types.SimpleNamespace(
             max_position_embeddings=1 << 20)), _generate_single_turn=generate)
@@ -159,8 +161,28 @@ def test_a_rollout_left_on_a_call_past_the_limit_is_counted(rounds, cut, tmp_pat
 
 
 def test_the_suffix_drops_only_a_stop_token_the_model_generated():
-    assert suffix_after_stop([7, 1, 2], [7, 9]) == [1, 2] and suffix_after_stop([1, 7], [7]) == [1, 7]
-    assert suffix_after_stop([], [7]) == []
+    assert suffix_after_stop([7, 1, 2], [7, 9], 7) == [1, 2] and suffix_after_stop([1, 7], [7], 7) == [1, 7]
+    assert suffix_after_stop([7, 1, 2], [7, 9], 9) == [7, 1, 2]  # another stop token ended the turn
+    assert suffix_after_stop([7, 1, 2], [9], 7) == [7, 1, 2] and suffix_after_stop([], [7], 7) == []
+
+
+def test_a_call_ended_by_another_stop_token_keeps_the_tools_first_token(tmp_path):
+    """GLM-4.5 stops at <|user|> and at <|observation|>, and its tool part begins with <|observation|>. A call the
+    model ended with <|user|> never wrote <|observation|>: the context after the tool holds it (masked out), once;
+    a call ended with <|observation|> has it once too, the model's own (trained)."""
+    tokenizer = tokenizer_for(FAMILIES["glm4moe"], str(tmp_path))
+    user, observation = tokenizer.convert_tokens_to_ids(["<|user|>", "<|observation|>"])
+    stops = sorted({user, observation, tokenizer.eos_token_id})
+    prompt, whole = render(tokenizer, USER, True), render(tokenizer, [*USER, CALL, ANSWER, FINAL])
+    sampled_call = sampled(whole, len(prompt), set(stops))
+    assert sampled_call[-1] == observation
+    final = tokenizer.encode("The answer is 5.", add_special_tokens=False) + [user]
+    for last in (user, observation):
+        first = sampled_call[:-1] + [last]
+        ids, mask, context, _, _ = play(tokenizer, stops, prompt, first, lambda context: list(final))
+        assert context[len(prompt):].count(observation) == 1, tokenizer.decode(context[len(prompt):])
+        assert (ids[len(first)] == observation) == (last == user)  # the template's, after <|user|> only
+        assert mask[:len(first)] == [1] * len(first) and mask[len(first)] == 0
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -11,7 +11,8 @@ import torch
 
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
-from hftrain.methods.tools import ToolCounts, guarded, load_tools, tool_template_problem
+from hftrain.methods.sandbox import CallCounts, TimeLimit
+from hftrain.methods.tools import guarded, load_tools, tool_template_problem
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},
         "grpo": {"rewards": [{"function": "exact_match"}]}}
@@ -28,7 +29,7 @@ def add(a: int, b: int) -> str:
 
 
 def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsys):
-    counts = ToolCounts()
+    counts = CallCounts()
 
     def broken(x: int) -> str:
         """Divide by x. Args: x: the divisor."""
@@ -53,14 +54,15 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
         xs.append(1)
         return str(len(xs))
 
-    tools = {f.__name__: guarded(f, 0.5, counts) for f in (add, broken, slow, number, leaving, editing)}
+    limit = TimeLimit(0.5, "grpo.tool_timeout")
+    tools = {f.__name__: guarded(f, limit, counts) for f in (add, broken, slow, number, leaving, editing)}
     assert tools["add"](a=2, b=3) == "5"
     assert tools["broken"](x=0) == "error: broken raised ZeroDivisionError: division by zero"
     start = time.monotonic()
-    assert tools["slow"](x=60) == "error: slow did not return within 0.5 s"
+    assert tools["slow"](x=60) == "error: slow did not return within grpo.tool_timeout=0.5 s"
     assert time.monotonic() - start < 5
     assert tools["number"](x=7) == "error: number returned int, not text"
-    assert tools["leaving"](x=3) == "error: leaving raised SystemExit: 3"
+    assert tools["leaving"](x=3) == "error: leaving called sys.exit(3)"
     assert "bye" in capsys.readouterr().err  # a tool's prints stay off stdout
     mine = [0]
     assert tools["editing"](xs=mine) == "2" and mine == [0]  # it edited a copy
@@ -71,7 +73,7 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
 def test_the_guard_keeps_the_schema_transformers_shows_the_model():
     from transformers.utils import get_json_schema
 
-    tool = guarded(add, 1.0, ToolCounts())
+    tool = guarded(add, TimeLimit(1.0, "grpo.tool_timeout"), CallCounts())
     assert tool.__name__ == "add" and get_json_schema(tool) == get_json_schema(add)
     assert get_json_schema(tool)["function"]["parameters"]["properties"]["a"]["type"] == "integer"
 
@@ -209,9 +211,10 @@ def test_held_out_answers_of_a_tool_recipe_call_the_tools(tiny_model_dir):
                             add_special_tokens=False) + [end]
     final = tokenizer.encode("5", add_special_tokens=False) + [end]
     examples = [{"messages": [{"role": "user", "content": "2 + 3?"}], "reference": "5"}]
-    counts = ToolCounts()
+    counts = CallCounts()
     model = ScriptedModel([call, final])
-    assert exact_match(model, tokenizer, examples, answer=ToolAnswer([guarded(add, 5.0, counts)], 2)) == 1.0
+    tools = [guarded(add, TimeLimit(5.0, "grpo.tool_timeout"), counts)]
+    assert exact_match(model, tokenizer, examples, answer=ToolAnswer(tools, 2)) == 1.0
     first, second = model.prompts
     assert second[:len(first)] == first and second[len(first):len(first) + len(call)] == call
     assert tokenizer.decode(second[len(first) + len(call):]) == (

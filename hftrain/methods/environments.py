@@ -8,32 +8,32 @@ TRL calls all of these directly: an environment that raises in `reset` or `get_r
 hangs hangs the rank. Here TRL is handed a stand-in class (`guarded_environment`) with the same public methods, names,
 signatures and docstrings, holding the user's instance:
 
-- a method call runs under grpo.tool_timeout with its prints on stderr, as a tool does (tools.guarded): one that
-  raises an Exception answers the model "error: ..." (the environment refused the action, e.g. an illegal move) and is
-  counted in tools/errors;
-- the environment **crashes** when its constructor, `reset` or `get_reward` raises, or a method runs past the timeout
-  or exits (its state is then unknown): the rollout's later calls answer "error: the environment crashed ...", its
-  `get_reward` is 0.0, the crash is printed on stderr once and counted (tools/env_crashes); the next `reset` builds a
-  fresh instance. Reward functions see it as `environments[i].crashed` (TRL passes `environments`).
+- every call (constructor, `reset`, methods, `get_reward`) runs in the user-code sandbox (sandbox.call_user_code:
+  copies of its arguments, its prints on stderr, grpo.tool_timeout); a method call is counted as a tool's is, by the
+  sandbox's one set of counters (tools/errors, tools/timeouts); one that raises an Exception answers the model
+  "error: ..." (the environment refused the action, e.g. an illegal move);
+- the environment **crashes** when its constructor, `reset` or `get_reward` raises, `get_reward` returns what is not
+  a finite number, or a method runs past the time limit or exits (its state is then unknown): the rollout's later
+  calls answer "error: the environment crashed ...", its `get_reward` is 0.0, the crash is printed on stderr once and
+  counted (tools/env_crashes); the next `reset` builds a fresh instance. Reward functions see it as
+  `environments[i].crashed` (TRL passes `environments`, the stand-ins), and the instance's own attributes through
+  the stand-in. A call stuck in C code past the limit ends the rank, named,
+  by the sandbox's watchdog (a new process per call could not hold the instance's state).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
+import math
 import sys
 
 from .grpo_section import GrpoSection
 from ..errors import RewardError
-from .rewards import CallTimeout, import_function, time_limit
-from .tools import ToolCounts, load_tools, schema_problem
+from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
+from .tools import load_tools, schema_problem, text_answer
 
 RESERVED = ("reset", "get_reward")
-
-
-class EnvironmentCrash(Exception):
-    """Raised inside the stand-in when the user's environment can no longer be trusted."""
 
 
 def public_methods(cls) -> dict:
@@ -46,8 +46,8 @@ class _Guarded:
     """The stand-in's machinery (guarded_environment makes a subclass per environment class)."""
 
     _cls: type
-    _timeout: float | None
-    _counts: ToolCounts
+    _limit: TimeLimit | None
+    _counts: CallCounts
 
     def __init__(self):
         self._inner, self.crashed = None, None
@@ -56,20 +56,22 @@ class _Guarded:
     def _fresh(self) -> None:
         self.crashed = None
         try:
-            self._inner = self._run(self._cls, (), {})
-        except EnvironmentCrash as e:
-            self._crash(f"{self._cls.__name__}() {e}")
-        except Exception as e:  # noqa: BLE001 - a crash, reported; the next reset tries again
-            self._crash(f"{self._cls.__name__}() raised {type(e).__name__}: {e}")
+            self._inner = self._run(self._cls, f"{self._cls.__name__}()")
+        except UserCodeFailure as e:  # a crash, reported; the next reset tries again
+            self._crash(f"{self._cls.__name__}() {e.reason}")
 
-    def _run(self, fn, args, kwargs):
-        try:
-            with contextlib.redirect_stdout(sys.stderr), time_limit(self._timeout):
-                return fn(*args, **kwargs)
-        except CallTimeout:
-            raise EnvironmentCrash(f"did not return within {self._timeout:g} s") from None
-        except SystemExit as e:
-            raise EnvironmentCrash(f"exited (SystemExit: {e})") from None
+    def _run(self, fn, what: str, args: tuple = (), kwargs: dict | None = None, counts: CallCounts | None = None):
+        """fn(*args, **kwargs) in the user-code sandbox (sandbox.call_user_code), counted in `counts` where given."""
+        return call_user_code(fn, f"the environment's {what}", args, kwargs, limit=self._limit, counts=counts)
+
+    def __getattr__(self, name: str):
+        """The user's instance's attributes, as reward functions read them (TRL passes them this stand-in)."""
+        inner = self.__dict__.get("_inner")
+        if inner is None or name.startswith("__"):
+            crashed = self.__dict__.get("crashed")
+            raise AttributeError(f"{self._cls.__name__} has no attribute {name!r}"
+                                 + (f" (the environment crashed: {crashed})" if crashed else ""))
+        return getattr(inner, name)
 
     def _crash(self, what: str) -> None:
         self.crashed, self._inner = what, None
@@ -83,34 +85,28 @@ class _Guarded:
         if self.crashed:
             return None
         try:
-            return self._run(self._inner.reset, (), row)
-        except EnvironmentCrash as e:
-            self._crash(f"reset {e}")
-        except Exception as e:  # noqa: BLE001 - a crash, reported; the run goes on
-            self._crash(f"reset raised {type(e).__name__}: {e}")
+            return self._run(self._inner.reset, f"{self._cls.__name__}.reset", kwargs=row)
+        except UserCodeFailure as e:  # a crash, reported; the run goes on
+            self._crash(f"reset {e.reason}")
         return None
 
 
 def _guarded_method(name: str, fn):
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        self._counts.calls += 1
         if self.crashed:
+            self._counts.calls += 1
             self._counts.errors += 1
             return f"error: the environment crashed ({self.crashed}); nothing more can be done in this rollout"
         try:
-            result = self._run(getattr(self._inner, name), args, kwargs)
-        except EnvironmentCrash as e:
-            self._counts.errors += 1
-            self._crash(f"{name} {e}")
-            return f"error: {name} {e}: the environment crashed"
-        except Exception as e:  # noqa: BLE001 - the environment refused the call: the model is told
-            self._counts.errors += 1
-            return f"error: {name} raised {type(e).__name__}: {e}"
-        if not isinstance(result, str):
-            self._counts.errors += 1
-            return f"error: {name} returned {type(result).__name__}, not text"
-        return result
+            result = self._run(getattr(self._inner, name), f"{self._cls.__name__}.{name}", args, kwargs,
+                               counts=self._counts)
+        except UserCodeFailure as e:
+            if e.timed_out or e.exited:  # its state is unknown: the rollout ends
+                self._crash(f"{name} {e.reason}")
+                return f"error: {name} {e.reason}: the environment crashed"
+            return f"error: {name} {e.reason}"  # the environment refused the call: the model is told
+        return text_answer(name, result, self._counts)
 
     return method
 
@@ -119,24 +115,26 @@ def _get_reward(self) -> float:
     if self.crashed or self._inner is None:
         return 0.0
     try:
-        return float(self._run(self._inner.get_reward, (), {}))
-    except EnvironmentCrash as e:
-        self._crash(f"get_reward {e}")
-    except Exception as e:  # noqa: BLE001 - a crash, reported: reward 0 for this rollout
-        self._crash(f"get_reward raised {type(e).__name__}: {e}")
-    return 0.0
+        value = self._run(self._inner.get_reward, f"{self._cls.__name__}.get_reward")
+    except UserCodeFailure as e:  # a crash, reported: reward 0 for this rollout
+        self._crash(f"get_reward {e.reason}")
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        self._crash(f"get_reward returned {value!r} ({type(value).__name__}), not a finite number")
+        return 0.0
+    return float(value)
 
 
-def guarded_environment(cls: type, timeout: float | None, counts: ToolCounts) -> type:
+def guarded_environment(cls: type, limit: TimeLimit | None, counts: CallCounts) -> type:
     """The class TRL's environment_factory builds instead of `cls` (see the module docstring)."""
-    namespace = {"_cls": cls, "_timeout": timeout, "_counts": counts, "__doc__": cls.__doc__,
+    namespace = {"_cls": cls, "_limit": limit, "_counts": counts, "__doc__": cls.__doc__,
                  **{name: _guarded_method(name, fn) for name, fn in public_methods(cls).items()}}
     if callable(getattr(cls, "get_reward", None)):
         namespace["get_reward"] = _get_reward
     return type(cls.__name__, (_Guarded,), namespace)
 
 
-def load_environment(g: GrpoSection, counts: ToolCounts | None = None) -> type | None:
+def load_environment(g: GrpoSection, counts: CallCounts | None = None) -> type | None:
     """The recipe's environment class, guarded; refused naming the key when TRL could not use it."""
     if not g.environment:
         return None
@@ -147,7 +145,8 @@ def load_environment(g: GrpoSection, counts: ToolCounts | None = None) -> type |
     if not g.rewards and not callable(getattr(cls, "get_reward", None)):
         raise RewardError(f"grpo.rewards is empty and grpo.environment {g.environment} defines no get_reward(): "
                           "add a reward function, or a get_reward method returning the rollout's reward")
-    return guarded_environment(cls, g.tool_timeout or None, counts if counts is not None else ToolCounts())
+    return guarded_environment(cls, limit_of(g.tool_timeout, "grpo.tool_timeout"),
+                               counts if counts is not None else CallCounts())
 
 
 def shown_tools(g: GrpoSection) -> list:

@@ -35,12 +35,13 @@ from ..data.templates import template_kwargs
 from ..errors import DataError, LaunchError, RewardError
 from ..patches.transformers import mark_fsdp_managed
 from .rewards import dry_run, load_rewards
+from .sandbox import CallCounts
 from ..trainer import RUN_MIXINS
 from .policy import load_policy, policy_peft_config
 from ..evaluate import greedy_answer
 from .sft import SFT, exact_match_metrics
 from .environments import load_environment, shown_tools
-from .tools import (ToolAnswer, ToolCounts, load_tools, suffix_after_stop, tool_template_problem,
+from .tools import (ToolAnswer, load_tools, suffix_after_stop, tool_template_problem,
                     unanswered_calls)
 
 EPSILON = 0.2  # TRL's (and the GRPO paper's) clipping range, grpo.epsilon unset
@@ -76,19 +77,29 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
     """TRL's GRPOTrainer with hftrain's checkpoints, guards and compression; `reward_funcs` are rewards.Reward
     objects built with defer=True; `args` an HFGRPOConfig (grpo_config)."""
 
-    def __init__(self, *args, tool_counts: ToolCounts | None = None, **kwargs):
+    def __init__(self, *args, tool_counts: CallCounts | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tool_counts = tool_counts or ToolCounts()  # what the guarded tools (`tools`) count, logged per step
+        self.tool_counts = tool_counts or CallCounts()  # what the guarded tools (`tools`) count, logged per step
         # TRL renders prompts with args.chat_template_kwargs as given: hftrain's renderings also pin the date.
         self.chat_template_kwargs = template_kwargs(self._tokenizer, self.args.chat_template_kwargs)
 
     def _get_tool_suffix_ids(self, tool_messages):
-        """TRL's, less a first token the model stops at and so has already generated (tools.suffix_after_stop)."""
-        return suffix_after_stop(super()._get_tool_suffix_ids(tool_messages), self.eos_token_ids)
+        """TRL's, less a first token the model stops at and has just generated (tools.suffix_after_stop): the
+        rollout is the one whose turns end with `tool_messages` (TRL's loop passes that rollout's own message
+        objects), its last generated token the last of its completion ids (TRL's loop updates them in place)."""
+        completions, completion_ids = getattr(self, "_rollouts", ((), ()))
+        last = next((ids[-1] for turns, ids in zip(completions, completion_ids)
+                     if ids and turns and turns[-1] is tool_messages[-1]), None)
+        return suffix_after_stop(super()._get_tool_suffix_ids(tool_messages), self.eos_token_ids, last)
 
-    def _tool_call_loop(self, *args):
-        """TRL's; the rollouts it leaves on a call it did not run are counted (tools/cut_rollouts)."""
-        out = super()._tool_call_loop(*args)
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, *args):
+        """TRL's, its rollouts seen by _get_tool_suffix_ids; the rollouts it leaves on a call it did not run are
+        counted (tools/cut_rollouts)."""
+        self._rollouts = (completions, completion_ids)
+        try:
+            out = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *args)
+        finally:
+            self._rollouts = ((), ())
         _, completions, *_ = out
         self.tool_counts.cut += unanswered_calls(completions)
         return out
@@ -156,7 +167,8 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
         raise DataError(f"{key}: the chat template (data.chat_template, else the tokenizer's) {problem}")
     data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
                              exact_match=recipe.eval.exact_match, needs_reference=exact, tools=tools)
-    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer)
+    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer,
+            load_environment(g))
     per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
         "gradient_accumulation_steps") // g.num_generations
     if len(data.train) < per_step:
@@ -189,7 +201,7 @@ class GRPO(SFT):
         return f"GRPO ({g.loss_type} loss, groups of {g.num_generations}, beta={g.beta}, rewards: {rewards})"
 
     def trainer(self, run, model, tokenizer, data, callbacks):
-        counts = ToolCounts()
+        counts = CallCounts()
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
                                   reward_funcs=load_rewards(run.recipe.grpo, defer=True),
                                   tools=load_tools(run.recipe.grpo, counts) or None, tool_counts=counts,

@@ -10,35 +10,22 @@ Each is called as TRL's GRPOTrainer 1.16 calls reward functions: fn(prompts, com
 trainer_state, log_extra, log_metric), with completions as text, or as [{"role": "assistant", "content": ...}] for
 conversation prompts; it returns one number per completion (None: does not apply). Why hftrain checks: TRL checks
 only the length (a bare ValueError), turns None into NaN and hands anything else to torch.tensor, and a function that
-raises on one rank leaves the others waiting in the rewards' all-gather. Here a function that raises, exits, returns
-the wrong number of values or a non-number, or runs past grpo.reward_timeout is reported with its name, and (`defer`)
-the error is held until after the all-gather, where every rank raises it (GroupTrainer). Each call gets its own
-copies of the data (a function that edits its inputs changes nothing the next one sees), and what it prints goes to
-stderr (stdout is where `hftrain check` writes the resolved recipe, as YAML). `dry_run` calls every function on the
-data before the model loads, so what can be caught before any weight moves is.
-
-The time limit is SIGALRM's (signal.setitimer) in the main thread, where TRL calls synchronous reward functions: the
-handler raises in the function's own frame, which also interrupts a regular expression stuck backtracking (sre checks
-for signals) and a sleep; nothing kills a thread, so a thread would leave the hung call running beside training.
+raises on one rank leaves the others waiting in the rewards' all-gather. Here each call runs in the user-code sandbox
+(sandbox.call_user_code: copies of the data, prints on stderr, grpo.reward_timeout), and a function that raises,
+exits, returns the wrong number of values or a non-number, or runs past its limit is reported with its name, and
+(`defer`) the error is held until after the all-gather, where every rank raises it (GroupTrainer). A function stuck
+in C code past the limit ends the rank, named, by the sandbox's watchdog. `dry_run` calls every function on the data
+before the model loads, so what can be caught before any weight moves is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import importlib
-import importlib.util
-import inspect
 import math
-import os
 import re
-import signal
-import sys
-import threading
-import traceback
 
 from .grpo_section import GrpoSection, RewardSpec
 from ..errors import RewardError
+from .sandbox import UserCodeFailure, call_user_code, import_function, limit_of
 
 
 def text_of(completion) -> str:
@@ -70,80 +57,9 @@ def _length_penalty(limit: int, max_completion_length: int):
     return length_penalty
 
 
-def import_function(spec: str, where: str):
-    """The function `module:function` or `path/to/file.py:function` names, imported from the working folder; `where`
-    is the recipe key messages name (grpo.rewards.0.function, grpo.tools.0)."""
-    module, _, name = spec.rpartition(":")
-    with contextlib.redirect_stdout(sys.stderr):  # its top level's prints: off `hftrain check`'s YAML
-        return _function_of(_module(module, where), module, name, spec, where)
-
-
-def _module(module: str, where: str):
-    try:
-        if module.endswith(".py"):
-            path = os.path.abspath(module)
-            if not os.path.isfile(path):
-                raise RewardError(f"{where}: {module} does not exist (relative to {os.getcwd()})")
-            loader = importlib.util.spec_from_file_location(f"hftrain_reward_{abs(hash(path))}", path)
-            mod = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(mod)
-        else:
-            if os.getcwd() not in sys.path:  # a module beside the recipe, as `python -m` would find it
-                sys.path.insert(0, os.getcwd())
-            mod = importlib.import_module(module)
-    except RewardError:
-        raise
-    except SystemExit as e:  # sys.exit() at import would end `check` and the run with its status and no word
-        raise RewardError(f"{where}: importing {module} called sys.exit({e.code!r}){_place(e)}: a "
-                          "module must not exit; move that code under `if __name__ == \"__main__\":`") from None
-    except Exception as e:  # ImportError, SyntaxError, or whatever its top level raises
-        raise RewardError(f"{where}: cannot import {module}: {type(e).__name__}: {e}{_place(e)}") from None
-    return mod
-
-
-def _function_of(mod, module: str, name: str, spec: str, where: str):
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise RewardError(f"{where}: {module} has no function {name!r}"
-                          + (f" ({name} is {type(fn).__name__})" if fn is not None else ""))
-    if inspect.iscoroutinefunction(fn):
-        raise RewardError(f"{where}: {spec} is async; give a plain function")
-    return fn
-
-
-def _place(e: BaseException) -> str:
-    """' (at file.py:12)': where in the user's code an exception was raised."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
 # What TRL hands a reward function that is not data: the trainer's state, its loggers, the environments. Everything
 # else (prompts, completions, completion_ids, the rows' columns) is copied for each function.
 NOT_COPIED = ("trainer_state", "log_extra", "log_metric", "environments")
-
-
-class CallTimeout(Exception):
-    """Raised by the SIGALRM handler inside a reward function that ran past its time limit."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """CallTimeout raised in the code under it after `seconds` (None or 0, or outside the main thread, where
-    signals cannot be handled: no limit). The previous SIGALRM handler and timer are put back."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise CallTimeout()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class Reward:
@@ -153,7 +69,7 @@ class Reward:
 
     def __init__(self, fn, name: str, key: str, defer: bool = False, timeout: float | None = None):
         self.fn, self.__name__, self.key, self.defer, self.error = fn, name, key, defer, None
-        self.timeout = timeout
+        self.limit = limit_of(timeout, "grpo.reward_timeout")
 
     def __call__(self, prompts, completions, **kwargs):
         n = len(completions)
@@ -167,20 +83,17 @@ class Reward:
 
     def _call(self, prompts, completions, kwargs: dict):
         what = f"{self.key} ({self.__name__})"
-        data = copy.deepcopy({"prompts": prompts, "completions": completions,
-                              **{k: v for k, v in kwargs.items() if k not in NOT_COPIED}})
+        data = {"prompts": prompts, "completions": completions,
+                **{k: v for k, v in kwargs.items() if k not in NOT_COPIED}}
         try:
-            with contextlib.redirect_stdout(sys.stderr), time_limit(self.timeout):
-                return self.fn(**data, **{k: v for k, v in kwargs.items() if k in NOT_COPIED})
-        except CallTimeout:
-            raise RewardError(f"{what} did not return within grpo.reward_timeout={self.timeout:g} s (for "
-                              f"{len(completions)} completions); make it faster, or raise grpo.reward_timeout "
-                              "(0: no limit)") from None
-        except SystemExit as e:
-            raise RewardError(f"{what} called sys.exit({e.code!r}){_place(e)}; return a list of numbers "
-                              "instead") from None
-        except Exception as e:
-            raise RewardError(f"{what} raised {type(e).__name__}: {e}{_place(e)}") from None
+            return call_user_code(self.fn, what, kwargs=data, limit=self.limit,
+                                  shared={k: v for k, v in kwargs.items() if k in NOT_COPIED})
+        except UserCodeFailure as e:
+            if e.timed_out:
+                raise RewardError(f"{what} did not return within {self.limit} (for {len(completions)} "
+                                  f"completions); make it faster, or raise {self.limit.key} (0: no limit)") from None
+            fix = "; return a list of numbers instead" if e.exited else ""
+            raise RewardError(f"{what} {e.reason}{e.place}{fix}") from None
 
     def _checked(self, values, n: int) -> list:
         what = f"{self.key} ({self.__name__})"
@@ -223,9 +136,10 @@ def _builtin(spec: RewardSpec, max_completion_length: int):
     return None
 
 
-def dry_run(rewards: list[Reward], rows: list[dict], tokenizer) -> None:
+def dry_run(rewards: list[Reward], rows: list[dict], tokenizer, environment: type | None = None) -> None:
     """Every reward function on `rows` (prompt, reference), answered by their references and by empty completions,
-    as TRL will call it: what fails here fails before the model is loaded."""
+    as TRL will call it (with `environment`, the guarded environment class, each completion's instance reset with its
+    row, as TRL passes them): what fails here fails before the model is loaded."""
     from transformers import TrainerState  # heavy import, only for the run's data phase
 
     conversational = isinstance(rows[0]["prompt"], list)
@@ -234,5 +148,9 @@ def dry_run(rewards: list[Reward], rows: list[dict], tokenizer) -> None:
     ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers]
     kwargs = {"reference": [r["reference"] for r in rows] * 2, "trainer_state": TrainerState(),
               "log_extra": lambda *a: None, "log_metric": lambda *a: None}
+    if environment is not None:
+        kwargs["environments"] = [environment() for _ in answers]
+        for instance, row in zip(kwargs["environments"], rows * 2):
+            instance.reset(**row)
     for reward in rewards:
         reward(prompts=[r["prompt"] for r in rows] * 2, completions=completions, completion_ids=ids, **kwargs)

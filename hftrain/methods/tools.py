@@ -3,19 +3,18 @@
 in the context and masked out of the loss, then generation goes on) within limits TRL does not set.
 
 TRL calls a tool directly and turns an exception into an error result, but a tool that hangs hangs the rank, and a
-result that is not text is passed through str(). Here each call runs on copies of its arguments, under
-grpo.tool_timeout (SIGALRM in the main thread, where TRL runs synchronous tools, as for the reward functions), with
-its prints on stderr; a call that raises, exits, runs past the limit or returns no text gives the model one line,
-"error: ...", and is counted (tools/errors, tools/timeouts in the logs). The wrapper keeps the function's name,
-signature and docstring (functools.wraps), from which transformers builds the JSON schema the template shows.
+result that is not text is passed through str(). Here each call runs in the user-code sandbox (sandbox.call_user_code:
+copies of its arguments, its prints on stderr, grpo.tool_timeout); a call that raises, exits, runs past the limit or
+returns no text gives the model one line, "error: ...", and is counted (sandbox.CallCounts: tools/errors,
+tools/timeouts in the logs; an environment's methods count the same way). A call stuck in C code past the limit ends
+the rank, named, by the sandbox's watchdog. The wrapper keeps the function's name, signature and docstring
+(functools.wraps), from which transformers builds the JSON schema the template shows.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import sys
 import types
 
 from .grpo_section import GrpoSection
@@ -24,21 +23,7 @@ from ..data.preview import marked
 from ..data.templates import stop_ids, template_kwargs
 from ..errors import RewardError
 from ..evaluate import greedy_continuation, prompt_ids
-from .rewards import CallTimeout, import_function, time_limit
-
-
-class ToolCounts:
-    """Calls, errors and timeouts of every tool, crashes of environments (environments.py) and rollouts cut on an
-    unanswered call, since the last `take()` (the trainer logs them per step)."""
-
-    def __init__(self):
-        self.calls = self.errors = self.timeouts = self.crashes = self.cut = 0
-
-    def take(self) -> dict[str, int]:
-        out = {"calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "crashes": self.crashes,
-               "cut": self.cut}
-        self.calls = self.errors = self.timeouts = self.crashes = self.cut = 0
-        return out
+from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
 
 
 def unanswered_calls(completions: list[list[dict]]) -> int:
@@ -47,27 +32,25 @@ def unanswered_calls(completions: list[list[dict]]) -> int:
     return sum(1 for turns in completions if turns and turns[-1].get("tool_calls"))
 
 
-def guarded(fn, timeout: float | None, counts: ToolCounts):
+def text_answer(name: str, result, counts: CallCounts) -> str:
+    """A tool's (or an environment method's) result as the model reads it: the text, or an error counted."""
+    if isinstance(result, str):
+        return result
+    counts.errors += 1
+    return f"error: {name} returned {type(result).__name__}, not text"
+
+
+def guarded(fn, limit: TimeLimit | None, counts: CallCounts):
     """`fn` as the model's tool: its result as text, or "error: ..." for a call that fails (see the docstring)."""
 
     @functools.wraps(fn)
     def tool(*args, **kwargs):
-        counts.calls += 1
         name = fn.__name__
         try:
-            with contextlib.redirect_stdout(sys.stderr), time_limit(timeout):
-                result = fn(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-        except CallTimeout:
-            counts.errors += 1
-            counts.timeouts += 1
-            return f"error: {name} did not return within {timeout:g} s"
-        except (Exception, SystemExit) as e:  # the model sent arguments the tool refuses, or the tool is broken
-            counts.errors += 1
-            return f"error: {name} raised {type(e).__name__}: {e}"
-        if not isinstance(result, str):
-            counts.errors += 1
-            return f"error: {name} returned {type(result).__name__}, not text"
-        return result
+            result = call_user_code(fn, f"the tool {name}", args, kwargs, limit=limit, counts=counts)
+        except UserCodeFailure as e:  # the model sent arguments the tool refuses, or the tool is broken
+            return f"error: {name} {e.reason}"
+        return text_answer(name, result, counts)
 
     return tool
 
@@ -83,9 +66,9 @@ def schema_problem(fn) -> str | None:
     return None
 
 
-def load_tools(g: GrpoSection, counts: ToolCounts | None = None) -> list:
+def load_tools(g: GrpoSection, counts: CallCounts | None = None) -> list:
     """The recipe's tools, guarded (see the module docstring); a tool without a usable schema is refused naming it."""
-    counts = counts if counts is not None else ToolCounts()
+    counts = counts if counts is not None else CallCounts()
     out = []
     for i, spec in enumerate(g.tools or []):
         key = f"grpo.tools.{i}"
@@ -94,17 +77,21 @@ def load_tools(g: GrpoSection, counts: ToolCounts | None = None) -> list:
         if problem:
             raise RewardError(f"{key}: {spec}: transformers cannot build its JSON schema ({problem}); give every "
                               "argument a type hint and the function a Google-style docstring with an Args: section")
-        out.append(guarded(fn, g.tool_timeout or None, counts))
+        out.append(guarded(fn, limit_of(g.tool_timeout, "grpo.tool_timeout"), counts))
     return out
 
 
-def suffix_after_stop(suffix: list[int], stop_ids) -> list[int]:
+def suffix_after_stop(suffix: list[int], stop_ids, last_generated: int | None) -> list[int]:
     """The tokens TRL appends after a completion that called a tool (its `_get_tool_suffix_ids`: the template's tool
-    turn and the next generation prompt), less a first token that stops generation. A template whose tool call ends
-    where the tool's turn begins renders that token in the tool's part (GLM-4.5's <|observation|>, also one of its
-    model's stop tokens): the model has already generated it as its completion's last token, so TRL's suffix put it
-    in the context twice, unlike the template's rendering of the same exchange (tests/test_grpo_tools.py)."""
-    return suffix[1:] if suffix and suffix[0] in set(stop_ids) else suffix
+    turn and the next generation prompt), less a first token that stops generation and that the model generated as
+    its completion's last token (`last_generated`). A template whose tool call ends where the tool's turn begins
+    renders that token in the tool's part (GLM-4.5's <|observation|>, also one of its model's stop tokens): the model
+    has already generated it, so TRL's suffix put it in the context twice, unlike the template's rendering of the
+    same exchange (tests/test_grpo_tools.py). A turn ended by another stop token (GLM's <|user|>) keeps it: the model
+    never wrote it (tests/test_grpo_tool_masks.py)."""
+    if suffix and suffix[0] == last_generated and suffix[0] in set(stop_ids):
+        return suffix[1:]
+    return suffix
 
 
 def trl_tool_suffix(tokenizer, tool_messages: list[dict], template_kwargs: dict) -> list[int]:
@@ -176,8 +163,9 @@ def example_trajectory(tokenizer, prompt: list[dict], tools: list, template_kwar
     if whole[:len(start)] != start:
         return "  (this template renders a turn in history unlike its generation prompt: no one rendering to show)"
     stops = stop_ids(tokenizer)[0]
-    suffix = suffix_after_stop(trl_tool_suffix(tokenizer, exchange[1:2], template_kwargs), stops)
     first = _until_stop(whole, len(start), stops)
+    suffix = suffix_after_stop(trl_tool_suffix(tokenizer, exchange[1:2], template_kwargs), stops,
+                               first[-1] if first else None)
     second = _until_stop(whole, len(start) + len(first) + len(suffix), stops)
     ids = start + first + suffix + second
     labels = [IGNORE_INDEX] * len(start) + first + [IGNORE_INDEX] * len(suffix) + second
@@ -229,14 +217,14 @@ class ToolAnswer:
             answer, calls = parsed.get("content") or "", parsed.get("tool_calls")
             done = not calls or turn == self.rounds
             if not done:
-                ids = ids + new + self._answers(tokenizer, calls, kwargs, stops)
+                ids = ids + new + self._answers(tokenizer, calls, kwargs, stops, new[-1] if new else None)
         return answer
 
-    def _answers(self, tokenizer, calls: list[dict], kwargs: dict, stops) -> list[int]:
+    def _answers(self, tokenizer, calls: list[dict], kwargs: dict, stops, last_generated: int | None) -> list[int]:
         messages = []
         for call in calls:
             name, arguments = call["function"]["name"], call["function"].get("arguments") or {}
             tool = self.by_name.get(name)
             said = tool(**arguments) if tool is not None else f"error: there is no tool {name}"
             messages.append({"role": "tool", "name": name, "content": said})
-        return suffix_after_stop(trl_tool_suffix(tokenizer, messages, kwargs), stops)
+        return suffix_after_stop(trl_tool_suffix(tokenizer, messages, kwargs), stops, last_generated)
