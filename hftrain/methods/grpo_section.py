@@ -59,7 +59,8 @@ class GrpoSection(MethodSection):
         "group", "Divide each advantage by the reward std of its group, of the batch, or not at all (Dr. GRPO).")
     reward_timeout: float = _f(
         60.0, "Seconds one call of a reward function (a batch of completions) may take; one that runs longer stops "
-        "the run naming it, instead of leaving every rank waiting. 0: no limit.")
+        "the run naming it, instead of leaving every rank waiting (a call stuck in C code ends its rank 5 s later, "
+        "named: docs/grpo.md). 0: no limit.")
     tools: list[str] | None = _f(
         None, "Tools the model may call while it generates (multi-turn rollouts): `module:function` or "
         "`path/to/file.py:function`, each with type hints and a docstring (its JSON schema, as transformers reads "
@@ -73,7 +74,8 @@ class GrpoSection(MethodSection):
                                     "Default: no limit but max_completion_length.")
     tool_timeout: float = _f(
         30.0, "Seconds one tool call may take; a call past it, or one that raises or returns no text, gives the model "
-        "an error message (counted in tools/errors, tools/timeouts) instead of stopping the run. 0: no limit.")
+        "an error message (counted in tools/errors, tools/timeouts; an environment's methods alike) instead of "
+        "stopping the run (a call stuck in C code ends its rank 5 s later, named: docs/grpo.md). 0: no limit.")
     generation: Literal["transformers", "vllm"] = _f(
         "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
         "and a GPU; untested here).")
