@@ -23,7 +23,7 @@ DDP_ONLY_COMPRESSION = ("powersgd", "int8", "topk")  # communication hooks: DDP 
 REDUCE_DTYPES = ("fp16", "bf16")  # the methods FSDP2 and ZeRO run as their reduction dtype
 
 LossAveraging = Literal["token", "sequence"]
-LossImpl = Literal["auto", "chunked", "logits"]  # training.loss_impl: how the per-token CE is computed
+LossImpl = Literal["auto", "chunked", "fused", "logits"]  # training.loss_impl: how the per-token CE is computed
 
 DataLayout = Literal["messages", "sharegpt", "prompt_completion", "alpaca", "text"]  # detected in this order
 ROLES = ("system", "user", "assistant", "tool")  # the roles of a canonical conversation

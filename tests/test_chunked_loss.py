@@ -228,7 +228,8 @@ def test_a_head_it_cannot_reproduce_falls_back_under_auto_and_is_refused_when_as
     model = get_peft_model(tiny_lm(tie=False), LoraConfig(r=4, target_modules=["lm_head"]))
     assert head_of(model)[0] is None and "not a plain torch.nn.Linear" in head_of(model)[2]
     assert trainer_for(model, "auto", tmp_path)._head is None
-    assert "training.loss_impl auto: the loss is computed from logits" in capsys.readouterr().out
+    assert "hftrain: loss: the cross-entropy from the model's logits (training.loss_impl: auto; the chunked loss " \
+        "cannot run: " in capsys.readouterr().out
     with pytest.raises(ModelError, match="training.loss_impl: chunked cannot be used"):
         trainer_for(model, "chunked", tmp_path)
     assert trainer_for(tiny_lm(), "auto", tmp_path)._head is not None  # auto on a plain causal LM: chunked
@@ -330,7 +331,8 @@ def test_loss_impl_key():
     base = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
     assert load_recipe(None, [], raw=dict(base)).training["loss_impl"] == "auto"
     assert load_recipe(None, ["training.loss_impl=chunked"], raw=dict(base)).training["loss_impl"] == "chunked"
-    with pytest.raises(RecipeError, match="training.loss_impl: expected one of 'auto', 'chunked', 'logits', got 'x'"):
+    expected = "training.loss_impl: expected one of 'auto', 'chunked', 'fused', 'logits', got 'x'"
+    with pytest.raises(RecipeError, match=expected):
         load_recipe(None, ["training.loss_impl=x"], raw=dict(base))
     # typed end to end: the trainer reads it from its arguments
     assert training_arguments(load_recipe(None, ["training.loss_impl=chunked"], raw=dict(base))).loss_impl == "chunked"
@@ -352,59 +354,3 @@ def test_placeholder_is_in_the_graph_but_passes_no_gradient():
     assert len(seen) == 1  # the gradient passed the output, where ZeRO-3's pre-backward hook sits
     torch.testing.assert_close(h.grad, torch.ones_like(h), rtol=0, atol=0)  # and added nothing to the input
     assert head.weight.grad is None
-
-
-class _LigerStandIn(torch.nn.Module):
-    """liger-kernel's LigerFusedLinearCrossEntropyLoss as hftrain calls it (module(weight, hidden, targets, bias),
-    reduction "sum", ignore_index, label smoothing, soft-cap), computed with torch on CPU: Liger needs a GPU. It
-    records each call, so a test sees that the fused path ran."""
-
-    calls: list = []
-
-    def __init__(self, ignore_index, label_smoothing, reduction, softcap):
-        super().__init__()
-        assert reduction == "sum"
-        self.ignore_index, self.label_smoothing, self.softcap = ignore_index, label_smoothing, softcap
-
-    def forward(self, weight, hidden, targets, bias=None):
-        _LigerStandIn.calls.append(hidden.shape)
-        logits = torch.nn.functional.linear(hidden, weight, bias).float()
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return torch.nn.functional.cross_entropy(logits, targets, ignore_index=self.ignore_index, reduction="sum",
-                                                 label_smoothing=self.label_smoothing)
-
-
-@pytest.mark.parametrize("case", ["tied", "packed", "gemma2_softcap", "label_smoothing", "sequence", "cohere"])
-def test_on_a_gpu_the_token_sum_comes_from_ligers_fused_kernel(case, tmp_path, monkeypatch):
-    """The dispatch to liger-kernel's fused linear CE (losses/fused_ce.py), run on CPU with a stand-in for Liger's
-    module: where it is taken (token average, at most a soft-capped head) the trainer's loss and gradients equal the
-    logits path's, and it is not taken for the sequence average or Cohere's scaled logits."""
-    from hftrain.losses import fused_ce
-
-    monkeypatch.setattr(fused_ce, "usable", lambda device, math, mode: (
-        mode == "token" and math.scale is None and math.divide is None))  # as on a GPU with liger-kernel
-    monkeypatch.setattr(fused_ce, "_liger_loss", lambda smoothing, softcap: _LigerStandIn(
-        fused_ce.IGNORE_INDEX, smoothing, "sum", softcap))
-    _LigerStandIn.calls = []
-    _, model, batch, kwargs = trainer_case(case)
-    _, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch, **kwargs)
-    _, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch, **kwargs)
-    assert bool(_LigerStandIn.calls) == (case not in ("sequence", "cohere")), _LigerStandIn.calls
-    assert got == pytest.approx(ref, rel=1e-5)
-    for name in ref_grads:
-        assert_rel(grads_[name], ref_grads[name])
-
-
-def test_the_fused_kernel_is_asked_for_only_on_a_gpu_with_liger_installed(monkeypatch):
-    from hftrain.losses import fused_ce
-
-    monkeypatch.setattr(fused_ce, "installed", lambda: True)
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert fused_ce.usable(gpu, HeadMath(), "token") and fused_ce.usable(gpu, HeadMath(softcap=30.0), "token")
-    assert not fused_ce.usable(cpu, HeadMath(), "token")
-    assert not fused_ce.usable(gpu, HeadMath(), "sequence")
-    assert not fused_ce.usable(gpu, HeadMath(scale=0.25), "token") and not fused_ce.usable(gpu, HeadMath(divide=4.0),
-                                                                                            "token")
-    monkeypatch.setattr(fused_ce, "installed", lambda: False)
-    assert not fused_ce.usable(gpu, HeadMath(), "token")

@@ -46,6 +46,7 @@ def test_shipped_recipe_parses():
     ("data.sources.0.format=text", "data.sources.0.format: text rows hold no prompt to answer"),
     ("training.eval_strategy=steps", "training.eval_strategy: GRPO is judged by eval.exact_match"),
     ("training.loss_impl=chunked", "training.loss_impl: applies to supervised fine-tuning"),
+    ("training.loss_impl=fused", "training.loss_impl: applies to supervised fine-tuning"),
     ("training.train_sampling_strategy=group_by_length", "training.train_sampling_strategy: GRPO samples prompts"),
     ("training.include_num_input_tokens_seen=all", "training.include_num_input_tokens_seen: GRPO's batches"),
     ("model.lora.target_modules=[lm_head]", "model.lora: GRPO computes log-probs from lm_head's weight"),

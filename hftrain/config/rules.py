@@ -40,11 +40,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and _num(lora.r) and lora.r <= 0:
         out.append(("model.lora.r", f"must be > 0, got {lora.r}"))
-    if isinstance(lora, LoraSection) and recipe.training.get("loss_impl") == "chunked":
-        for key in ("target_modules", "modules_to_save"):
-            if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
-                out.append((f"model.lora.{key}", "holds lm_head, which training.loss_impl: chunked cannot compute "
-                            "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
+    out += _loss_impl_problems(recipe)
     if recipe.model is not None and isinstance(recipe.model.quantization, QuantizationSection):
         out += quantization_problems(recipe)
     if isinstance(recipe.hub, HubSection):
@@ -54,6 +50,30 @@ def recipe_problems(recipe: Recipe) -> Problems:
         out += section_problems(recipe.strategy)
     if isinstance(recipe.strategy, StrategySection) and recipe.strategy.name in STRATEGY_OPTIONS:
         out += strategy_problems(recipe, recipe.strategy.name)
+    return out
+
+
+def _loss_impl_problems(recipe: Recipe) -> Problems:
+    """training.loss_impl chunked or fused against LoRA on lm_head; fused (liger-kernel's fused linear CE) against
+    the sequence average it does not compute and against model.kernels: none, which turns liger's kernels off."""
+    out: Problems = []
+    impl, m = recipe.training.get("loss_impl"), recipe.model
+    lora = m.lora if m is not None else None
+    if isinstance(lora, LoraSection) and impl in ("chunked", "fused"):
+        for key in ("target_modules", "modules_to_save"):
+            if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
+                out.append((f"model.lora.{key}", f"holds lm_head, which training.loss_impl: {impl} cannot compute "
+                            "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
+    if impl != "fused":
+        return out
+    if recipe.training.get("loss_averaging", "token") != "token":
+        out.append(("training.loss_impl", "fused (liger-kernel's fused linear cross-entropy) sums the token CE, every "
+                    "target weighing 1, and cannot compute training.loss_averaging: sequence; set training.loss_impl: "
+                    "chunked (the same loss, hftrain's own chunks) or loss_averaging: token"))
+    if m is not None and m.kernels == "none":
+        out.append(("training.loss_impl", "fused is liger-kernel's fused linear cross-entropy, and model.kernels: "
+                    "none turns liger's kernels off; set training.loss_impl: chunked (hftrain's own chunks), or remove "
+                    "model.kernels: none (model.kernels sets the layers; training.loss_impl the loss)"))
     return out
 
 

@@ -57,8 +57,9 @@ class ModelSection:
     quantization: QuantizationSection | None = _f(
         None, "Load the base quantised by bitsandbytes (QLoRA), e.g. {bits: 4, type: nf4}; needs model.lora.")
     kernels: Literal["liger", "none"] | None = _f(
-        None, "Fused GPU kernels: liger (liger-kernel's RMSNorm, RoPE, SwiGLU; hftrain's loss is kept; CUDA only), "
-        "none (the model's own layers); unset: liger where it can run (CUDA, installed, the family supported)")
+        None, "The model's layers only (the loss is training.loss_impl's): liger (liger-kernel's RMSNorm, RoPE, "
+        "SwiGLU; CUDA only), none (the model's own layers, and no liger kernel anywhere: training.loss_impl: fused "
+        "is refused with it); unset: liger's layers where they can run (CUDA, installed, the family supported)")
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] | None = _f(
         None, "MoE models: how transformers runs the experts (eager: a loop over the experts hit; batched_mm; "
         "grouped_mm); default: transformers' choice (grouped_mm where torch has it). bench/moe.py impl times them.")

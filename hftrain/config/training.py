@@ -50,9 +50,12 @@ class HFTrainOptions:
         "the run, naming the step. Not under DeepSpeed (its engine steps inside backward) nor fp16.")
     loss_impl: LossImpl = _option(
         "auto",
-        "chunked: the CE from the final hidden states and the output head in chunks of tokens, never the full logits "
-        "(the same loss and gradients, far less memory at large vocabularies); logits: from the model's logits; "
-        "auto: chunked where supported (not under fsdp or ZeRO-3, nor with a head it cannot reproduce), else logits.")
+        "How the loss's cross-entropy is computed (model.kernels does not choose it). chunked: hftrain's own, from the "
+        "final hidden states and the output head over the target rows in chunks, never the full logits (the same "
+        "loss and gradients, far less memory at large vocabularies); logits: from the model's logits; auto: chunked "
+        "where the head is one it reproduces, else logits; fused: liger-kernel's fused linear cross-entropy over "
+        "the target rows (asked for only, never by auto: CUDA, liger-kernel, loss_averaging token, a head at most "
+        "soft-capped; refused elsewhere). The run says which in its 'hftrain: loss:' line.")
     # Set by the run from other sections of the recipe, never in `training:` (RUN_SET).
     strategy_name: str | None = _option(
         None, "The recipe's strategy: the engine built is checked against it before the first step (None: not).")

@@ -39,6 +39,7 @@ from ..config import HFTrainingArguments, LoraSection, MoeSection, Recipe, Strat
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
+from ..losses import fused_ce
 from ..modeling import local_config, lora_config
 from ..moe.balance import bias_rate_problem
 from ..moe.capabilities import section_problems
@@ -267,6 +268,20 @@ def experts_problems(recipe: Recipe) -> list[tuple[str, str]]:
         return []
     return [("model.experts_implementation", f"{recipe.model.name_or_path} ({config.model_type}) has no experts "
              "whose implementation transformers can set (not an MoE model): remove it")]
+
+
+def fused_loss_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """training.loss_impl: fused where liger's kernel cannot run: no liger-kernel, no CUDA GPU for the run (or
+    training.use_cpu), a head whose logits it does not compute (asked of the model built on the meta device); the
+    run's trainer refuses the same of the loaded model (losses.chunked)."""
+    cuda = torch.cuda.is_available() and not recipe.training.get("use_cpu")
+    why = fused_ce.machine_problem("cuda" if cuda else "cpu")
+    if why is not None:
+        return [("training.loss_impl", fused_ce.refusal(why))]
+    config = local_config(recipe.model)
+    problem = None if config is None else fused_ce.where_problem(meta_model(config, recipe.model.trust_remote_code),
+                                                                 "cuda")
+    return [("training.loss_impl", problem)] if problem else []
 
 
 # -- peft -----------------------------------------------------------------------------------------------------------

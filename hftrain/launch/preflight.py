@@ -204,6 +204,8 @@ def _model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tupl
         out += libraries.lora_problems(recipe)
     if model_ok and m.experts_implementation is not None and "model.experts_implementation" not in skip:
         out += libraries.experts_problems(recipe)
+    if model_ok and recipe.training.get("loss_impl") == "fused" and "training.loss_impl" not in skip:
+        out += libraries.fused_loss_problems(recipe)
     if model_ok and m.kernels == "liger" and "model.kernels" not in skip:
         config = local_config(m)
         problem = liger_problem(getattr(config, "model_type", None)) if config is not None else None

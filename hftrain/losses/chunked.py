@@ -1,6 +1,7 @@
 """The per-token cross-entropy a trainer's loss is built from: from the model's logits, or (training.loss_impl
 chunked / auto) from lm_head's input in chunks, never materialising the full logits (chunked_ce.py holds the
-maths, maths.py the sums). No labels reach the model, so no model-internal loss runs.
+maths, maths.py the sums), or (training.loss_impl: fused, asked for only) the training loss's sum from liger-kernel's
+fused kernel (fused_ce.py). No labels reach the model, so no model-internal loss runs. The run says which in one line.
 """
 
 from __future__ import annotations
@@ -14,29 +15,42 @@ from . import maths as losses
 
 
 class ChunkedLossMixin:
-    """`self._head`: (lm_head, its maths) when the loss is chunked, else None; `_forward` / `_ce` for the loss."""
+    """`self._head`: (lm_head, its maths) when the loss is chunked, else None; `self._fused`: the training loss's sum
+    from liger-kernel's fused kernel (training.loss_impl: fused); `_forward` / `_ce` for the loss."""
 
     loss_chunk_size: int | None = None  # target tokens per chunk of the chunked loss (None: by vocabulary)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._fused = False
         self._head = self._chunked_head(self.args.loss_impl)
 
     def _chunked_head(self, loss_impl: str):
-        """training.loss_impl -> (lm_head, its maths) for the chunked loss, or None for the logits path."""
+        """training.loss_impl -> (lm_head, its maths) for the chunked loss, or None for the logits path; says which
+        loss runs in one line."""
         if loss_impl == "logits":
+            distributed.print0("hftrain: loss: the cross-entropy from the model's logits (training.loss_impl: logits)")
             return None
+        if loss_impl == "fused":
+            problem = fused_ce.problem(self.model, self.args.device.type, self.args.loss_averaging)
+            if problem:
+                raise ModelError(problem)
+            self._fused = True
+            distributed.print0("hftrain: loss: liger-kernel's fused linear cross-entropy over the target rows "
+                               "(training.loss_impl: fused)")
+            return chunked_ce.head_of(self.model)[:2]
         # Every strategy: FSDP2 and ZeRO-3 shard lm_head's weight, _ce has it gathered for the loss.
         head, math, why = chunked_ce.head_of(self.model)
         if not why:
-            if fused_ce.usable(self.args.device, math, self.args.loss_averaging):
-                distributed.print0("hftrain: the chunked loss sums the token CE with liger-kernel's fused linear "
-                                   "cross-entropy (CUDA)")
+            distributed.print0(f"hftrain: loss: hftrain's chunked cross-entropy over the target rows, no full logits "
+                               f"(training.loss_impl: {loss_impl}; liger-kernel's fused loss only with "
+                               "training.loss_impl: fused)")
             return head, math
         if loss_impl == "chunked":
             raise ModelError(f"training.loss_impl: chunked cannot be used: {why}; set training.loss_impl: auto "
                              "(the logits path where chunked is not supported) or logits")
-        distributed.print0(f"hftrain: training.loss_impl auto: the loss is computed from logits ({why})")
+        distributed.print0(f"hftrain: loss: the cross-entropy from the model's logits (training.loss_impl: auto; "
+                           f"the chunked loss cannot run: {why})")
         return None
 
     def _forward(self, model, inputs: dict, loss_fn=None):
@@ -69,7 +83,7 @@ class ChunkedLossMixin:
             return self._chunked(model, inputs, labels.shape, False, lambda h, c: losses.hidden_ce(
                 h, c.weight, c.bias, labels, math, label_smoothing, chunk))
         return self._chunked(model, inputs, labels.shape, True, lambda h, c: losses.hidden_loss_sum(
-            h, c.weight, c.bias, labels, mode, pos, math, label_smoothing, chunk))
+            h, c.weight, c.bias, labels, mode, pos, math, label_smoothing, chunk, self._fused))
 
     def _aligned_loss_sum(self, model, inputs: dict, targets: torch.Tensor, weights: torch.Tensor,
                           label_smoothing: float = 0.0):
@@ -80,7 +94,7 @@ class ChunkedLossMixin:
             return outputs, (losses.aligned_ce(outputs.logits, targets, label_smoothing) * weights).sum()
         math, chunk = self._head[1], self.loss_chunk_size
         return self._chunked(model, inputs, targets.shape, True, lambda h, c: losses.aligned_hidden_loss_sum(
-            h, c.weight, c.bias, targets, weights, math, label_smoothing, chunk))
+            h, c.weight, c.bias, targets, weights, math, label_smoothing, chunk, self._fused))
 
     def _chunked(self, model, inputs: dict, shape: torch.Size, is_loss: bool, loss_fn):
         """(outputs, loss_fn(hidden (B, T, H), captured head)): the model run without logits, `loss_fn` computed

@@ -98,11 +98,11 @@ def hidden_ce(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                     mode: str = "token", position_ids: torch.Tensor | None = None, math: HeadMath = HeadMath(),
-                    label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+                    label_smoothing: float = 0.0, chunk_size: int | None = None, fused: bool = False) -> torch.Tensor:
     """`loss_sum` from the final hidden states and the output head, without the full logits: sum(w * CE) with
-    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk, or on a GPU
-    by liger-kernel's fused kernel where it computes the same sum (fused_ce)."""
-    if fused_ce.usable(hidden.device, math, mode):
+    w = 1 per target (token) or 1 / the sequence's targets (sequence), gradients computed chunk by chunk, or with
+    `fused` (training.loss_impl: fused, token average only) by liger-kernel's fused kernel (fused_ce)."""
+    if fused:
         return fused_ce.linear_ce_sum(hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, bias,
                                       labels[:, 1:].reshape(-1), math, label_smoothing)
     weights = target_weights(labels, mode, position_ids)
@@ -112,9 +112,14 @@ def hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def aligned_hidden_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             targets: torch.Tensor, weights: torch.Tensor, math: HeadMath = HeadMath(),
-                            label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+                            label_smoothing: float = 0.0, chunk_size: int | None = None,
+                            fused: bool = False) -> torch.Tensor:
     """sum(weights * CE) of every position of `hidden` (B, T, H) against the target at the same index, through the
-    output head in chunks (chunked_ce.linear_ce); `weights`: `weights_of`, flattened."""
+    output head in chunks (chunked_ce.linear_ce); `weights`: `weights_of`, flattened. With `fused` (the token
+    average, so `weights` is 1 at each target) by liger-kernel's fused kernel (fused_ce)."""
+    if fused:
+        return fused_ce.linear_ce_sum(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), math,
+                                      label_smoothing)
     return linear_ce(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), math, label_smoothing,
                      chunk_size, row_weights=weights)
 
