@@ -7,14 +7,17 @@ Sized for the device tool's budget (under 5 minutes on one H100 or H200; nothing
 
 1. throughput: a TinyLlama-1.1B-shaped Llama (SHAPE), random weights saved once, `--batch` rows of `--seq` random
    tokens per step (the same rows for every side), bf16 autocast on fp32 weights, sdpa, torch's AdamW. Sides: a plain
-   transformers Trainer; hftrain as a recipe that says nothing about kernels (Liger's layers and its fused loss where
-   installed); hftrain with them off (model.kernels: none, training.loss_impl: logits); hftrain with
-   training.torch_compile; TRL's SFTTrainer with use_liger_kernel (where TRL and liger-kernel are installed). Per
+   transformers Trainer; hftrain as a recipe that says nothing about kernels (Liger's layers where installed, the
+   chunked loss); hftrain with them off (model.kernels: none, training.loss_impl: logits); hftrain with
+   training.loss_impl: fused (Liger's fused linear cross-entropy, asked for by that key; where liger-kernel is
+   installed); hftrain with training.torch_compile; TRL's SFTTrainer with use_liger_kernel (where TRL and liger-kernel
+   are installed). Per
    side: the median step after `--warmup` steps (wall time, the device synchronised around each step), tokens/s,
    MFU = tokens/s x (6 N + 6 L d T) / the GPU's dense bf16 peak (PEAK_FLOPS; n/a for another GPU), peak memory.
 2. loss: one decoder layer (hidden 2048) and 8192 target tokens at vocabularies 131072 and 262144, in this one
-   process: a step of the loss (forward and backward) through hftrain's logits path and its chunked path (on CUDA
-   with liger-kernel, Liger's fused kernel): peak memory and tokens/s, and the ratios chunked / logits.
+   process: a step of the loss (forward and backward) through hftrain's logits path, its chunked path and (on CUDA
+   with liger-kernel) training.loss_impl: fused, Liger's kernel: peak memory, tokens/s, the ratios to logits and each
+   loss's relative difference from the logits path's (fused must be exact and faster before it is ever a default).
 3. demo: `hftrain sft recipes/demo/sft.yaml` on the GPU, as a user runs it: wall time and its held-out exact match.
 """
 
@@ -37,6 +40,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hftrain.config import HFTrainingArguments  # noqa: E402
 from hftrain.launch.setup import training_arguments  # noqa: E402
+from hftrain.losses import fused_ce  # noqa: E402
 from hftrain.methods import load_recipe  # noqa: E402
 from hftrain.methods.sft import SFTTrainer  # noqa: E402
 from hftrain.modeling import load_model  # noqa: E402
@@ -147,6 +151,11 @@ def hftrain_side(model_dir, rows, ns, out, *overrides):
     return make
 
 
+def fused_runs() -> bool:
+    """Whether training.loss_impl: fused runs here (CUDA, liger-kernel installed): it is measured only where asked."""
+    return torch.cuda.is_available() and fused_ce.machine_problem("cuda") is None
+
+
 def trl_liger_side(model_dir, rows, ns, out):
     from transformers import AutoModelForCausalLM, default_data_collator
     from trl import SFTConfig
@@ -172,6 +181,8 @@ def part_throughput(ns, tmp: str, shape: dict) -> dict:
              "hftrain (defaults)": hftrain_side(model_dir, rows, ns, out),
              "hftrain kernels off": hftrain_side(model_dir, rows, ns, out, "model.kernels=none",
                                                  "training.loss_impl=logits")}
+    if fused_runs():
+        sides["hftrain fused loss"] = hftrain_side(model_dir, rows, ns, out, "training.loss_impl=fused")
     if not ns.tiny:  # inductor's compile takes minutes on a CPU
         sides["hftrain torch_compile"] = hftrain_side(model_dir, rows, ns, out, "training.torch_compile=true")
     if liger and torch.cuda.is_available() and importlib.util.find_spec("trl") is not None:
@@ -216,7 +227,8 @@ def loss_step(vocab: int, tokens: int, impl: str, hidden: int, tmp: str) -> dict
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        trainer.compute_loss(model, dict(batch)).backward()
+        loss = trainer.compute_loss(model, dict(batch))
+        loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
@@ -224,22 +236,26 @@ def loss_step(vocab: int, tokens: int, impl: str, hidden: int, tmp: str) -> dict
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     del trainer, model
     return {"step_s": statistics.median(times[1:]), "tokens_per_s": tokens / statistics.median(times[1:]),
-            "peak_bytes": peak}
+            "peak_bytes": peak, "loss": float(loss.detach())}
 
 
 def part_loss(ns, tmp: str) -> dict:
     vocabs, tokens, hidden = ((1024, 2048), 256, 64) if ns.tiny else ((131072, 262144), 8192, 2048)
+    impls = ("logits", "chunked", "fused") if fused_runs() else ("logits", "chunked")
     res = {}
-    print(f"loss: one decoder layer, hidden {hidden}, {tokens} target tokens; peak memory of the step, tokens/s")
-    print("| vocabulary | logits: peak, tokens/s | chunked: peak, tokens/s | memory | speed |\n|---|---|---|---|---|")
+    print(f"loss: one decoder layer, hidden {hidden}, {tokens} target tokens; peak memory of the step, tokens/s; "
+          "vs logits: memory, speed, the loss's relative difference")
+    print(f"| vocabulary | {' | '.join(impls)} |\n|---|{'---|' * len(impls)}")
     for vocab in vocabs:
-        r = {impl: loss_step(vocab, tokens, impl, hidden, tmp) for impl in ("logits", "chunked")}
+        r = {impl: loss_step(vocab, tokens, impl, hidden, tmp) for impl in impls}
         res[vocab] = r
-        mem = (f"{r['chunked']['peak_bytes'] / r['logits']['peak_bytes']:.2f}x" if r["logits"]["peak_bytes"]
-               else "n/a")
+        base = r["logits"]
         cells = [f"{(x['peak_bytes'] or 0) / 2**30:.2f} GiB, {x['tokens_per_s']:.0f}" for x in r.values()]
-        print(f"| {vocab} | {cells[0]} | {cells[1]} | {mem} | "
-              f"{r['chunked']['tokens_per_s'] / r['logits']['tokens_per_s']:.2f}x |")
+        for i, x in enumerate(list(r.values())[1:], start=1):
+            mem = f"{x['peak_bytes'] / base['peak_bytes']:.2f}x" if base["peak_bytes"] else "n/a"
+            cells[i] += (f" ({mem}, {x['tokens_per_s'] / base['tokens_per_s']:.2f}x, "
+                         f"{abs(x['loss'] - base['loss']) / abs(base['loss']):.1e})")
+        print(f"| {vocab} | {' | '.join(cells)} |")
     return res
 
 

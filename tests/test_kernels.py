@@ -5,6 +5,7 @@ model's own layers elsewhere, the choice said in one line; `none` never. Its eff
 import importlib.util
 
 import pytest
+import torch
 import yaml
 
 from hftrain.config import ModelSection, RecipeError
@@ -22,9 +23,11 @@ def _recipe(tmp_path, model_dir) -> str:
 
 
 def _pretend(monkeypatch, installed: bool):
+    """This host without a CUDA GPU (whatever it has: these are the CPU paths), liger-kernel installed or not."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
         (find_spec("json") if installed else None) if name == "liger_kernel" else find_spec(name, *a)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.mark.parametrize("installed", [False, True], ids=["not-installed", "no-cuda"])
@@ -68,11 +71,13 @@ def test_unset_kernels_take_liger_where_it_runs_and_none_never(tiny_model_dir, m
         "(model.kernels: liger asks for it))")
 
 
-def test_unset_kernels_on_this_machine_say_why_not():
+@pytest.mark.parametrize("installed", [False, True], ids=["not-installed", "no-cuda"])
+def test_unset_kernels_without_a_gpu_say_why_not(monkeypatch, installed):
+    """The CPU path on any host (a GPU host included: CUDA is pretended away)."""
     from hftrain.kernels import kernels_line
 
+    _pretend(monkeypatch, installed)
     assert kernels_line(None, "llama") == (
-        "kernels: the model's own layers (model.kernels unset; liger: liger-kernel is not installed here)"
-        if importlib.util.find_spec("liger_kernel") is None else
         "kernels: the model's own layers (model.kernels unset; liger: liger's kernels are Triton kernels for CUDA "
-        "GPUs, and this machine has none)")
+        "GPUs, and this machine has none)" if installed else
+        "kernels: the model's own layers (model.kernels unset; liger: liger-kernel is not installed here)")
