@@ -1,7 +1,8 @@
-"""Fused GPU kernels from liger-kernel: its RMSNorm, RoPE and SwiGLU put into the model by liger's own per-family
-function, on the model instance. hftrain's loss is kept: liger's cross-entropy and fused linear cross-entropy are left
-off, since they return a mean over the micro-batch's tokens (or no logits) and would bypass the loss's normalisation
-over the global batch (losses/global_batch.py). Triton kernels: CUDA only.
+"""`model.kernels`: the model's layers only. Fused GPU kernels from liger-kernel: its RMSNorm, RoPE and SwiGLU put
+into the model by liger's own per-family function, on the model instance. The loss is training.loss_impl's, never this
+key's: liger's own cross-entropy patches are left off (they return a mean over the micro-batch's tokens, or no logits,
+and would bypass the loss's normalisation over the global batch); its fused linear cross-entropy runs only where
+training.loss_impl: fused asks for it (losses/fused_ce.py), refused with `none`. Triton kernels: CUDA only.
 
 `model.kernels` unset is the fastest exact path here (issue 42): liger where it can run (CUDA, liger-kernel
 installed, a family it has kernels for, a base that is not quantised), else the model's own layers; `liger` asks for

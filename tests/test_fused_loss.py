@@ -203,3 +203,15 @@ def test_the_keys_say_what_each_controls():
     assert kernels.startswith("The model's layers only (the loss is training.loss_impl's)")
     assert "model.kernels does not choose it" in loss and "fused: liger-kernel's fused linear cross-entropy" in loss
     assert "never by auto" in loss
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_lora_on_lm_head_is_refused_with_either_head_loss(impl):
+    from hftrain.config import RecipeError
+    from hftrain.methods import load_recipe
+
+    raw = {"model": {"name_or_path": "m", "lora": {"r": 4, "target_modules": ["lm_head"]}},
+           "data": {"sources": [{"path": "d.jsonl"}]}, "training": {"loss_impl": impl}}
+    with pytest.raises(RecipeError, match=f"model.lora.target_modules: holds lm_head, which training.loss_impl: {impl} "
+                       "cannot compute through"):
+        load_recipe(None, [], raw=raw)
