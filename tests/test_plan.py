@@ -83,7 +83,9 @@ def test_plan_command(tiny_model_dir, capsys):
                  "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "recommended: ddp" in out and "zero_infinity" in out
-    assert "kernels: the model's own layers (model.kernels unset; liger: " in out and "(on this machine)" in out
+    from hftrain.kernels import kernels_line  # the line this host gives (a GPU host with liger-kernel: liger's)
+
+    assert kernels_line(None, "llama") + " (on this machine)" in out
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
