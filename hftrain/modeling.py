@@ -18,8 +18,8 @@ from .errors import ModelError
 from .fileio import safetensors_problem
 from .kernels import apply_liger, liger_problem, uses_liger
 from .moe.upcycle import upcycle
-from .quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, merged_model, placement,
-                           prepare_for_training)
+from .quantization import (bitsandbytes_problem, bnb_config, checked_merged_model, keep_training_kernels, placement,
+                           prepare_for_training, record_fingerprint)
 
 
 def _path_problem(name_or_path: str, key: str) -> str | None:
@@ -262,7 +262,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):
         apply_liger(model)
     if cfg.quantization is not None:
-        model = prepare_for_training(model)
+        model = prepare_for_training(record_fingerprint(model))  # the packed base trained against, for the merge
     if moe is not None and moe.upcycle is not None:  # dense -> native MoE, equal outputs (hftrain.moe.upcycle)
         u = moe.upcycle
         model = upcycle(model, u.num_experts, u.top_k, u.layers, u.router_init_std)
@@ -301,8 +301,8 @@ def lora_config(cfg: ModelSection):
 
 def _whole(model, output_dir: str, cfg: ModelSection, sharded: bool):
     """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP or ZeRO-3 shards it (each rank
-    holds a piece of every weight) the base quantised again from its files (bitsandbytes quantises the same weights
-    to the same packed values) with the adapter output_dir holds, as saved."""
+    holds a piece of every weight) the base quantised again from its files with the adapter output_dir holds, as
+    saved; the merge checks that base against the one the run recorded (quantization.checked_merged_model)."""
     if not sharded:
         return model
     from peft import PeftModel
@@ -327,10 +327,12 @@ def loading_outside_zero3(args):
 
 def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection, sharded: bool = False) -> str:
     """base + LoRA merged into a plain model in output_dir/merged (safetensors). A quantised base is dequantised
-    first, into a full-precision copy of the base in model.dtype (quantization.merge says why); `sharded`: the run's
+    first, into a full-precision copy of the base in model.dtype (quantization.merge says why), once shown to be the
+    packed base the run trained against (its fingerprint, written to output_dir); `sharded`: the run's
     strategy shards the weights (FSDP, ZeRO-3)."""
     if cfg.quantization is not None:
-        merged = merged_model(_whole(model, output_dir, cfg, sharded), _from_pretrained(cfg, quantized=False))
+        merged = checked_merged_model(model, _whole(model, output_dir, cfg, sharded),
+                                      _from_pretrained(cfg, quantized=False), output_dir)
     else:
         merged = model.merge_and_unload()
     path = os.path.join(output_dir, "merged")

@@ -6,13 +6,22 @@ another model than the one trained (the adapter learnt against the quantised wei
 are dequantised from the trained model's own quantised weights (transformers' dequantize_bnb_weight, the same
 function as PreTrainedModel.dequantize), written into a full-precision copy of the base, and the adapter is merged
 into that by peft.
+
+The base merged into must be the packed base the adapter was trained against: where the run's weights are sharded
+the base is quantised again from its files, so the merge checks it against the fingerprint the run recorded as it
+loaded the base (quantization.fingerprint), and refuses another one, naming the layers.
 """
 
 from __future__ import annotations
 
 import torch
 
-BASE_LAYER = ".base_layer"  # the name peft gives the layer a LoRA layer wraps
+from ..errors import ModelError
+from .fingerprint import (FILE, base_fingerprint, read_fingerprint, recorded_fingerprint, refuse_another_base,
+                          weight_name, write_fingerprint)
+
+WHOLE = "the trained model's packed weights at the merge"
+REQUANTISED = "the base quantised again from model.name_or_path for the merge (the run's weights are sharded)"
 
 
 def dequantized_linear_weights(trained) -> dict[str, torch.Tensor]:
@@ -25,8 +34,7 @@ def dequantized_linear_weights(trained) -> dict[str, torch.Tensor]:
     for name, module in trained.get_base_model().named_modules():
         if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             state = module.state if isinstance(module, bnb.nn.Linear8bitLt) else None
-            key = name[: -len(BASE_LAYER)] if name.endswith(BASE_LAYER) else name
-            out[f"{key}.weight"] = dequantize_bnb_weight(module.weight, state).detach().to("cpu")
+            out[weight_name(name)] = dequantize_bnb_weight(module.weight, state).detach().to("cpu")
     return out
 
 
@@ -47,3 +55,19 @@ def merged_model(trained, full_base):
     peft_model = get_peft_model(full_base, trained.peft_config[name])
     set_peft_model_state_dict(peft_model, get_peft_model_state_dict(trained, adapter_name=name))
     return peft_model.merge_and_unload()
+
+
+def checked_merged_model(trained, to_merge, full_base, output_dir: str):
+    """merged_model(to_merge, full_base), once the packed base of `to_merge` (`trained` itself where the run's model
+    is whole here, else the base quantised again with the adapter output_dir holds) is shown to be the one `trained`
+    was trained against: the fingerprint the run recorded at its load (written to output_dir beside the adapter), or
+    one already written there by an earlier merge. Refused (ModelError, naming the layers) where it differs."""
+    recorded = recorded_fingerprint(trained) or read_fingerprint(output_dir)
+    if recorded is None and to_merge is not trained:
+        raise ModelError(f"model.lora.merge: no record of the packed base the adapter was trained against (the run "
+                         f"writes {FILE} beside the adapter): the base quantised again cannot be checked")
+    if recorded is None:
+        recorded = base_fingerprint(trained)  # a model loaded elsewhere, whole here: its weights as they are now
+    write_fingerprint(output_dir, recorded)
+    refuse_another_base(recorded, base_fingerprint(to_merge), WHOLE if to_merge is trained else REQUANTISED)
+    return merged_model(to_merge, full_base)
