@@ -1,6 +1,6 @@
 import os
 
-# Two pytest workers (pytest-xdist) and the processes they launch share the machine's cores: one thread each (set
+# The pytest workers (pytest-xdist) and the processes they launch share the machine's cores: one thread each (set
 # before torch is first imported; `torch.distributed.run` sets the same for its ranks).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -18,15 +18,7 @@ from hftrain.launch.machine import extensions_dir  # noqa: E402
 from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
 from tests import forked, launch_log  # noqa: E402
 from tests.support import free_port  # noqa: E402
-from tests.launch_log import (pytest_configure, pytest_runtest_protocol,  # noqa: F401  (hooks: the suite's
-                              pytest_runtest_setup, pytest_terminal_summary)  # launch log)
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Whole modules per worker, the heaviest first, test_multinode alone (tests/scheduling.py)."""
-    from tests.scheduling import make_scheduler
-
-    return make_scheduler(config, log)
+from tests.launch_log import pytest_configure  # noqa: E402, F401  (hook: the launch log, when asked for)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
-"""The suite's cost, kept visible: every process a test launches is recorded as one JSON line (test id, argv,
-seconds) in LAUNCH_LOG, and the end of the session prints a summary of it beside pytest's own durations (the
-most expensive launches, launches and seconds per file, the total).
+"""The suite's cost, made visible when asked for (HFTRAIN_SUITE_ACCOUNTING=1; off by default): every process a test
+launches is recorded as one JSON line (test id, argv, seconds) in LAUNCH_LOG, and the end of the session prints a
+summary of it beside pytest's own durations (the most expensive launches, launches and seconds per file, the total).
 
 Wall seconds hide what the suite is short of: on 2 cores it is CPU-bound (a launch that waits for a time-out costs
 little, one that imports torch in three processes a lot). So each test also writes its CPU seconds: the pytest
@@ -8,8 +8,8 @@ process's own, and its reaped child processes' (`resource.RUSAGE_CHILDREN`: a la
 waited for); a launch forked from tests/forked.py's server (not a child of the pytest process) reports its own and
 its ranks' in its line. The summary names the tests and files that use the most CPU.
 
-A pytest plugin (conftest.py registers it): `subprocess.Popen` is replaced, in the pytest process(es) running tests
-(not in xdist's controller, whose processes are the workers), by a
+A pytest plugin (conftest.py's pytest_configure registers `Accounting` when asked): `subprocess.Popen` is replaced,
+in the pytest process(es) running tests (not in xdist's controller, whose processes are the workers), by a
 subclass that writes its line when the process is first seen ended (wait, poll, communicate and subprocess.run all
 go through `wait` or `poll`). Launches made by the launched processes themselves are part of their parent's time.
 Under pytest-xdist every worker appends to the same file (one short write per line, O_APPEND); the controller
@@ -29,6 +29,7 @@ import pytest
 from tests.support import cpu_seconds
 
 LAUNCH_LOG_ENV = "HFTRAIN_LAUNCH_LOG"
+ACCOUNTING_ENV = "HFTRAIN_SUITE_ACCOUNTING"  # "1": the accounting is on (off by default)
 TOP = 15
 TIER_MARKERS = ("launches", "cluster")  # the fast tier is `-m "not launches and not cluster"`
 UNMARKED_LIMIT_S = 2.0  # a launch longer than this by an unmarked test is named in the summary (it slows that tier)
@@ -161,40 +162,59 @@ def cpu_lines(log: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# pytest hooks
+# pytest hooks: off unless asked for
+
+
+def accounting_asked() -> bool:
+    """HFTRAIN_SUITE_ACCOUNTING=1 turns the accounting on; unset, empty or 0 leaves it off."""
+    value = os.environ.get(ACCOUNTING_ENV, "")
+    if value not in ("", "0", "1"):
+        raise pytest.UsageError(f"{ACCOUNTING_ENV}={value!r}: set it to 1 for the suite's launch log and CPU "
+                                "summary, or leave it unset (0) for none")
+    return value == "1"
 
 
 def pytest_configure(config):
-    path = os.environ.get(LAUNCH_LOG_ENV) or os.path.join(str(config.rootpath), ".pytest_launches.jsonl")
-    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) starts the log afresh
-        os.environ[LAUNCH_LOG_ENV] = path  # inherited by xdist's workers
-        with open(path, "w"):
-            pass
-    RecordedPopen.log_path = path
-    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
-        subprocess.Popen = RecordedPopen  # not in xdist's controller: the processes it starts are the workers
+    """conftest.py's hook: registers the accounting (Accounting) only when it is asked for."""
+    if accounting_asked():
+        config.pluginmanager.register(Accounting(config), "hftrain-suite-accounting")
 
 
-def pytest_runtest_setup(item):
-    _current["marked"] = any(item.get_closest_marker(m) for m in TIER_MARKERS)
+class Accounting:
+    """The launch log's pytest plugin: every launch recorded, each test's CPU seconds, the summary at the end."""
 
+    def __init__(self, config):
+        path = os.environ.get(LAUNCH_LOG_ENV) or os.path.join(str(config.rootpath), ".pytest_launches.jsonl")
+        if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) starts the log afresh
+            os.environ[LAUNCH_LOG_ENV] = path  # inherited by xdist's workers
+            with open(path, "w"):
+                pass
+        RecordedPopen.log_path = path
+        self.popen = subprocess.Popen
+        if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+            subprocess.Popen = RecordedPopen  # not in xdist's controller: the processes it starts are the workers
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """The test's CPU seconds (set-up, call and tear-down): this process's and its reaped children's; the worker
-    that ran it and when it ended (the suite's timeline: which units ran beside which)."""
-    own, children = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
-    try:
-        return (yield)
-    finally:
-        _write({"kind": "test", "test": item.nodeid, "self": round(cpu_seconds(resource.RUSAGE_SELF) - own, 3),
-                "children": round(cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3),
-                "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "ended": round(time.time(), 1)})
+    def pytest_unconfigure(self, config):
+        subprocess.Popen, RecordedPopen.log_path = self.popen, None
 
+    def pytest_runtest_setup(self, item):
+        _current["marked"] = any(item.get_closest_marker(m) for m in TIER_MARKERS)
 
-def pytest_terminal_summary(terminalreporter, config):
-    if hasattr(config, "workerinput"):
-        return
-    terminalreporter.section(f"launched processes ({RecordedPopen.log_path})")
-    for line in summary_lines(read_log(RecordedPopen.log_path)):
-        terminalreporter.write_line(line)
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        """The test's CPU seconds (set-up, call and tear-down): this process's and its reaped children's; the worker
+        that ran it and when it ended (the suite's timeline: which files ran beside which)."""
+        own, children = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
+        try:
+            return (yield)
+        finally:
+            _write({"kind": "test", "test": item.nodeid, "self": round(cpu_seconds(resource.RUSAGE_SELF) - own, 3),
+                    "children": round(cpu_seconds(resource.RUSAGE_CHILDREN) - children, 3),
+                    "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "ended": round(time.time(), 1)})
+
+    def pytest_terminal_summary(self, terminalreporter, config):
+        if hasattr(config, "workerinput"):
+            return
+        terminalreporter.section(f"launched processes ({RecordedPopen.log_path})")
+        for line in summary_lines(read_log(RecordedPopen.log_path)):
+            terminalreporter.write_line(line)

@@ -1,15 +1,19 @@
-"""tests/launch_log.py, the suite's cost accounting (issue 36): a forked launch reports the CPU its ranks used, and the
-summary adds each file's CPU from the three places it is counted (the pytest process, its reaped children, forked
-launches) without counting one twice."""
+"""tests/launch_log.py, the suite's cost accounting (issue 36), on only when asked for (issue 55): a forked launch
+reports the CPU its ranks used, and the summary adds each file's CPU from the three places it is counted (the pytest
+process, its reaped children, forked launches) without counting one twice."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 from tests import forked
-from tests.launch_log import cpu_lines
+from tests.conftest import REPO
+from tests.launch_log import ACCOUNTING_ENV, LAUNCH_LOG_ENV, accounting_asked, cpu_lines
 
+LAUNCHES_TRUE = "import subprocess\n\n\ndef test_it():\n    subprocess.run(['true'], check=True)\n"
 BURN = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < float(sys.argv[1]): pass\n"
 
 
@@ -39,48 +43,35 @@ def test_the_cpu_summary_adds_each_file_once_from_where_it_was_counted():
     assert "      0.5 +     0.0 =     0.5 s  tests/test_b.py" in lines
 
 
-class _Config:
-    """What xdist's scope scheduler reads of pytest's config: three workers."""
-
-    option = type("Option", (), {"loadscopereorder": True})()
-
-    def getvalue(self, name):
-        return ["3*popen"] if name == "tx" else None
-
-
-class _Node:
-    def __init__(self, name):
-        self.name, self.shutting_down, self.sent = name, False, []
-        self.gateway = type("Gateway", (), {"id": name})()
-
-    def send_runtest_some(self, indexes):
-        self.sent.extend(indexes)
-
-    def shutdown(self):
-        self.shutting_down = True
+def _pytest_in(folder, env: dict) -> tuple[subprocess.CompletedProcess, str]:
+    """pytest on a one-test file in `folder` that launches `true`, with the launch log's plugin (-p): its output, and
+    the log as written (empty when there is none)."""
+    (folder / "pytest.ini").write_text("[pytest]\n")
+    (folder / "test_one.py").write_text(LAUNCHES_TRUE)
+    env = {k: v for k, v in os.environ.items() if k not in (ACCOUNTING_ENV, LAUNCH_LOG_ENV)} | env
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.launch_log", "-p", "no:xdist",
+                        "-p", "no:cacheprovider", str(folder / "test_one.py")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    log = folder / ".pytest_launches.jsonl"
+    return r, log.read_text() if log.exists() else ""
 
 
-def test_the_cluster_unit_runs_first_and_alone_then_the_heaviest_first():
-    """The scheduler on three simulated workers: test_multinode starts first and nothing starts beside it (the other
-    workers wait); once it is done the heaviest modules go first (tests/scheduling.WEIGHTS_S)."""
-    from tests.scheduling import make_scheduler
+@pytest.mark.launches
+def test_the_accounting_is_off_unless_asked_for_and_then_logs_each_launch_and_test(tmp_path):
+    (tmp_path / "off").mkdir()
+    r, log = _pytest_in(tmp_path / "off", {})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "launched processes" not in r.stdout and log == ""
 
-    collection = [f"tests/{module}.py::t{i}" for module in ("test_recipe", "test_multinode", "test_templates",
-                                                             "test_resume", "test_slurm") for i in range(4)]
-    sched, nodes = make_scheduler(_Config(), None), [_Node(f"gw{i}") for i in range(3)]
-    for node in nodes:
-        sched.add_node(node)
-        sched.add_node_collection(node, collection)
-    sched.schedule()
+    (tmp_path / "on").mkdir()
+    r, log = _pytest_in(tmp_path / "on", {ACCOUNTING_ENV: "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "launched processes" in r.stdout and "1 launches" in r.stdout, r.stdout[-3000:]
+    lines = [json.loads(line) for line in log.splitlines()]
+    assert [x.get("kind") for x in lines] == [None, "test"] and lines[0]["argv"] == ["true"], lines
 
-    def units(node, done=()):
-        return [collection[i].split("::")[0][6:-3] for i in node.sent if collection[i] not in done]
 
-    assert set(units(nodes[0])) <= {"test_multinode", "test_slurm"} and units(nodes[0])[0] == "test_multinode"
-    assert units(nodes[1]) == units(nodes[2]) == []  # nothing beside it, not even a module that launches nothing
-    cluster = [i for i in nodes[0].sent if "multinode" in collection[i]]
-    for i in cluster:
-        sched.mark_test_complete(nodes[0], i)
-    done = {collection[i] for i in cluster}
-    started = [units(node, done)[:1] for node in nodes]
-    assert ["test_slurm"] in started and ["test_resume"] in started, started  # the two heaviest, then a light one
+def test_an_accounting_value_other_than_0_or_1_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(ACCOUNTING_ENV, "yes")
+    with pytest.raises(pytest.UsageError, match=f"{ACCOUNTING_ENV}='yes'"):
+        accounting_asked()

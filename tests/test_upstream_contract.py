@@ -132,22 +132,13 @@ CONTRACT = [
      "moe.expert_parallel: per-rank experts left out of DDP (read by DDP from the module)"),
     # datasets
     ("datasets:Dataset", "_fingerprint", None, "data.build: the tokenised cache's name"),
-    # the test suite's own harness (not the package): a changed member would misschedule or hang the suite silently
+    # the test suite's own harness (not the package): a changed member would break the harness silently
     ("accelerate.state:AcceleratorState", "_reset_state", ["reset_partial_state"],
      "tests/matrix_worker.py: a fresh per-run accelerate state between the variants of one launch"),
     ("accelerate.state:GradientState", "_reset_state", [], "tests/matrix_worker.py"),
-    ("xdist.scheduler:LoadScopeScheduling", "_split_scope", ["nodeid"], "tests/scheduling.py: the units of work"),
-    ("xdist.scheduler:LoadScopeScheduling", "_assign_work_unit", ["node"], "tests/scheduling.py: heaviest first"),
-    ("xdist.scheduler:LoadScopeScheduling", "_reschedule", ["node"], "tests/scheduling.py: the exclusive unit"),
-    ("xdist.scheduler:LoadScopeScheduling", "mark_test_complete", ["node", "item_index", "duration"],
-     "tests/scheduling.py: work handed out once the exclusive unit is done"),
-    ("xdist.scheduler:LoadScopeScheduling", "workqueue", None, "tests/scheduling.py: the units not handed out"),
-    ("xdist.scheduler:LoadScopeScheduling", "assigned_work", None, "tests/scheduling.py: each node's units"),
 ]
 # Attributes that exist only on instances (set in __init__ or by the library at run time): checked by source.
 INSTANCE_ATTRIBUTES = {
-    ("xdist.scheduler:LoadScopeScheduling", "workqueue"): ("xdist.scheduler.loadscope", "self.workqueue: OrderedDict"),
-    ("xdist.scheduler:LoadScopeScheduling", "assigned_work"): ("xdist.scheduler.loadscope", "self.assigned_work: dict"),
     ("transformers:Trainer", "_tr_loss"): ("transformers.trainer", "self._tr_loss = "),
     ("transformers:PretrainedConfig", "_attn_implementation"): ("transformers.configuration_utils",
                                                                 "def _attn_implementation("),
