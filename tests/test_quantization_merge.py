@@ -5,6 +5,7 @@ the base it loaded (hftrain.quantization.fingerprint) and the merge checks the b
 In process here (save_merged's sharded path on one process); the 2-rank launches: tests/test_quantization_runs.py.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -87,3 +88,35 @@ def test_a_whole_runs_merge_refuses_packed_weights_changed_since_the_load(tiny_m
                                          rf"the adapter was trained against: 1 layer\(s\) differ, first {LAYER}"):
         save_merged(qlora, tokenizer, str(tmp_path), cfg)
     assert not os.path.exists(tmp_path / "merged")
+
+
+def test_under_zero3_the_run_quantises_the_base_as_the_merge_does(tiny_model_dir):
+    """ZeRO-3's zero.Init would partition (and cast) the weights as they load, but transformers never enters it for a
+    quantised model (modeling_utils.get_init_context: meta device instead): the run's base is quantised whole from
+    the file's weights cast to model.dtype, as the merge's (loading_outside_zero3) is. Here a float32 file under
+    model.dtype bfloat16 with ZeRO-3 registered: the packed base the run records is byte-equal to the merge's, and
+    both differ from the base quantised from the file's own float32 (the control: the cast does change them)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from hftrain.modeling import _from_pretrained, loading_outside_zero3
+
+    cfg = ModelSection(name_or_path=tiny_model_dir, dtype="bfloat16", lora=LoraSection(r=4),
+                       quantization=QuantizationSection(bits=4, storage_dtype="bfloat16"))
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                               "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        recorded = base_fingerprint(load_model(cfg))
+        with loading_outside_zero3(SimpleNamespace(hf_deepspeed_config=zero3)):
+            assert not is_deepspeed_zero3_enabled()
+            merged_into = base_fingerprint(_from_pretrained(cfg, quantized=True))
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()
+    assert recorded == merged_into and len(recorded) == 14
+    assert {layer["quantized_from"] for layer in recorded.values()} == {"bfloat16"}
+    from_file_dtype = base_fingerprint(_from_pretrained(dataclasses.replace(cfg, dtype="float32"), quantized=True))
+    assert all(from_file_dtype[k]["sha256"] != recorded[k]["sha256"] for k in recorded)

@@ -47,8 +47,8 @@ def bnb_config(cfg: ModelSection):
 def placement() -> dict:
     """Where a quantised model is put at load time (from_pretrained's keywords): whole on each rank's own device
     (accelerate refuses to train one that lies elsewhere), the rank's GPU (LOCAL_RANK, as the launcher exported it)
-    or the CPU; under ZeRO-3 nowhere (transformers refuses a device_map there: DeepSpeed's zero.Init partitions the
-    weights as they load)."""
+    or the CPU; under ZeRO-3 none (transformers refuses a device_map there, and puts the model on this process's
+    current device itself: whole, since it enters no zero.Init for a quantised model; DeepSpeed partitions it later)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
