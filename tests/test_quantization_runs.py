@@ -154,7 +154,7 @@ def _assert_merged_matches_the_adapter(out):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hftrain.quantization import keep_training_kernels
+    from hftrain.quantization import FINGERPRINT_FILE, base_fingerprint, keep_training_kernels
 
     merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(
@@ -164,6 +164,10 @@ def _assert_merged_matches_the_adapter(out):
                                                                        bnb_4bit_compute_dtype=torch.float32))
     # The layers' training kernel (the one the adapter was trained through), not bitsandbytes' bf16 inference kernel,
     # which a CPU with AVX512-BF16 would take here under no_grad (hftrain.quantization.keep_training_kernels).
+    # The fingerprint the run recorded of the base it trained against (rank 0, at its load), which its merge checked
+    # the base it merged into against: byte-equal to the base quantised here, in another process.
+    recorded = json.load(open(out / FINGERPRINT_FILE))["layers"]
+    assert recorded == base_fingerprint(base) and len(recorded) == 14
     qlora = PeftModel.from_pretrained(keep_training_kernels(base), str(out))
     ids = torch.randint(0, merged.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -32,9 +32,10 @@ def weight_name(module_name: str) -> str:
 
 
 def _hash_tensor(digest, tensor: torch.Tensor) -> None:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    digest.update(f"{flat.dtype}:{flat.numel()}:".encode())
-    digest.update(flat.view(torch.uint8).numpy().tobytes())
+    """The tensor's bytes, whatever dtype holds them (model.quantization.storage_dtype only changes the view)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    digest.update(f"{len(data)}:".encode())
+    digest.update(data)
 
 
 def _hash_items(items: dict) -> str:
