@@ -24,7 +24,7 @@ from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
-from .methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, load_recipe, method_of
+from .methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, entry_of, load_recipe, method_of
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import add_tiny_model_command
@@ -36,7 +36,7 @@ def script_for(recipe, kind: str | None = None, script: str | None = None) -> li
     with a grpo: section, else sft)."""
     if script:
         return [script]
-    return ["-m", f"hftrain.recipes.{kind or method_of(recipe).script}"]
+    return ["-m", f"hftrain.recipes.{kind or entry_of(recipe).script}"]
 
 
 def _check(ns) -> int:

@@ -29,7 +29,7 @@ from ..config import Recipe, StrategySection
 from ..config.strategy import resolved_strategy
 from ..constants import SLURM_DIR, STOP_MARKER_ENV
 from ..errors import RecipeError
-from ..methods import method_of
+from ..methods import entry_of
 from .network import socket_environment
 
 LAUNCHERS = ("accelerate", "torchrun", "deepspeed")
@@ -79,7 +79,7 @@ def slurm_script(recipe: Recipe, strategy: StrategySection, recipe_path: str, ov
     per_node = s.num_processes // s.num_machines
     out = os.path.abspath(recipe.output_dir)
     if script is None:
-        module = module or f"hftrain.recipes.{method_of(recipe).script}"
+        module = module or f"hftrain.recipes.{entry_of(recipe).script}"
         target = ["--module" if launcher == "deepspeed" else "-m", module]
     else:
         target = [_q(os.path.abspath(script))]

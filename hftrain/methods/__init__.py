@@ -1,27 +1,27 @@
 """The training methods, one module each (sft; dpo: DPO and IPO; simpo; orpo; kto; grpo), each owning its trainer,
 its TRL config where it has one, its data phase and how `hftrain data` shows its rows (base.Method); policy.py holds
 the policy the TRL-based methods share; preference_section.py and grpo_section.py the recipe sections that select
-them, with their rules (recipe.py: the Recipe with them, and how every recipe is read). The registry below is what
-the CLI, the run's set-up and preflight iterate: adding a method is a module here with its METHOD, listed in METHODS.
-"""
+them, with their rules (recipe.py: the Recipe with them, and how every recipe is read).
 
-from . import dpo, grpo, kto, orpo, sft, simpo
+registry.py is what the CLI, the run's set-up and preflight ask: each method's light entry, selected by the recipe
+section that names it (`entry_of`). A method's module, and the trainer library it imports (TRL), loads only when
+`method_of` is asked for the method itself: `hftrain --help`, `config` and `check` of an SFT recipe import no TRL
+trainer. Adding a method is a module here with its METHOD, and its entry in registry.py."""
+
 from .base import Method
 from .grpo_section import GrpoSection, RewardSpec
 from .preference_section import PreferenceSection
 from .recipe import Recipe, load_recipe, parse_recipe
+from .registry import DEFAULT, METHODS, SCRIPTS, MethodEntry, entry_of
 
-# In the order they are asked whether a recipe selects them: DPO, the preference: section's default, after the other
-# preference losses; SFT, which takes any recipe, last.
-METHODS: tuple[Method, ...] = (kto.METHOD, orpo.METHOD, simpo.METHOD, dpo.METHOD, grpo.METHOD, sft.METHOD)
-SCRIPTS = tuple(dict.fromkeys(m.script for m in METHODS))  # hftrain sft / dpo / grpo
-DEFAULT_SCRIPT = METHODS[-1].script  # the script of the method that takes any recipe
+DEFAULT_SCRIPT = DEFAULT.script  # the script of the method that takes a recipe with no method section
 
 
 def method_of(recipe: Recipe) -> Method:
-    """The method a recipe trains with (its preference: or grpo: section, else SFT)."""
-    return next(m for m in METHODS if m.selects(recipe))
+    """The method a recipe trains with (the one its preference: or grpo: section names, else SFT), its module
+    imported now."""
+    return entry_of(recipe).load()
 
 
-__all__ = ["METHODS", "SCRIPTS", "DEFAULT_SCRIPT", "Method", "method_of", "Recipe", "load_recipe", "parse_recipe",
-           "GrpoSection", "PreferenceSection", "RewardSpec"]
+__all__ = ["METHODS", "SCRIPTS", "DEFAULT_SCRIPT", "Method", "MethodEntry", "entry_of", "method_of", "Recipe",
+           "load_recipe", "parse_recipe", "GrpoSection", "PreferenceSection", "RewardSpec"]

@@ -1,7 +1,7 @@
-"""What a training method is to the rest of hftrain: how a recipe selects it, the recipe script that runs it, its data
-phase and how `hftrain data` shows its rows, its arguments, and what it adds to the one run (hftrain/lifecycle.py):
-its model, its trainer and its held-out metrics. The CLI, the run's set-up, preflight and the run iterate the registry
-(methods/__init__.py) instead of branching on names."""
+"""What a training method is to the rest of hftrain: its registry entry (methods/registry.py: its name, the section
+that selects it, the recipe script that runs it), its data phase and how `hftrain data` shows its rows, its arguments,
+and what it adds to the one run (hftrain/lifecycle.py): its model, its trainer and its held-out metrics. The CLI, the
+run's set-up, preflight and the run ask the registry instead of branching on names."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from ..config import Recipe
+from .registry import MethodEntry
 
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # sft, dpo (sigmoid, ipo, simpo), orpo, kto, grpo
-    script: str  # the recipe script that runs it: `hftrain <script>`, hftrain.recipes.<script>
-    section: str | None  # the recipe section that selects it (preference, grpo), None for SFT
-    example: str | None  # that section as a user writes it, for the refusal of a script run without it
-    selects: Callable[[Recipe], bool]
+    entry: MethodEntry  # its name, section, script (registry.py): what may be known of it before it is imported
     # The data phase before the model loads: (recipe, tokenizer, data-parallel ranks, seed) -> the run's data, every
     # row read and checked (errors name the file and row). `unit`: what a training row is called in messages.
     read: Callable
@@ -31,6 +28,18 @@ class Method:
     hub_tag: str | None = None  # the model card's method tag, as the Hub's model pages name methods (default: name)
     # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
     reported: ClassVar[tuple[str, ...]] = ("eval_loss",)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def script(self) -> str:
+        return self.entry.script
+
+    @property
+    def section(self) -> str | None:
+        return self.entry.section
 
     # What the method adds to the run (lifecycle.run); `run` is launch.Run (the recipe, strategy and arguments).
     def model(self, run):

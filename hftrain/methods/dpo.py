@@ -23,6 +23,7 @@ from ..config import HFTrainOptions, Recipe
 from .pairs import build_preference_data
 from ..trainer import RUN_MIXINS
 from .base import first_rows, has_template
+from . import registry
 from .policy import PreferenceMethod
 from .preference_section import PreferenceSection
 
@@ -83,7 +84,6 @@ def read_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int):
 
 
 METHOD = PreferenceMethod(
-    name="dpo", script="dpo", section="preference", example="preference: {loss_type: sigmoid, beta: 0.1}",
-    selects=lambda recipe: recipe.preference is not None,  # the section's default: kto, orpo, simpo are asked first
+    entry=registry.DPO,
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
     arguments=dpo_config, trainer_class=PreferenceTrainer)  # ipo too: the Hub counts it in DPO's family

@@ -37,6 +37,7 @@ from ..patches.transformers import mark_fsdp_managed
 from .rewards import dry_run, load_rewards
 from .sandbox import CallCounts
 from ..trainer import RUN_MIXINS
+from . import registry
 from .policy import load_policy, policy_peft_config
 from ..evaluate import greedy_answer
 from .sft import SFT, exact_match_metrics
@@ -210,8 +211,7 @@ class GRPO(SFT):
 
 
 METHOD = GRPO(
-    name="grpo", script="grpo", section="grpo", example="grpo: {rewards: [{function: exact_match}]}",
-    selects=lambda recipe: recipe.grpo is not None, read=read_prompts, unit="prompts", counts_its_steps=True,
+    entry=registry.GRPO, read=read_prompts, unit="prompts", counts_its_steps=True,
     show=lambda recipe, tokenizer, n: preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, n,
                                                       shown_tools(recipe.grpo)),
     arguments=grpo_config, trainer_class=GroupTrainer)

@@ -80,6 +80,11 @@ class GrpoSection(MethodSection):
         "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
         "and a GPU; untested here).")
 
+    @property
+    def method(self) -> str:
+        """The method this section selects (registry.METHODS)."""
+        return "grpo"
+
     def problems(self, recipe: Recipe) -> Problems:
         return grpo_problems(recipe)
 

@@ -38,6 +38,7 @@ from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from .unpaired import build_unpaired_data
 from ..trainer import RUN_MIXINS
+from . import registry
 from .policy import PreferenceMethod
 from .base import first_rows, has_template
 
@@ -139,8 +140,7 @@ def read_examples(recipe: Recipe, tokenizer, world_size: int, seed: int):
 
 
 METHOD = PreferenceMethod(
-    name="kto", script="dpo", section="preference", example="preference: {loss_type: kto, beta: 0.1}",
-    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "kto",
+    entry=registry.KTO,
     read=read_examples, show=lambda recipe, tokenizer, n: first_rows(
         METHOD, recipe, tokenizer, n, "examples, in training order (label true: desirable, false: undesirable)"),
     arguments=kto_config, trainer_class=KTOPreferenceTrainer)

@@ -25,6 +25,7 @@ from .. import losses
 from ..losses import GlobalBatchMixin
 from ..config import HFTrainOptions, Recipe
 from ..trainer import RUN_MIXINS
+from . import registry
 from .policy import PreferenceMethod
 from .base import first_rows
 from .dpo import read_pairs
@@ -104,7 +105,6 @@ class ORPOPreferenceTrainer(*RUN_MIXINS, OddsRatioExactMixin, ORPOTrainer):
 
 
 METHOD = PreferenceMethod(
-    name="orpo", script="dpo", section="preference", example="preference: {loss_type: orpo, beta: 0.1}",
-    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "orpo",
+    entry=registry.ORPO,
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
     arguments=orpo_config, trainer_class=ORPOPreferenceTrainer)

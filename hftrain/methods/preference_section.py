@@ -16,6 +16,8 @@ from .policy import policy_strategy_problems, sft_only_problems
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model
 UNPAIRED = ("kto",)  # losses trained on single examples labelled desirable or not (pairs are split in two)
+# The method each loss is trained by (methods/registry.py): sigmoid and ipo are DPO's (dpo.py).
+METHOD_OF_LOSS = {"sigmoid": "dpo", "ipo": "dpo", "simpo": "simpo", "orpo": "orpo", "kto": "kto"}
 
 
 @dataclass
@@ -37,6 +39,12 @@ class PreferenceSection(MethodSection):
         "reference model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
     desirable_weight: float = _f(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
     undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
+
+    @property
+    def method(self) -> str:
+        """The method this section selects (registry.METHODS), by its loss. An unknown loss_type is a problem the
+        recipe's checks report; until then DPO, the section's default loss's method, stands for it."""
+        return METHOD_OF_LOSS.get(self.loss_type, "dpo")
 
     def problems(self, recipe: Recipe) -> Problems:
         return preference_problems(recipe)

@@ -20,6 +20,7 @@ from ..moe.expert_parallel import expert_parallel_size
 from ..moe.mixin import ExpertParallelMixin
 from ..sequence_parallel import SequenceParallelMixin
 from ..trainer import RUN_MIXINS
+from . import registry
 from .base import Method
 
 
@@ -65,6 +66,6 @@ class SFT(Method):
         return "supervised fine-tuning"
 
 
-METHOD = SFT(name="sft", script="sft", section=None, example=None, selects=lambda recipe: True, read=read,
+METHOD = SFT(entry=registry.SFT, read=read,
              show=lambda recipe, tokenizer, n: preview(recipe.data, tokenizer, n),
              arguments=lambda recipe, **kwargs: HFTrainingArguments(**kwargs), trainer_class=SFTTrainer)

@@ -13,6 +13,7 @@ import dataclasses
 from ..config import Recipe
 from .base import first_rows
 from .dpo import HFDPOConfig, PreferenceTrainer, preference_values, read_pairs
+from . import registry
 from .policy import PreferenceMethod
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
@@ -50,7 +51,6 @@ class SimPOTrainer(PreferenceTrainer):
 
 
 METHOD = PreferenceMethod(
-    name="simpo", script="dpo", section="preference", example="preference: {loss_type: simpo, beta: 2.0}",
-    selects=lambda recipe: recipe.preference is not None and recipe.preference.loss_type == "simpo",
+    entry=registry.SIMPO,
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
     arguments=simpo_config, trainer_class=SimPOTrainer, hub_tag="dpo")  # the Hub counts SimPO in DPO's family

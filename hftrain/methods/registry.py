@@ -1,0 +1,63 @@
+"""The registry of methods: one light entry per method (its name, the recipe section that selects it, the script that
+runs it, the module that holds it), so that the CLI, `hftrain check` and the set-up can name and choose a method
+without importing its trainer (TRL's trainers load only when a run or a command needs one: `load`).
+
+A method is selected by its section, through a table: the recipe section a method reads names it (its `method`
+property: the `preference:` section's loss picks DPO (sigmoid, ipo), SimPO, ORPO or KTO, `grpo:` GRPO); a recipe with
+no method section trains with SFT. Two method sections in one recipe is a recipe error naming both (config's rules
+say the same when a recipe is checked). Adding a method: its module with its METHOD, and its entry here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ..config import Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    name: str  # sft, dpo (sigmoid, ipo), simpo, orpo, kto, grpo
+    script: str  # the recipe script that runs it: `hftrain <script>`, hftrain.recipes.<script>
+    section: str | None  # the recipe section that selects it (preference, grpo), None for SFT
+    example: str | None  # that section as a user writes it, for the refusal of a script run without it
+    module: str  # the module whose METHOD (a base.Method) is this method, imported on first use
+
+    def load(self):
+        """The method itself (base.Method): its module is imported here, on first use, not when the registry is."""
+        method = importlib.import_module(self.module).METHOD
+        if method.entry != self:
+            raise RuntimeError(f"{self.module}.METHOD is {method.entry}, not the registry's {self}")
+        return method
+
+
+_PACKAGE = __name__.rpartition(".")[0]  # hftrain.methods
+
+SFT = MethodEntry("sft", "sft", None, None, f"{_PACKAGE}.sft")
+DPO = MethodEntry("dpo", "dpo", "preference", "preference: {loss_type: sigmoid, beta: 0.1}", f"{_PACKAGE}.dpo")
+SIMPO = MethodEntry("simpo", "dpo", "preference", "preference: {loss_type: simpo, beta: 2.0}", f"{_PACKAGE}.simpo")
+ORPO = MethodEntry("orpo", "dpo", "preference", "preference: {loss_type: orpo, beta: 0.1}", f"{_PACKAGE}.orpo")
+KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta: 0.1}", f"{_PACKAGE}.kto")
+GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_PACKAGE}.grpo")
+
+# Every method; SFT, the method of a recipe with no method section, first: its script is the default command's.
+METHODS: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO)
+BY_NAME = {e.name: e for e in METHODS}  # the table a recipe section's `method` is looked up in
+DEFAULT = SFT
+SCRIPTS = tuple(dict.fromkeys(e.script for e in METHODS))  # hftrain sft / dpo / grpo
+
+
+def entry_of(recipe: Recipe) -> MethodEntry:
+    """The entry of the method a recipe trains with: the one its method section names, else SFT's."""
+    sections = recipe.method_sections()
+    if len(sections) > 1:
+        first, *others = sections
+        raise RecipeError([f"{recipe.source}: {other}: a recipe trains one method: remove the {first}: section or "
+                           "this one" for other in others])
+    if not sections:
+        return DEFAULT
+    key, section = next(iter(sections.items()))
+    entry = BY_NAME[section.method]
+    if entry.section != key:
+        raise RuntimeError(f"the {key}: section names method {entry.name}, whose entry reads {entry.section}:")
+    return entry
