@@ -41,7 +41,7 @@ LABELS = {"none": "`grpo.beta: 0` (no reference, default)", "frozen": "`beta: 0.
 def worker(variant: str, model_dir: str, out: str, steps: int) -> None:
     """One variant in this process; writes OUT/result.json."""
     os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    import hftrain.methods.grpo as grpo
+    import hftrain.methods.grpo.grpo as grpo
 
     report: dict = {"rss_before": rss()}
     train = grpo.GroupTrainer.train

@@ -76,7 +76,7 @@ def exact_match(model, tokenizer, examples: list[dict], max_new_tokens: int = 32
     Each rank generates its shard (`shard`) and the counts are summed over ranks. Sharded models (`lockstep`:
     FSDP, ZeRO-3) generate with `synced_gpus`: a rank whose answer is finished keeps stepping until every rank's is.
     `answer`: how an answer is generated (greedy_answer's arguments), e.g. over several turns with tools
-    (methods/tools.py's ToolAnswer); it must call generate() as often on every rank under lockstep.
+    (methods/grpo/tools.py's ToolAnswer); it must call generate() as often on every rank under lockstep.
     """
     if not examples:
         return float("nan")

@@ -43,8 +43,8 @@ import traceback
 
 from tests.support import cpu_seconds
 
-PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo", "hftrain.methods.dpo", "hftrain.cli", "trl", "deepspeed",
-           "accelerate.commands.launch", "torch.distributed.run",
+PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo.grpo", "hftrain.methods.preference.dpo", "hftrain.cli", "trl",
+           "deepspeed", "accelerate.commands.launch", "torch.distributed.run",
            "matplotlib.pyplot"]  # every run's main process plots its curves (hftrain.artifacts); headless: Agg
 # Read when a library is first imported: a launch that changes one gets a fresh interpreter.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TRL_", "DS_", "DEEPSPEED_", "PYTHON",

@@ -31,7 +31,7 @@ from hftrain.constants import ZERO_STAGE
 from hftrain.data.templates import stop_at_end_of_turn
 from hftrain.errors import exit_on_user_error
 from hftrain.lifecycle import read_data
-from hftrain.methods.grpo import METHOD, GroupTrainer
+from hftrain.methods.grpo.grpo import METHOD, GroupTrainer
 from hftrain.launch import Run, setup_run
 from hftrain.launch.setup import run_arguments
 

@@ -11,9 +11,9 @@ import yaml
 
 from hftrain.config import DataSection, DataSource
 from hftrain.methods import GrpoSection, RewardSpec, load_recipe, parse_recipe
-from hftrain.methods.prompts import read_prompts
+from hftrain.methods.grpo.prompts import read_prompts
 from hftrain.errors import DataError, RecipeError, RewardError
-from hftrain.methods.rewards import Reward, dry_run, exact_match, load_rewards
+from hftrain.methods.grpo.rewards import Reward, dry_run, exact_match, load_rewards
 
 from .conftest import DEMO_TRAIN, REPO
 

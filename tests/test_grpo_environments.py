@@ -1,4 +1,4 @@
-"""GRPO's environment (grpo.environment, methods/environments.py), fast: TRL sees the environment's own tools
+"""GRPO's environment (grpo.environment, methods/grpo/environments.py), fast: TRL sees the environment's own tools
 (names, schemas), a refused action answers the model, and an environment that crashes (its constructor, reset or
 get_reward raising, a method past the timeout or exiting) ends that rollout with reward 0, reported and counted,
 never a stuck rank or a stopped run; a class TRL could not use is refused naming the key."""
@@ -11,8 +11,8 @@ from transformers.utils import get_json_schema
 
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
-from hftrain.methods.environments import guarded_environment, load_environment
-from hftrain.methods.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.environments import guarded_environment, load_environment
+from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 

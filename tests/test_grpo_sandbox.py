@@ -1,4 +1,4 @@
-"""The one user-code sandbox (hftrain/methods/sandbox.py, watchdog.py) that GRPO's reward functions, tools and
+"""The one user-code sandbox (hftrain/methods/grpo/sandbox.py, watchdog.py) that GRPO's reward functions, tools and
 environments run in, fast and in-process but for one forked case: a tool and an environment method that time out
 or raise are counted alike by the one set of counters; Python code past its limit stops there (a time-out) in and
 out of the main thread; a call stuck in C code holding the GIL, which no signal interrupts, ends its process within
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from hftrain.methods.environments import guarded_environment
-from hftrain.methods.sandbox import GRACE_S, CallCounts, TimeLimit, UserCodeFailure, call_user_code
-from hftrain.methods.tools import guarded
+from hftrain.methods.grpo.environments import guarded_environment
+from hftrain.methods.grpo.sandbox import GRACE_S, CallCounts, TimeLimit, UserCodeFailure, call_user_code
+from hftrain.methods.grpo.tools import guarded
 
 LIMIT = TimeLimit(0.5, "grpo.tool_timeout")
 
@@ -95,7 +95,7 @@ def test_python_code_past_its_limit_stops_there_in_any_thread():
 
 STUCK_IN_C = textwrap.dedent("""
     import sys, time
-    from hftrain.methods.rewards import Reward
+    from hftrain.methods.grpo.rewards import Reward
 
     def counts_to_a_trillion(prompts, completions, **kw):
         return [float(sum(range(10 ** 13)))] * len(completions)  # C code holding the GIL: no signal handler runs

@@ -18,9 +18,9 @@ import types
 import pytest
 from transformers.utils import get_json_schema
 
-from hftrain.methods.grpo import GroupTrainer
-from hftrain.methods.sandbox import CallCounts, TimeLimit
-from hftrain.methods.tools import guarded, suffix_after_stop, tool_template_problem
+from hftrain.methods.grpo.grpo import GroupTrainer
+from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.tools import guarded, suffix_after_stop, tool_template_problem
 
 from .template_families import FAMILIES, tokenizer_for
 

@@ -1,4 +1,4 @@
-"""GRPO's tools (grpo.tools, methods/tools.py), fast: a tool that raises, hangs, exits or returns no text gives the
+"""GRPO's tools (grpo.tools, methods/grpo/tools.py), fast: a tool that raises, hangs, exits or returns no text gives the
 model an error line and a count, never a stuck rank or a stopped run; the schema transformers builds survives the
 guard; tools without a schema and templates TRL cannot parse tool calls from are refused before the model loads."""
 
@@ -11,8 +11,8 @@ import torch
 
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
-from hftrain.methods.sandbox import CallCounts, TimeLimit
-from hftrain.methods.tools import guarded, load_tools, tool_template_problem
+from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.tools import guarded, load_tools, tool_template_problem
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},
         "grpo": {"rewards": [{"function": "exact_match"}]}}
@@ -133,8 +133,8 @@ def test_rewards_read_a_tool_rollouts_final_answer_and_the_tokens_the_model_gene
 
     from trl import GRPOTrainer
 
-    from hftrain.methods.grpo import GroupTrainer
-    from hftrain.methods.rewards import exact_match, text_of
+    from hftrain.methods.grpo.grpo import GroupTrainer
+    from hftrain.methods.grpo.rewards import exact_match, text_of
 
     rollout = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
                {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": "five"}]
@@ -157,7 +157,7 @@ def test_the_tools_schemas_count_in_the_prompt_and_show_in_the_preview(tmp_path,
 
     from hftrain.config import DataSection, DataSource
     from hftrain.errors import DataError
-    from hftrain.methods.prompts import preview_prompts, read_prompts
+    from hftrain.methods.grpo.prompts import preview_prompts, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = qwen2_5_chat_template
@@ -202,7 +202,7 @@ def test_held_out_answers_of_a_tool_recipe_call_the_tools(tiny_model_dir):
     from trl.chat_template_utils import qwen2_5_chat_template
 
     from hftrain.evaluate import exact_match, greedy_answer
-    from hftrain.methods.tools import ToolAnswer
+    from hftrain.methods.grpo.tools import ToolAnswer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.chat_template = qwen2_5_chat_template

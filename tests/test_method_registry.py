@@ -6,7 +6,7 @@ import pytest
 
 from hftrain.config import RecipeError
 from hftrain.methods import METHODS, entry_of, method_of, parse_recipe
-from hftrain.methods.preference_section import METHOD_OF_LOSS
+from hftrain.methods.preference.preference_section import METHOD_OF_LOSS
 from hftrain.methods.registry import BY_NAME
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},

@@ -13,7 +13,7 @@ import yaml
 
 from hftrain.methods import parse_recipe
 from hftrain.config.sections import DataSection, DataSource
-from hftrain.methods.unpaired import build_unpaired_data, read_unpaired, split_in_two
+from hftrain.methods.preference.unpaired import build_unpaired_data, read_unpaired, split_in_two
 from hftrain.errors import DataError
 
 from .conftest import REPO

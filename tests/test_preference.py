@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hftrain.methods import parse_recipe
 from hftrain.config.sections import DataSource
-from hftrain.methods.pairs import read_pairs
+from hftrain.methods.preference.pairs import read_pairs
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 
@@ -59,14 +59,14 @@ def test_all_problems_at_once_and_loss_specific_rules():
 
 def test_losses_map_to_trl():
     from hftrain.methods import PreferenceSection
-    from hftrain.methods.dpo import trl_loss
+    from hftrain.methods.preference.dpo import trl_loss
 
     assert trl_loss(PreferenceSection()) == "sigmoid"
     assert trl_loss(PreferenceSection(label_smoothing=0.1)) == "robust"  # TRL's sigmoid ignores label_smoothing
     assert trl_loss(PreferenceSection(loss_type="ipo")) == "ipo"
     from hftrain.methods import load_recipe
     from hftrain.methods import method_of
-    from hftrain.methods.simpo import TRL_LOSS, SimPOTrainer
+    from hftrain.methods.preference.simpo import TRL_LOSS, SimPOTrainer
 
     assert TRL_LOSS == "sigmoid_norm"  # + the constant reference
     simpo = method_of(load_recipe(os.path.join(REPO, "recipes", "demo", "dpo.yaml"), ["preference.loss_type=simpo"]))
@@ -386,7 +386,7 @@ def test_simpo_loss_is_simpos_formula(tmp_path, tiny_model_dir):
 
     from hftrain.launch import check_data
     from hftrain.launch.setup import run_arguments
-    from hftrain.methods.simpo import SimPOTrainer, simpo_config
+    from hftrain.methods.preference.simpo import SimPOTrainer, simpo_config
 
     beta, gamma = 2.0, 0.7
     data = uneven_pairs(tmp_path / "pairs.jsonl", 4)

@@ -1,7 +1,7 @@
 """What every exact loss over the optimizer step's global batch asks of its trainer, written once: the step's counts
 (tokens, sequences, pairs, examples) summed over every micro-batch and rank, and a micro-batch's share of the loss
 (maths.normalise: its sum over the global count, times the ranks the engine averages gradients over). SFT's loss
-(exact.py) and the preference methods (methods/dpo.py, orpo.py, kto.py) use it."""
+(exact.py) and the preference methods (methods/preference/: dpo.py, orpo.py, kto.py) use it."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ section that names it (`entry_of`). A method's module, and the trainer library i
 trainer. Adding a method is a module here with its METHOD, and its entry in registry.py."""
 
 from .base import Method
-from .grpo_section import GrpoSection, RewardSpec
-from .preference_section import PreferenceSection
+from .grpo.grpo_section import GrpoSection, RewardSpec
+from .preference.preference_section import PreferenceSection
 from .recipe import Recipe, load_recipe, parse_recipe
 from .registry import DEFAULT, METHODS, SCRIPTS, MethodEntry, entry_of
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import config
-from .grpo_section import GrpoSection
-from .preference_section import PreferenceSection
+from .grpo.grpo_section import GrpoSection
+from .preference.preference_section import PreferenceSection
 
 
 @dataclass

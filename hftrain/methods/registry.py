@@ -32,13 +32,14 @@ class MethodEntry:
 
 
 _PACKAGE = __name__.rpartition(".")[0]  # hftrain.methods
+_PREFERENCE, _GRPO = f"{_PACKAGE}.preference", f"{_PACKAGE}.grpo"  # the two families' sub-packages
 
 SFT = MethodEntry("sft", "sft", None, None, f"{_PACKAGE}.sft")
-DPO = MethodEntry("dpo", "dpo", "preference", "preference: {loss_type: sigmoid, beta: 0.1}", f"{_PACKAGE}.dpo")
-SIMPO = MethodEntry("simpo", "dpo", "preference", "preference: {loss_type: simpo, beta: 2.0}", f"{_PACKAGE}.simpo")
-ORPO = MethodEntry("orpo", "dpo", "preference", "preference: {loss_type: orpo, beta: 0.1}", f"{_PACKAGE}.orpo")
-KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta: 0.1}", f"{_PACKAGE}.kto")
-GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_PACKAGE}.grpo")
+DPO = MethodEntry("dpo", "dpo", "preference", "preference: {loss_type: sigmoid, beta: 0.1}", f"{_PREFERENCE}.dpo")
+SIMPO = MethodEntry("simpo", "dpo", "preference", "preference: {loss_type: simpo, beta: 2.0}", f"{_PREFERENCE}.simpo")
+ORPO = MethodEntry("orpo", "dpo", "preference", "preference: {loss_type: orpo, beta: 0.1}", f"{_PREFERENCE}.orpo")
+KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta: 0.1}", f"{_PREFERENCE}.kto")
+GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_GRPO}.grpo")
 
 # Every method; SFT, the method of a recipe with no method section, first: its script is the default command's.
 METHODS: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO)

@@ -1,5 +1,5 @@
 """GRPO (online RL with verifiable rewards) of a causal LM from one YAML recipe with a `grpo:` section
-(hftrain/methods/grpo.py; the reward functions: hftrain/methods/rewards.py).
+(hftrain/methods/grpo/grpo.py; the reward functions: hftrain/methods/grpo/rewards.py).
 
     hftrain grpo recipes/demo/grpo.yaml [key=value ...]
     accelerate launch --config_file accelerate_configs/ddp.yaml -m hftrain.recipes.grpo recipes/demo/grpo.yaml

@@ -17,14 +17,14 @@ import dataclasses
 import torch
 from trl import DPOConfig, DPOTrainer
 
-from .. import losses
-from ..losses import GlobalBatchMixin
-from ..config import HFTrainOptions, Recipe
+from ... import losses
+from ...losses import GlobalBatchMixin
+from ...config import HFTrainOptions, Recipe
 from .pairs import build_preference_data
-from ..trainer import RUN_MIXINS
-from .base import first_rows, has_template
-from . import registry
-from .policy import PreferenceMethod
+from ...trainer import RUN_MIXINS
+from ..base import first_rows, has_template
+from .. import registry
+from ..policy import PreferenceMethod
 from .preference_section import PreferenceSection
 
 def trl_loss(p: PreferenceSection) -> str:

@@ -29,7 +29,7 @@ import math
 import sys
 
 from .grpo_section import GrpoSection
-from ..errors import RewardError
+from ...errors import RewardError
 from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
 from .tools import load_tools, schema_problem, text_answer
 

@@ -2,7 +2,7 @@
 
 An unpaired row is text (`{"prompt": "2+2=", "completion": "4", "label": true}`) or a conversation (`prompt` a list of
 messages, `completion` the assistant turn(s) that answer it); `label` is a JSON boolean, true for a desirable answer
-(thumbs up) and false for an undesirable one. A source of prompt / chosen / rejected pairs (methods/pairs.py's rows,
+(thumbs up) and false for an undesirable one. A source of prompt / chosen / rejected pairs (pairs.py's rows,
 checked the same way) is split by TRL's `unpair_preference_dataset`: the chosen answer desirable, the rejected one not.
 
 What TRL does not do, done here: refuse a bad row by file and row (a missing or non-boolean label, an empty
@@ -20,13 +20,13 @@ import sys
 import datasets
 from trl.data_utils import unpair_preference_dataset
 
-from ..config import DataSection, DataSource
-from ..distributed import print0
-from ..errors import DataError
-from ..data.build import mix
+from ...config import DataSection, DataSource
+from ...distributed import print0
+from ...errors import DataError
+from ...data.build import mix
 from .pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
-from ..data.sources import column_map, read_rows
-from ..data.split import held_out_split
+from ...data.sources import column_map, read_rows
+from ...data.split import held_out_split
 
 EXAMPLE = ("prompt", "completion", "label")
 PLACE = "__hftrain_row"  # an example's row name (file:line) while it is measured; removed before training

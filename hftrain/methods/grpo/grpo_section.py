@@ -11,11 +11,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import DataSource, LoraSection, MethodSection, Problems, Recipe
-from ..config.fields import _f
-from ..config.fields import is_number as _num
-from ..distributed import accelerator_available
-from .policy import policy_strategy_problems, sft_only_problems
+from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe
+from ...config.fields import _f
+from ...config.fields import is_number as _num
+from ...distributed import accelerator_available
+from ..policy import policy_strategy_problems, sft_only_problems
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")

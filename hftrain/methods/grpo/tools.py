@@ -18,11 +18,11 @@ import functools
 import types
 
 from .grpo_section import GrpoSection
-from ..constants import IGNORE_INDEX
-from ..data.preview import marked
-from ..data.templates import stop_ids, template_kwargs
-from ..errors import RewardError
-from ..evaluate import greedy_continuation, prompt_ids
+from ...constants import IGNORE_INDEX
+from ...data.preview import marked
+from ...data.templates import stop_ids, template_kwargs
+from ...errors import RewardError
+from ...evaluate import greedy_continuation, prompt_ids
 from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
 
 

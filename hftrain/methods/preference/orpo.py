@@ -21,13 +21,13 @@ import warnings
 import torch
 from trl.import_utils import TRLExperimentalWarning
 
-from .. import losses
-from ..losses import GlobalBatchMixin
-from ..config import HFTrainOptions, Recipe
-from ..trainer import RUN_MIXINS
-from . import registry
-from .policy import PreferenceMethod
-from .base import first_rows
+from ... import losses
+from ...losses import GlobalBatchMixin
+from ...config import HFTrainOptions, Recipe
+from ...trainer import RUN_MIXINS
+from .. import registry
+from ..policy import PreferenceMethod
+from ..base import first_rows
 from .dpo import read_pairs
 
 # hftrain checks what it uses of the experimental ORPO against the installed TRL (tests/test_upstream_contract.py): the

@@ -8,10 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import DataSource, MethodSection, Problems, Recipe
-from ..config.fields import _f
-from ..config.fields import is_number as _num
-from .policy import policy_strategy_problems, sft_only_problems
+from ...config import DataSource, MethodSection, Problems, Recipe
+from ...config.fields import _f
+from ...config.fields import is_number as _num
+from ..policy import policy_strategy_problems, sft_only_problems
 
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo", "kto"]
 REFERENCE_FREE = ("simpo", "orpo")  # losses that need no reference model

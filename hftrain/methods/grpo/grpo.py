@@ -28,19 +28,19 @@ import dataclasses
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import distributed
-from ..config import HFTrainOptions, Recipe
+from ... import distributed
+from ...config import HFTrainOptions, Recipe
 from .prompts import PromptData, build_prompt_data, preview_prompts
-from ..data.templates import template_kwargs
-from ..errors import DataError, LaunchError, RewardError
-from ..patches.transformers import mark_fsdp_managed
+from ...data.templates import template_kwargs
+from ...errors import DataError, LaunchError, RewardError
+from ...patches.transformers import mark_fsdp_managed
 from .rewards import dry_run, load_rewards
 from .sandbox import CallCounts
-from ..trainer import RUN_MIXINS
-from . import registry
-from .policy import load_policy, policy_peft_config
-from ..evaluate import greedy_answer
-from .sft import SFT, exact_match_metrics
+from ...trainer import RUN_MIXINS
+from .. import registry
+from ..policy import load_policy, policy_peft_config
+from ...evaluate import greedy_answer
+from ..sft import SFT, exact_match_metrics
 from .environments import load_environment, shown_tools
 from .tools import (ToolAnswer, load_tools, suffix_after_stop, tool_template_problem,
                     unanswered_calls)

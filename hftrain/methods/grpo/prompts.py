@@ -19,13 +19,13 @@ from typing import Any
 
 import datasets
 
-from ..config import DataSection
-from ..distributed import print0
-from ..errors import DataError
-from ..data.build import mix
-from ..data.layouts import read_canonical
-from ..data.split import held_out_split
-from ..data.templates import apply, template_kwargs
+from ...config import DataSection
+from ...distributed import print0
+from ...errors import DataError
+from ...data.build import mix
+from ...data.layouts import read_canonical
+from ...data.split import held_out_split
+from ...data.templates import apply, template_kwargs
 from .tools import example_trajectory
 
 PROMPT, REFERENCE = "prompt", "reference"  # the columns TRL reads (the prompt) and passes to reward functions

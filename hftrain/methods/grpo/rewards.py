@@ -24,7 +24,7 @@ import math
 import re
 
 from .grpo_section import GrpoSection, RewardSpec
-from ..errors import RewardError
+from ...errors import RewardError
 from .sandbox import UserCodeFailure, call_user_code, import_function, limit_of
 
 

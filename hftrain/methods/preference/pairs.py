@@ -18,13 +18,13 @@ from typing import Any
 
 import datasets
 
-from ..config import DataSection, DataSource
-from ..constants import ROLES
-from ..distributed import print0
-from ..errors import DataError
-from ..data.build import mix
-from ..data.sources import column_map, read_rows
-from ..data.split import held_out_split
+from ...config import DataSection, DataSource
+from ...constants import ROLES
+from ...distributed import print0
+from ...errors import DataError
+from ...data.build import mix
+from ...data.sources import column_map, read_rows
+from ...data.split import held_out_split
 
 PAIR = ("chosen", "rejected")
 

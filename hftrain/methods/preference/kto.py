@@ -34,13 +34,13 @@ from trl import KTOConfig, KTOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from ..losses import GlobalBatchMixin
-from ..config import HFTrainOptions, Recipe
+from ...losses import GlobalBatchMixin
+from ...config import HFTrainOptions, Recipe
 from .unpaired import build_unpaired_data
-from ..trainer import RUN_MIXINS
-from . import registry
-from .policy import PreferenceMethod
-from .base import first_rows, has_template
+from ...trainer import RUN_MIXINS
+from .. import registry
+from ..policy import PreferenceMethod
+from ..base import first_rows, has_template
 
 
 @dataclasses.dataclass

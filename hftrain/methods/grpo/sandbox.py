@@ -36,7 +36,7 @@ import sys
 import threading
 import traceback
 
-from ..errors import RewardError
+from ...errors import RewardError
 from .watchdog import hard_deadline
 
 GRACE_S = 5.0  # after the limit, the time a call has to give control back to Python before its process is ended

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import Recipe
-from .base import first_rows
+from ...config import Recipe
+from ..base import first_rows
 from .dpo import HFDPOConfig, PreferenceTrainer, preference_values, read_pairs
-from . import registry
-from .policy import PreferenceMethod
+from .. import registry
+from ..policy import PreferenceMethod
 
 SIMPO_GAMMA = 0.5  # SimPO's paper's default target margin (preference.simpo_gamma unset)
 TRL_LOSS = "sigmoid_norm"  # the length-normalised sigmoid loss, against the constant reference below
