@@ -44,12 +44,12 @@ def test_liger_is_refused_where_it_cannot_run(tmp_path, tiny_model_dir, monkeypa
 def _applied(monkeypatch, runnable: bool) -> list:
     """Pretend liger can (or cannot) run here; the models liger's kernels were put into."""
     import hftrain.kernels
-    import hftrain.modeling
+    import hftrain.modeling.model
 
     applied = []
     monkeypatch.setattr(hftrain.kernels, "liger_unavailable",
                         lambda model_type: None if runnable else ("no CUDA GPU", "remove model.kernels"))
-    monkeypatch.setattr(hftrain.modeling, "apply_liger", applied.append)
+    monkeypatch.setattr(hftrain.modeling.model, "apply_liger", applied.append)
     return applied
 
 

@@ -101,7 +101,8 @@ def test_under_zero3_the_run_quantises_the_base_as_the_merge_does(tiny_model_dir
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from hftrain.modeling import _from_pretrained, loading_outside_zero3
+    from hftrain.modeling import loading_outside_zero3
+    from hftrain.modeling.model import _from_pretrained
 
     cfg = ModelSection(name_or_path=tiny_model_dir, dtype="bfloat16", lora=LoraSection(r=4),
                        quantization=QuantizationSection(bits=4, storage_dtype="bfloat16"))

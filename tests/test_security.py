@@ -72,7 +72,7 @@ def test_package_loads_no_pickle_and_never_forces_remote_code():
                 offences.append(f"{where}: trust_remote_code=True")
     assert not offences, offences
     assert "from torch import load" not in "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
-    src = (PACKAGE / "modeling.py").read_text()
+    src = (PACKAGE / "modeling" / "model.py").read_text()
     assert "use_safetensors=True" in src
 
 
