@@ -4,6 +4,7 @@ theirs (hftrain/methods/, config.MethodSection): a recipe is read with the Recip
 (methods.load_recipe), and config names no method."""
 
 from ..errors import RecipeError
+from .fields import option
 from .loading import (
                        build_recipe,
                        load_recipe,
@@ -38,7 +39,7 @@ from .training import (
 )
 
 __all__ = [
-    "RecipeError", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
+    "RecipeError", "option", "build_recipe", "load_recipe", "parse_overrides", "parse_recipe", "split_argv",
     "recipe_problems", "strategy_problems", "CompressionSection", "DataSection", "DataSource", "EvalSection",
     "HubSection", "LoraSection", "MethodSection", "ModelSection", "MoeSection", "Problems", "QuantizationSection",
     "Recipe", "StrategySection", "UpcycleSection",

@@ -11,7 +11,9 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _f(default=dataclasses.MISSING, help: str = "", factory=None):
+def option(default=dataclasses.MISSING, help: str = "", factory=None):
+    """A recipe field with its help text (what `hftrain config --all` and the errors show): its default, or
+    `factory` for a mutable one. Public: the methods' sections declare their fields with it too."""
     if factory is not None:
         return field(default_factory=factory, metadata={"help": help})
     return field(default=default, metadata={"help": help})

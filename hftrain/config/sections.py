@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 
 from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout
-from .fields import _f
+from .fields import option
 from .schema import origin_of
 from .strategy import StrategySection
 from .training import training_value
@@ -20,138 +20,141 @@ from .training import training_value
 
 @dataclass
 class LoraSection:
-    r: int = _f(16, "LoRA rank.")
-    alpha: int = _f(32, "LoRA alpha (the update is scaled by alpha / r).")
-    dropout: float = _f(0.05, "Dropout on the LoRA input.")
-    target_modules: str | list[str] = _f("all-linear", "Modules to adapt: a list of names, or 'all-linear'.")
-    modules_to_save: list[str] | None = _f(None, "Modules trained fully and saved with the adapter (e.g. lm_head).")
-    target_parameters: list[str] | None = _f(
+    r: int = option(16, "LoRA rank.")
+    alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = option(0.05, "Dropout on the LoRA input.")
+    target_modules: str | list[str] = option("all-linear", "Modules to adapt: a list of names, or 'all-linear'.")
+    modules_to_save: list[str] | None = option(None, "Modules trained fully and saved with the adapter (e.g. lm_head).")
+    target_parameters: list[str] | None = option(
         None, "Parameters to adapt where they are no Linear module (peft's target_parameters), e.g. an MoE model's "
         "fused experts: [experts.gate_up_proj, experts.down_proj]; merged like the others.")
-    merge: bool = _f(False, "Also save base + adapter merged into a full model in output_dir/merged.")
+    merge: bool = option(False, "Also save base + adapter merged into a full model in output_dir/merged.")
 
 
 @dataclass
 class QuantizationSection:
     """A base loaded quantised by bitsandbytes (QLoRA): passed to transformers' BitsAndBytesConfig."""
-    bits: Literal[4, 8] = _f(4, "4 (QLoRA's 4-bit base) or 8 (LLM.int8, which also quantises activations).")
-    type: Literal["nf4", "fp4"] | None = _f(None, "4-bit data type; default nf4 (bits 4 only).")
-    double_quant: bool | None = _f(None, "Quantise the quantisation constants too (bits 4 only); default true.")
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+    bits: Literal[4, 8] = option(4, "4 (QLoRA's 4-bit base) or 8 (LLM.int8, which also quantises activations).")
+    type: Literal["nf4", "fp4"] | None = option(None, "4-bit data type; default nf4 (bits 4 only).")
+    double_quant: bool | None = option(None, "Quantise the quantisation constants too (bits 4 only); default true.")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "Dtype the 4-bit layers compute in; auto: model.dtype (float32 where that is auto too).")
-    storage_dtype: Literal["uint8", "float32", "bfloat16", "float16"] | None = _f(
+    storage_dtype: Literal["uint8", "float32", "bfloat16", "float16"] | None = option(
         None, "Dtype the packed 4-bit weights are stored in (bits 4 only); default uint8. FSDP and ZeRO-3 need it "
         "equal to the dtype they compute in (float32, or bfloat16 / float16 with training.bf16 / fp16).")
 
 
 @dataclass
 class ModelSection:
-    name_or_path: str = _f(help="Local folder or Hub id of the causal LM to fine-tune.")
-    tokenizer_name_or_path: str | None = _f(None, "Tokenizer folder or Hub id; defaults to name_or_path.")
-    revision: str | None = _f(None, "Hub revision (branch, tag or commit) of model and tokenizer.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "Dtype the weights are loaded in.")
-    attn_implementation: str | None = _f(None, "Attention kernel: eager, sdpa, flash_attention_2, ...")
-    trust_remote_code: bool = _f(False, "Run modelling code shipped with the checkpoint. Off unless you trust it.")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    lora: LoraSection | None = _f(None, "Train a LoRA adapter through peft instead of all weights.")
-    quantization: QuantizationSection | None = _f(
+    name_or_path: str = option(help="Local folder or Hub id of the causal LM to fine-tune.")
+    tokenizer_name_or_path: str | None = option(None, "Tokenizer folder or Hub id; defaults to name_or_path.")
+    revision: str | None = option(None, "Hub revision (branch, tag or commit) of model and tokenizer.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option("auto", "Dtype the weights are loaded in.")
+    attn_implementation: str | None = option(None, "Attention kernel: eager, sdpa, flash_attention_2, ...")
+    trust_remote_code: bool = option(False, "Run modelling code shipped with the checkpoint. Off unless you trust it.")
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    lora: LoraSection | None = option(None, "Train a LoRA adapter through peft instead of all weights.")
+    quantization: QuantizationSection | None = option(
         None, "Load the base quantised by bitsandbytes (QLoRA), e.g. {bits: 4, type: nf4}; needs model.lora.")
-    kernels: Literal["liger", "none"] | None = _f(
+    kernels: Literal["liger", "none"] | None = option(
         None, "The model's layers only (the loss is training.loss_impl's): liger (liger-kernel's RMSNorm, RoPE, "
         "SwiGLU; CUDA only), none (the model's own layers, and no liger kernel anywhere: training.loss_impl: fused "
         "is refused with it); unset: liger's layers where they can run (CUDA, installed, the family supported)")
-    experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] | None = _f(
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] | None = option(
         None, "MoE models: how transformers runs the experts (eager: a loop over the experts hit; batched_mm; "
         "grouped_mm); default: transformers' choice (grouped_mm where torch has it). bench/moe.py impl times them.")
 
 
 @dataclass
 class DataSource:
-    path: str = _f(help="A local file (.jsonl/.json/.parquet/.csv), a save_to_disk folder, or a Hub dataset id.")
-    format: Literal["auto", DataLayout] = _f(
+    path: str = option(help="A local file (.jsonl/.json/.parquet/.csv), a save_to_disk folder, or a Hub dataset id.")
+    format: Literal["auto", DataLayout] = option(
         "auto", "Layout of the rows (messages, sharegpt, prompt_completion, alpaca, text); 'auto' detects it from the "
         "columns."
     )
-    split: str = _f("train", "Split to read (Hub datasets and save_to_disk DatasetDicts).")
-    name: str | None = _f(None, "Dataset configuration name (Hub datasets).")
-    columns: dict[str, str] = _f(
+    split: str = option("train", "Split to read (Hub datasets and save_to_disk DatasetDicts).")
+    name: str | None = option(None, "Dataset configuration name (Hub datasets).")
+    columns: dict[str, str] = option(
         help="Rename map from hftrain's column name to yours, e.g. {messages: conversations}.", factory=dict
     )
-    roles: dict[str, str] = _f(
+    roles: dict[str, str] = option(
         help="Role map from your role names to hftrain's (system, user, assistant, tool, function_call), e.g. "
         "{human: user, bot: assistant}.", factory=dict
     )
-    weight: float = _f(1.0, "Relative sampling weight when several sources are mixed.")
+    weight: float = option(1.0, "Relative sampling weight when several sources are mixed.")
 
 
 @dataclass
 class DataSection:
-    sources: list[DataSource] = _f(help="Training data: one or more sources.")
-    eval_sources: list[DataSource] = _f(help="Held-out data for evaluation.", factory=list)
-    eval_fraction: float = _f(0.0, "Fraction of each training source held out for evaluation (0 = none).")
-    chat_template: str | None = _f(
+    sources: list[DataSource] = option(help="Training data: one or more sources.")
+    eval_sources: list[DataSource] = option(help="Held-out data for evaluation.", factory=list)
+    eval_fraction: float = option(0.0, "Fraction of each training source held out for evaluation (0 = none).")
+    chat_template: str | None = option(
         None, "Jinja chat template, a path to a .jinja file, or trl:NAME for one TRL ships (trl:qwen2_5, "
         "trl:qwen3_training, ...), replacing the tokenizer's.")
-    chat_template_kwargs: dict[str, Any] = _f(
+    chat_template_kwargs: dict[str, Any] = option(
         help="Extra variables for every chat template rendering, e.g. {enable_thinking: false} (Qwen3) or "
         "{date_string: 26 Jul 2024} (Llama 3; a template's today's date is pinned to 26 Jul 2024 otherwise).",
         factory=dict,
     )
-    max_length: int = _f(2048, "Maximum tokens per example.")
-    truncation: Literal["right", "drop"] = _f("right", "Longer examples: cut at max_length ('right') or 'drop' them.")
-    packing: bool = _f(False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
+    max_length: int = option(2048, "Maximum tokens per example.")
+    truncation: Literal["right", "drop"] = option(
+        "right", "Longer examples: cut at max_length ('right') or 'drop' them.")
+    packing: bool = option(
+        False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
                                "example so none attends another.")
-    assistant_only_loss: bool = _f(True, "messages/alpaca: train on assistant tokens only.")
-    train_turns: Literal["all", "last"] = _f(
+    assistant_only_loss: bool = option(True, "messages/alpaca: train on assistant tokens only.")
+    train_turns: Literal["all", "last"] = option(
         "all", "Conversations: train every assistant turn, each as the chat template writes it when it is the last "
         "message (a template that rewrites earlier turns, e.g. drops their reasoning, makes one example per such "
         "turn), or only the 'last' one."
     )
-    completion_only_loss: bool = _f(True, "prompt_completion: train on completion tokens only.")
-    skip_untrainable: bool = _f(False, "Drop examples left with no trainable token instead of stopping with an error.")
-    num_proc: int | None = _f(None, "Processes that prepare (read and tokenise) the data, on the first process of "
-                              "each machine; default: the cores available, at most one per 5000 rows.")
-    streaming: bool = _f(False, "Train from a stream of the sources, each row read, tokenised (and packed) as "
-                         "training goes, for corpora larger than memory or disk: needs training.max_steps; each "
-                         "process reads its own share of the rows; a checkpoint records the stream's position.")
-    on_stream_change: Literal["refuse", "restart", "continue"] = _f(
+    completion_only_loss: bool = option(True, "prompt_completion: train on completion tokens only.")
+    skip_untrainable: bool = option(
+        False, "Drop examples left with no trainable token instead of stopping with an error.")
+    num_proc: int | None = option(None, "Processes that prepare (read and tokenise) the data, on the first process of "
+                                  "each machine; default: the cores available, at most one per 5000 rows.")
+    streaming: bool = option(False, "Train from a stream of the sources, each row read, tokenised (and packed) as "
+                             "training goes, for corpora larger than memory or disk: needs training.max_steps; each "
+                             "process reads its own share of the rows; a checkpoint records the stream's position.")
+    on_stream_change: Literal["refuse", "restart", "continue"] = option(
         "refuse", "streaming: a resume whose sources changed since the checkpoint (rows added, removed or edited: "
         "their size, time or bytes differ) is refused; 'restart' streams them from their beginning (rows already "
         "trained on may come again), 'continue' resumes at the saved position anyway (when the rows are the same: "
         "a copy, a touch).")
-    shuffle_buffer: int | None = _f(None, "streaming: rows shuffled together (each window of this many rows is "
-                                    "yielded in a random order; the order of files and blocks changes every pass); "
-                                    "default 10000.")
+    shuffle_buffer: int | None = option(None, "streaming: rows shuffled together (each window of this many rows is "
+                                        "yielded in a random order; the order of files and blocks changes every pass); "
+                                        "default 10000.")
 
 
 @dataclass
 class EvalSection:
-    exact_match: int = _f(
+    exact_match: int = option(
         0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after "
         "training."
     )
-    max_new_tokens: int = _f(32, "Generation length for exact_match.")
+    max_new_tokens: int = option(32, "Generation length for exact_match.")
 
 
 @dataclass
 class CompressionSection:
-    method: CompressionMethod = _f(
+    method: CompressionMethod = option(
         "none", "Gradient compression on the data-parallel reduction. ddp: all methods; fsdp and zero1-3: fp16/bf16."
     )
-    start_step: int | None = _f(
+    start_step: int | None = option(
         None, "Optimizer steps with uncompressed gradients first; default 2 for powersgd (its error feedback needs "
         "DDP's rebuilt buckets), else 0."
     )
-    error_feedback: bool | None = _f(
+    error_feedback: bool | None = option(
         None, "powersgd/int8/topk: add what the last step did not send to this step's gradient; default true."
     )
-    powersgd_rank: int | None = _f(None, "powersgd: rank of the low-rank approximation; default 4.")
-    int8_granularity: Literal["chunk", "tensor"] | None = _f(
+    powersgd_rank: int | None = option(None, "powersgd: rank of the low-rank approximation; default 4.")
+    int8_granularity: Literal["chunk", "tensor"] | None = option(
         None, "int8: one scale per chunk of int8_chunk_size elements, or one per bucket ('tensor'); default chunk."
     )
-    int8_chunk_size: int | None = _f(None, "int8: elements per scale with granularity chunk; default 2048.")
-    topk_ratio: float | None = _f(None, "topk: share of gradient elements sent each step; default 0.01.")
-    profile: bool = _f(
+    int8_chunk_size: int | None = option(None, "int8: elements per scale with granularity chunk; default 2048.")
+    topk_ratio: float | None = option(None, "topk: share of gradient elements sent each step; default 0.01.")
+    profile: bool = option(
         False, "ddp: time the gradient all-reduce also without compression (method none runs DDP's mean all-reduce "
         "in hftrain's timed hook) and log comm/* per step: bytes, time_share, seconds, hidden_share (share hidden "
         "behind the backward). With a method they are always logged."
@@ -190,45 +193,47 @@ COMPRESSION_OPTIONS = {
 
 @dataclass
 class HubSection:
-    push: bool = _f(False, "After training, validate output_dir and upload it to the Hub (main process; `hftrain push` "
-                    "does the same for a finished run). The token comes from HF_TOKEN or `hf auth login`.")
-    repo_id: str | None = _f(None, "Target repository, e.g. your-name/model-name (created if missing).")
-    private: bool = _f(False, "Create the repository private (an existing repository keeps its visibility).")
-    revision: str | None = _f(None, "Branch to push to, created if missing; default: main.")
-    commit_message: str | None = _f(None, "Commit message; default: 'hftrain: upload <output_dir>'.")
-    merge_lora: bool = _f(False, "LoRA runs: push base + adapter merged into a full model (needs model.lora.merge) "
-                          "instead of the adapter alone.")
-    license: str | None = _f(None, "License id for the model card, e.g. apache-2.0 (the base model's terms apply).")
+    push: bool = option(
+        False, "After training, validate output_dir and upload it to the Hub (main process; `hftrain push` "
+        "does the same for a finished run). The token comes from HF_TOKEN or `hf auth login`.")
+    repo_id: str | None = option(None, "Target repository, e.g. your-name/model-name (created if missing).")
+    private: bool = option(False, "Create the repository private (an existing repository keeps its visibility).")
+    revision: str | None = option(None, "Branch to push to, created if missing; default: main.")
+    commit_message: str | None = option(None, "Commit message; default: 'hftrain: upload <output_dir>'.")
+    merge_lora: bool = option(False, "LoRA runs: push base + adapter merged into a full model (needs model.lora.merge) "
+                              "instead of the adapter alone.")
+    license: str | None = option(None, "License id for the model card, e.g. apache-2.0 (the base model's terms apply).")
 
 
 @dataclass
 class UpcycleSection:
-    num_experts: int = _f(8, "Experts per upcycled layer (copies of the dense MLP).")
-    top_k: int = _f(2, "Experts each token is routed to.")
-    layers: list[int] | None = _f(None, "Decoder layers to upcycle (0-based); default all. Mixtral needs all.")
-    router_init_std: float | None = _f(None, "Std of the routers' random init; default the model's initializer_range.")
+    num_experts: int = option(8, "Experts per upcycled layer (copies of the dense MLP).")
+    top_k: int = option(2, "Experts each token is routed to.")
+    layers: list[int] | None = option(None, "Decoder layers to upcycle (0-based); default all. Mixtral needs all.")
+    router_init_std: float | None = option(
+        None, "Std of the routers' random init; default the model's initializer_range.")
 
 
 @dataclass
 class MoeSection:
-    upcycle: UpcycleSection | None = _f(
+    upcycle: UpcycleSection | None = option(
         None, "Turn the dense model into its native MoE counterpart (Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE) "
         "before training; outputs are unchanged at step 0."
     )
-    aux_loss_coef: float = _f(
+    aux_loss_coef: float = option(
         0.0, "Weight of the router load-balancing loss (0 = off); exact over ranks and accumulation."
     )
-    router_z_loss_coef: float = _f(0.0, "Weight of the router z-loss (0 = off).")
-    router_health: bool = _f(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
-    expert_parallel_size: int = _f(
+    router_z_loss_coef: float = option(0.0, "Weight of the router z-loss (0 = off).")
+    router_health: bool = option(True, "Log per-layer expert load and router entropy; plot expert_load.png.")
+    expert_parallel_size: int = option(
         1, "Place the experts across this many ranks (all_to_all dispatch); must equal the number of processes; "
         "strategy ddp or fsdp (the dense part sharded), Mixtral-style blocks."
     )
-    capacity_factor: float | None = _f(
+    capacity_factor: float | None = option(
         None, "Each expert takes at most ceil(factor * tokens * top_k / experts) of a rank's assignments; the rest "
         "are dropped (logged as moe/dropped_tokens). Unset: no dropping."
     )
-    bias_update_rate: float | None = _f(
+    bias_update_rate: float | None = option(
         None, "Aux-loss-free balancing (DeepSeek-V3's): after each step every expert's router bias moves by this "
         "much towards balance, from the global batch's loads. Unset: 0.001 (the paper's) for routers with a bias "
         "(DeepSeek-V3, GLM-4.5), off for the others; 0: off."

@@ -7,48 +7,48 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..constants import StrategyName
-from .fields import _f
+from .fields import option
 
 
 @dataclass
 class StrategySection:
-    name: StrategyName | None = _f(
+    name: StrategyName | None = option(
         None, "How to distribute. Unset: the launcher's config decides; set: it must agree with the launcher."
     )
-    num_processes: int | None = _f(None, "Processes in all (all machines); default 2.")
-    num_machines: int | None = _f(None, "Machines (nodes); default 1.")
-    machine_rank: int | None = _f(None, "This machine's rank among the machines; default 0.")
-    main_process_ip: str | None = _f(None, "Address of machine 0 (several machines).")
-    main_process_port: int | None = _f(None, "Port of the rendezvous on machine 0; default 29500.")
-    rank_timeout: int | None = _f(
+    num_processes: int | None = option(None, "Processes in all (all machines); default 2.")
+    num_machines: int | None = option(None, "Machines (nodes); default 1.")
+    machine_rank: int | None = option(None, "This machine's rank among the machines; default 0.")
+    main_process_ip: str | None = option(None, "Address of machine 0 (several machines).")
+    main_process_port: int | None = option(None, "Port of the rendezvous on machine 0; default 29500.")
+    rank_timeout: int | None = option(
         None, "Seconds a rank may go without answering (stopped, hung, dead) before the job fails naming it; "
         "0 turns the check off; default 300."
     )
-    socket_ifname: str | None = _f(
+    socket_ifname: str | None = option(
         None, "Network interface the machines reach each other on (e.g. eth0, ib0): exported as GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME to every rank, and the SLURM script takes the main address from it; default: what the "
         "hostname resolves to."
     )
-    fsdp_reshard_after_forward: bool | None = _f(
+    fsdp_reshard_after_forward: bool | None = option(
         None, "fsdp: free gathered parameters after forward (ZeRO-3 like); default true."
     )
-    fsdp_offload_params: bool | None = _f(None, "fsdp: keep parameters and gradients on the CPU; default false.")
-    fsdp_wrap_class: str | None = _f(
+    fsdp_offload_params: bool | None = option(None, "fsdp: keep parameters and gradients on the CPU; default false.")
+    fsdp_wrap_class: str | None = option(
         None, "fsdp: layer class to shard as one unit; default: the model's own decoder layer."
     )
-    pin_memory: bool | None = _f(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
-    nvme_path: str | None = _f(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
-    aio_block_size: int | None = _f(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
-    aio_queue_depth: int | None = _f(None, "zero_infinity: async I/O queue depth; default 8.")
-    buffer_count: int | None = _f(None, "zero_infinity: swap buffers for parameters; default 5.")
-    buffer_size: int | None = _f(
+    pin_memory: bool | None = option(None, "zero3_offload/zero_infinity: pin CPU buffers (GPU only); default false.")
+    nvme_path: str | None = option(None, "zero_infinity: folder on a fast local disk for parameter and optimizer swap.")
+    aio_block_size: int | None = option(None, "zero_infinity: async I/O block size in bytes; default 1048576.")
+    aio_queue_depth: int | None = option(None, "zero_infinity: async I/O queue depth; default 8.")
+    buffer_count: int | None = option(None, "zero_infinity: swap buffers for parameters; default 5.")
+    buffer_size: int | None = option(
         None, "zero_infinity: elements per parameter swap buffer; default: the largest parameter."
     )
-    sub_group_size: int | None = _f(
+    sub_group_size: int | None = option(
         None, "zero_infinity: optimizer elements swapped as one unit (each of the optimizer's swap buffers holds "
         "one); default: 4x the largest parameter."
     )
-    sequence_parallel: int | None = _f(
+    sequence_parallel: int | None = option(
         None, "zero2/zero3: split every sequence across this many ranks (DeepSpeed Ulysses: each rank holds 1/N of "
         "the tokens, attention heads are exchanged); the processes are data-parallel groups of N; default 1 (off)."
     )

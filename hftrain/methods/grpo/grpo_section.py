@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe
-from ...config.fields import _f
+from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe, option
 from ...config.fields import is_number as _num
 from ...distributed import accelerator_available
 from ..policy import policy_strategy_problems, sft_only_problems
@@ -23,60 +22,62 @@ BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
 
 @dataclass
 class RewardSpec:
-    function: str = _f(
+    function: str = option(
         help="exact_match (1 when the completion equals the reference answer, whitespace-stripped), regex (1 when the "
         "whole completion matches `pattern`), length_penalty (-tokens beyond `limit` / grpo.max_completion_length), "
         "or your own as module:function or path/to/file.py:function, called as fn(prompts, completions, reference, "
         "**kwargs) and returning one number (or None: does not apply) per completion.")
-    weight: float = _f(1.0, "Weight of this reward in the sum that scores each completion.")
-    pattern: str | None = _f(None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
-    limit: int | None = _f(None, "length_penalty: completion tokens that cost nothing; default 0.")
+    weight: float = option(1.0, "Weight of this reward in the sum that scores each completion.")
+    pattern: str | None = option(
+        None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
+    limit: int | None = option(None, "length_penalty: completion tokens that cost nothing; default 0.")
 
 
 @dataclass
 class GrpoSection(MethodSection):
     HELP = "Online RL with verifiable rewards (recipes/grpo.py): rewards, group size, loss, generation."
 
-    rewards: list[RewardSpec] = _f(help="The reward functions each completion is scored by (weighted sum).")
-    num_generations: int = _f(
+    rewards: list[RewardSpec] = option(help="The reward functions each completion is scored by (weighted sum).")
+    num_generations: int = option(
         8, "Group size G: completions sampled per prompt, whose rewards are normalised within the group. Must divide "
         "the global batch (processes x per_device_train_batch_size x gradient_accumulation_steps).")
-    loss_type: GrpoLoss = _f(
+    loss_type: GrpoLoss = option(
         "dapo", "How the per-token loss is averaged: grpo (each sequence's mean, averaged over the sequences), "
         "dr_grpo (sum over tokens / (sequences x max_completion_length)), dapo (sum over tokens / tokens); each over "
         "the optimizer step's global batch.")
-    beta: float = _f(0.0, "KL coefficient to the reference model (0: none is built). The reference: with model.lora "
-                     "the policy with the adapter disabled, else a frozen copy of the model.")
-    num_iterations: int = _f(1, "Optimizer steps on each batch of completions (mu); > 1 makes the clipping bite.")
-    epsilon: float | None = _f(
+    beta: float = option(
+        0.0, "KL coefficient to the reference model (0: none is built). The reference: with model.lora "
+        "the policy with the adapter disabled, else a frozen copy of the model.")
+    num_iterations: int = option(1, "Optimizer steps on each batch of completions (mu); > 1 makes the clipping bite.")
+    epsilon: float | None = option(
         None, "Clipping: the probability ratio to the policy that generated is kept within [1 - epsilon, "
         "1 + epsilon_high]; needs num_iterations > 1 (with one step per batch the ratio is 1); default 0.2.")
-    epsilon_high: float | None = _f(None, "Upper clipping bound (DAPO's clip-higher, e.g. 0.28); default epsilon.")
-    max_completion_length: int = _f(256, "Tokens generated at most per completion.")
-    temperature: float = _f(1.0, "Sampling temperature of the generation.")
-    top_p: float = _f(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
+    epsilon_high: float | None = option(None, "Upper clipping bound (DAPO's clip-higher, e.g. 0.28); default epsilon.")
+    max_completion_length: int = option(256, "Tokens generated at most per completion.")
+    temperature: float = option(1.0, "Sampling temperature of the generation.")
+    top_p: float = option(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: all).")
+    scale_rewards: Literal["group", "batch", "none"] = option(
         "group", "Divide each advantage by the reward std of its group, of the batch, or not at all (Dr. GRPO).")
-    reward_timeout: float = _f(
+    reward_timeout: float = option(
         60.0, "Seconds one call of a reward function (a batch of completions) may take; one that runs longer stops "
         "the run naming it, instead of leaving every rank waiting (a call stuck in C code ends its rank 5 s later, "
         "named: docs/grpo.md). 0: no limit.")
-    tools: list[str] | None = _f(
+    tools: list[str] | None = option(
         None, "Tools the model may call while it generates (multi-turn rollouts): `module:function` or "
         "`path/to/file.py:function`, each with type hints and a docstring (its JSON schema, as transformers reads "
         "it). A tool's output is in the context, never in the loss.")
-    environment: str | None = _f(
+    environment: str | None = option(
         None, "An environment class (`module:Class` or `path/to/file.py:Class`; TRL's environment_factory, "
         "experimental there): one instance per rollout, reset(**row) before it (a text it returns is appended to the "
         "prompt), its public methods the model's tools, get_reward() (optional) a reward beside grpo.rewards. One "
         "that crashes ends the rollout with reward 0 (counted in tools/env_crashes), not the run.")
-    max_tool_calls: int | None = _f(None, "Rounds of tool calls per rollout at most; past it the rollout is cut. "
-                                    "Default: no limit but max_completion_length.")
-    tool_timeout: float = _f(
+    max_tool_calls: int | None = option(None, "Rounds of tool calls per rollout at most; past it the rollout is cut. "
+                                        "Default: no limit but max_completion_length.")
+    tool_timeout: float = option(
         30.0, "Seconds one tool call may take; a call past it, or one that raises or returns no text, gives the model "
         "an error message (counted in tools/errors, tools/timeouts; an environment's methods alike) instead of "
         "stopping the run (a call stuck in C code ends its rank 5 s later, named: docs/grpo.md). 0: no limit.")
-    generation: Literal["transformers", "vllm"] = _f(
+    generation: Literal["transformers", "vllm"] = option(
         "transformers", "Generate with transformers' generate(), or vLLM colocated on each GPU (needs vllm installed "
         "and a GPU; untested here).")
 

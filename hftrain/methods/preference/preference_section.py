@@ -8,8 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ...config import DataSource, MethodSection, Problems, Recipe
-from ...config.fields import _f
+from ...config import DataSource, MethodSection, Problems, Recipe, option
 from ...config.fields import is_number as _num
 from ..policy import policy_strategy_problems, sft_only_problems
 
@@ -25,20 +24,22 @@ class PreferenceSection(MethodSection):
     HELP = ("Preference tuning (recipes/dpo.py): the loss and its parameters; data rows are prompt/chosen/rejected "
             "(kto: also prompt/completion/label).")
 
-    loss_type: PreferenceLoss = _f(
+    loss_type: PreferenceLoss = option(
         "sigmoid", "sigmoid: DPO; ipo: IPO (per-token squared loss); simpo: SimPO (reference-free, length-normalised); "
         "orpo: ORPO (reference-free: NLL of the chosen + odds-ratio term); kto: KTO (unpaired examples with a "
         "true/false label, or pairs split in two; KL reference point).")
-    beta: float = _f(0.1, "Strength of the tie to the reference (DPO/IPO/KTO), the reward scale (SimPO), or the weight "
-                     "lambda of the odds-ratio term (ORPO).")
-    label_smoothing: float = _f(0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
-                                "in [0, 0.5).")
-    simpo_gamma: float | None = _f(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
-    precompute_ref_log_probs: bool = _f(
+    beta: float = option(
+        0.1, "Strength of the tie to the reference (DPO/IPO/KTO), the reward scale (SimPO), or the weight "
+        "lambda of the odds-ratio term (ORPO).")
+    label_smoothing: float = option(
+        0.0, "sigmoid/simpo: probability that a pair's labels are flipped (conservative DPO), "
+        "in [0, 0.5).")
+    simpo_gamma: float | None = option(None, "simpo: target reward margin gamma; default 0.5 (SimPO's paper).")
+    precompute_ref_log_probs: bool = option(
         False, "sigmoid/ipo/kto without LoRA: compute the reference log-probs once before training and keep no "
         "reference model in memory (else a frozen copy; with LoRA the adapter is disabled, no copy).")
-    desirable_weight: float = _f(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
-    undesirable_weight: float = _f(1.0, "kto: weight of the undesirable examples' losses.")
+    desirable_weight: float = option(1.0, "kto: weight of the desirable examples' losses (to balance unequal counts).")
+    undesirable_weight: float = option(1.0, "kto: weight of the undesirable examples' losses.")
 
     @property
     def method(self) -> str:
