@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from hftrain import distributed
 from hftrain.artifacts import weights_digest
 from hftrain.errors import exit_on_user_error
-from hftrain.launch import preflight
+from hftrain.launch import strategy_checks
 from hftrain.recipes import sft
 from hftrain.methods.sft import SFTTrainer
 
@@ -68,7 +68,7 @@ if __name__ == "__main__":
     SFTTrainer._forward = forward
     SFTTrainer.__init__ = init
     if os.environ.get("HFTRAIN_TEST_NO_EARLY_ENGINE_CHECK") == "1":
-        preflight.environment_engine_problem = lambda *a, **k: None
+        strategy_checks.environment_engine_problem = lambda *a, **k: None
     code = 0
     try:
         with exit_on_user_error():

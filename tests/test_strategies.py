@@ -286,7 +286,7 @@ def test_zero_infinity_swaps_to_nvme_and_saves_a_loadable_model(tmp_path, deepsp
 
 
 def test_batch_arithmetic_preflight():
-    from hftrain.launch.preflight import batch_problem
+    from hftrain.launch.data_checks import batch_problem
 
     assert batch_problem(2, 4, 2, True, 16) is None
     assert re.search("one optimizer step needs 16 examples .* the data has 15", batch_problem(2, 4, 2, True, 15))
@@ -308,7 +308,7 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
 def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
     """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
     from hftrain.launch.machine import STALE_LOCK_S
-    from hftrain.launch.preflight import machine_strategy_problems
+    from hftrain.launch.strategy_checks import machine_strategy_problems
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (tmp_path / "cpu_adam").mkdir()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-_HOMES = {"check_data": "preflight", "check_recipe": "preflight", "Run": "setup", "claim_output_dir": "setup",
+_HOMES = {"check_data": "data_checks", "check_recipe": "preflight", "Run": "setup", "claim_output_dir": "setup",
           "setup_run": "setup", "write_strategy_configs": "setup"}
 
 __all__ = list(_HOMES)

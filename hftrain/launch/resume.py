@@ -1,5 +1,5 @@
 """Can this recipe's model resume from that checkpoint? Checked before anything is loaded, by `hftrain check` and the
-run alike (preflight.resume_problems): a checkpoint of another model (other sizes, another architecture), of another
+run alike (output_checks.resume_problems): a checkpoint of another model (other sizes, another architecture), of another
 vocabulary, or with another LoRA adapter would otherwise fail minutes later inside the Trainer's load with a size
 mismatch, or, worse, load and train on.
 
@@ -18,6 +18,8 @@ import warnings
 import torch
 
 from ..config import Recipe
+from ..heads import Head
+from ..methods import policy_head
 from ..modeling import local_config, lora_config, saved_shapes
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -48,18 +50,18 @@ def _headers(folder: str, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] 
     return shapes
 
 
-def meta_model(config, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
+def meta_model(config, trust_remote_code: bool, head: Head = Head.CAUSAL_LM):
+    """The model of `config` with `head` (its Auto class) on the meta device: no memory, no weights."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return head.auto_class.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(name -> shape) of what a checkpoint of this recipe holds, and the names it may leave out (tied weights)."""
+    """(name -> shape) of what a checkpoint of this recipe holds, and the names it may leave out (tied weights); the
+    model built with the head of the policy the recipe's method trains."""
     m = recipe.model
-    model = meta_model(config, m.trust_remote_code)
+    model = meta_model(config, m.trust_remote_code, policy_head(recipe))
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if m.lora is None:  # named as save_pretrained writes them: MoE experts, for one, in their original format
         return saved_shapes(model), tied

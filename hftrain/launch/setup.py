@@ -37,7 +37,8 @@ from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp3
 from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
 from .machine import extensions_dir
-from .preflight import check_recipe, protected_folders
+from .output_checks import protected_folders
+from .preflight import check_recipe
 from .strategies import deepspeed_config, render
 
 

@@ -1,0 +1,97 @@
+"""What this machine and the model say of the strategy (the recipe's own rules for it are
+config.strategy_rules): the engine the environment forces, interrupted DeepSpeed op builds, NVMe and async I/O for
+ZeRO-Infinity, the model's heads against sequence parallelism, and ZeRO-Infinity's buffers sized to the model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import Recipe, StrategySection, resolved_strategy
+from ..config.fields import is_of_type
+from ..constants import ZERO_STAGE
+from ..distributed import accelerator_available
+from ..guards import environment_engine_problem
+from ..sequence_parallel import heads_problem
+from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks
+from .plan import model_facts, swap_buffer_elems
+
+# Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
+# (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (launch.plan).
+NVME_BYTES_PER_PARAM = 4 + 16
+
+
+def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
+    """launch.plan.model_facts, or None when the config cannot be read here (e.g. an unreachable Hub id: loading
+    the model will then say so)."""
+    try:
+        return model_facts(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+
+
+def machine_strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
+    """What this machine says of the strategy (the recipe's rules are config.rules.strategy_problems): the engine the
+    environment forces, interrupted DeepSpeed op builds, NVMe and async I/O for ZeRO-Infinity."""
+    problems = []
+    engine = environment_engine_problem(strategy.name, accelerator_available())
+    if engine:
+        problems.append(engine)
+    if strategy.name in ZERO_STAGE:
+        problems += [f"DeepSpeed op build lock {lock} is {age / 60:.0f} min old: a build was interrupted and every "
+                     f"run needing that op would wait for it forever; remove it (rm {lock})"
+                     for lock, age in stale_build_locks(extensions_dir())]
+    if strategy.name == "zero_infinity":
+        s = resolved_strategy(strategy)
+        need = num_parameters * NVME_BYTES_PER_PARAM if num_parameters else None
+        problems += nvme_problems(s.nvme_path, need)
+        p = async_io_problem()
+        if p:
+            problems.append(p)
+    if strategy.name == "fsdp" and strategy.fsdp_offload_params and not accelerator_available():
+        problems.append("strategy.fsdp_offload_params: there is no accelerator to offload from on this machine; "
+                        "remove it (parameters already live in CPU memory)")
+    return problems
+
+
+def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str], model_ok: bool
+                      ) -> tuple[StrategySection, list[tuple[str, str]]]:
+    """The model's heads against sequence parallelism, NVMe's buffers sized to the model, and what this machine can
+    run of the strategy; the strategy comes back with the sizes filled in."""
+    out: list[tuple[str, str]] = []
+    m = recipe.model
+    sp = strategy.sequence_parallel if is_of_type(strategy.sequence_parallel, int) else 1
+    heads = _heads_problem(m.name_or_path, m.trust_remote_code, sp) if model_ok and sp > 1 else None
+    if heads:
+        out.append(("strategy.sequence_parallel", heads))
+    facts = None
+    if strategy.name == "zero_infinity" and model_ok:
+        facts = facts_or_none(m.name_or_path, m.trust_remote_code)
+    if facts is not None:
+        # DeepSpeed's usual 1e8 and 1e9 elements pin GBs of RAM per rank whatever the model; sized to the largest
+        # parameter partition NVMe holds the rest. DeepSpeed sizes its optimizer swap buffers to the largest
+        # sub-group.
+        part = swap_buffer_elems(facts.largest_tensor, world)
+        if strategy.buffer_size is None:
+            strategy = replace(strategy, buffer_size=part)
+        if strategy.sub_group_size is None:
+            strategy = replace(strategy, sub_group_size=part)
+    if not any(k.startswith("strategy.") for k in skip):
+        machine = machine_strategy_problems(strategy, facts.params if facts else None)
+        out += [(_strategy_key(msg), msg) for msg in machine]
+    return strategy, out
+
+
+def _heads_problem(name_or_path: str, trust_remote_code: bool, n: int) -> str | None:
+    """sequence_parallel.heads_problem of the model's config, None when it cannot be read here (loading says so)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    return heads_problem(config, n)
+
+
+def _strategy_key(msg: str) -> str:
+    key = msg.split(":", 1)[0]
+    return key if key.startswith("strategy.") else "strategy.name"
