@@ -24,7 +24,7 @@ from .launch.machines import check_in
 from .launch.plan import GiB, format_plan, kernels_here, model_facts, plan
 from .launch.slurm import LAUNCHERS, prepare_log_folder, slurm_script
 from .launch.strategies import render, run_files_rewritten
-from .methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, entry_of, load_recipe, method_of
+from .methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, entry_of, load_recipe, method_of, policy_head
 from .modeling import load_tokenizer
 from .moe.upcycle import upcycle_folder
 from .tiny import add_tiny_model_command
@@ -147,7 +147,7 @@ def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
     m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
-                        quantization=m.quantization)
+                        quantization=m.quantization, head=policy_head(recipe))
     sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
                 bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
@@ -288,8 +288,8 @@ def _add_moe(sub) -> None:
     up = mo.add_subparsers(dest="moe_command", required=True).add_parser(
         "upcycle", allow_abbrev=False,
         help="Dense Llama/Mistral -> Mixtral, Qwen2 -> Qwen2-MoE, Qwen3 -> Qwen3-MoE: each chosen MLP becomes E "
-        "copies + a router; outputs unchanged; saved as the native transformers class (loads with AutoModelForCausalLM "
-        "alone).")
+        "copies + a router; outputs unchanged; saved as the native transformers class (loads with transformers' Auto "
+        "class alone).")
     up.add_argument("--model", required=True, help="dense model folder (safetensors)")
     up.add_argument("--num-experts", dest="num_experts", type=int, required=True)
     up.add_argument("--top-k", dest="top_k", type=int, required=True)

@@ -50,7 +50,8 @@ def run(script: str, argv: list[str]) -> dict:
     balancing = balancing_line(model, recipe.moe)  # on or off, one rule for every method (moe/balance.py)
     if balancing:
         distributed.print0("hftrain: " + balancing)
-    stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)  # generate() stops where turns end
+    if method.policy(recipe).head.generates:  # generate() stops where turns end
+        stop_at_end_of_turn(model, tokenizer, recipe.data.chat_template_kwargs)
     write_recipe(recipe)
     if distributed.is_main_process():
         write_strategy_configs(recipe, run.strategy)

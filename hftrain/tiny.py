@@ -12,10 +12,11 @@ from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from .config import DataSource
 from .data import canonicalise, detect_format, read_rows
+from .heads import Head
 from .modeling import chat_template_text
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token). Tools, when a row
@@ -127,7 +128,7 @@ def build_tiny_model(
         **cfg,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config)
+    model = Head.CAUSAL_LM.auto_class.from_config(model_config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     os.makedirs(output, exist_ok=True)

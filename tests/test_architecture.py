@@ -183,3 +183,45 @@ def test_the_method_check_sees_a_module_that_names_one(tmp_path):
               'def f(recipe):\n    return recipe.preference is not None or "hftrain dpo" or KTOTrainer\n')
     assert methods_named(source) == {"grpo", "preference", "dpo", "kto"}
     assert methods_named('"""sft"""\nx = "supervised"\n') == set()
+
+
+# A model's head (causal LM, sequence or token classification, image-text-to-text) is declared by its method
+# (methods.Method.models) and known by hftrain/heads.py (its Auto class, pipeline tag, card snippet, whether it
+# generates): the rest of hftrain asks the head instead of assuming a causal LM.
+CAUSAL_LM_NAMES = re.compile(r"ForCausalLM|text-generation")
+MAY_ASSUME_A_HEAD = {"heads.py"}
+
+
+def causal_lm_assumed(source: str) -> set[str]:
+    """The causal-LM names a module uses in its code (a ...ForCausalLM class, the text-generation pipeline tag):
+    identifiers, attributes, imports and strings (docstrings aside, as methods_named)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    texts = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            texts.append(node.value)
+        else:
+            texts += [getattr(node, a) for a in ("id", "attr", "name", "module")
+                      if isinstance(getattr(node, a, None), str)]
+    return {m for text in texts for m in CAUSAL_LM_NAMES.findall(text)}
+
+
+def test_no_module_outside_the_methods_assumes_a_causal_lm():
+    assuming = {}
+    for path in SOURCES:
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        found = causal_lm_assumed(open(path, encoding="utf-8").read())
+        if found and not rel.startswith("methods/") and rel not in MAY_ASSUME_A_HEAD:
+            assuming[rel] = sorted(found)
+    assert assuming == {}
+
+
+def test_the_causal_lm_check_sees_a_module_that_assumes_one():
+    source = ('"""Loads with AutoModelForCausalLM, in a docstring: not counted."""\n'
+              'from transformers import AutoModelForCausalLM\n'
+              'def f(path):\n    return transformers.AutoPeftModelForCausalLM, {"pipeline_tag": "text-generation"}\n')
+    assert causal_lm_assumed(source) == {"ForCausalLM", "text-generation"}
+    assert causal_lm_assumed('"""AutoModelForCausalLM"""\nx = Head.CAUSAL_LM.auto_class\n') == set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -11,6 +10,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ..constants import RECIPE_FILE, RUN_INFO_FILE
 from ..fileio import read_json
+from ..heads import Head
 
 
 def _hub_id(name: str | None) -> bool:
@@ -50,6 +50,7 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
     strategy = info.get("strategy") or (recipe.get("strategy") or {}).get("name") or "ddp"
     trained_by = info.get("method") or {}  # the method as the run recorded it (methods.Method.card)
     method = trained_by.get("description") or "fine-tuning"
+    head = Head.recorded(trained_by.get("head"))  # a run written before heads were recorded trained a causal LM
     tags = ["hftrain", *([trained_by["tag"]] if trained_by.get("tag") else []), strategy]
     tags += ["lora", "peft"] if lora else []
     card_data = ModelCardData(
@@ -57,7 +58,7 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
         datasets=[s for s in sources if _hub_id(s)] or None,
         library_name="peft" if adapter else "transformers",
         license=license,
-        pipeline_tag="text-generation",
+        pipeline_tag=head.pipeline_tag,
         tags=tags,
     )
     name = repo_id or os.path.basename(os.path.normpath(output_dir))
@@ -68,7 +69,7 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
              + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
                 if lora else "") + ".", ""]
 
-    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter)
+    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter, head)
     lines += _made_lines(output_dir, files, recipe, recipe_text, info, strategy, sources)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
@@ -85,20 +86,10 @@ def _results_lines(info: dict, files: list[str]) -> list[str]:
     return lines
 
 
-def _use_lines(ident: str, adapter: bool) -> list[str]:
-    """How to load and prompt it: the adapter through peft, anything else through transformers."""
-    if adapter:
-        use = (f"from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
-               f"model = AutoPeftModelForCausalLM.from_pretrained({json.dumps(ident)})\n"
-               f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(ident)})\n")
-    else:
-        use = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-               f"model = AutoModelForCausalLM.from_pretrained({json.dumps(ident)})\n"
-               f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(ident)})\n")
-    use += ('messages = [{"role": "user", "content": "Hello"}]\n'
-            "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
-            "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))\n")
-    return ["", "## Use", "", _fenced("python", use)]
+def _use_lines(ident: str, adapter: bool, head: Head) -> list[str]:
+    """How to load and prompt it (heads.Head.usage): the adapter through peft, anything else through transformers,
+    by the Auto class of its head."""
+    return ["", "## Use", "", _fenced("python", head.usage(ident, adapter))]
 
 
 def _made_lines(output_dir: str, files: list[str], recipe: dict, recipe_text: str, info: dict, strategy: str,

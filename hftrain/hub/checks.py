@@ -1,5 +1,7 @@
-"""What a folder must pass before it is uploaded: weights whose shapes match the config, a CPU load that generates,
-a tokenizer with its chat template and EOS, and for LoRA an adapter that is not zero and merges exactly."""
+"""What a folder must pass before it is uploaded: weights whose shapes match the config, a CPU load (by the Auto
+class of the run's head, heads.Head, recorded in run_info.json) that gives finite logits and, for a head that
+generates, generates, a tokenizer with its chat template and EOS, and for LoRA an adapter that is not zero and merges
+exactly."""
 
 from __future__ import annotations
 
@@ -9,24 +11,33 @@ import os
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from ..constants import PROBE_IDS
+from ..constants import PROBE_IDS, RUN_INFO_FILE
 from ..fileio import read_json
+from ..heads import Head
 from ..modeling import saved_shapes
 
 
-def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False) -> list[str]:
-    """Everything wrong with the model folder `path` as a Hub upload; [] when it is fit to push.
+def head_of_run(output_dir: str) -> Head:
+    """The head of the model a run trained, as its run_info.json records it (methods.Method.card); a causal LM for a
+    run written before heads were recorded, or a folder without run_info.json."""
+    return Head.recorded((read_json(os.path.join(output_dir, RUN_INFO_FILE)).get("method") or {}).get("head"))
+
+
+def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False,
+                    head: Head = Head.CAUSAL_LM) -> list[str]:
+    """Everything wrong with the model folder `path` (a model with `head`) as a Hub upload; [] when it is fit to push.
 
     A full model: safetensors shards non-empty with the config's shapes, loads with from_pretrained on CPU and
-    generates, tokenizer + chat template, generation_config EOS. A LoRA adapter (adapter_config.json): not all
-    zero, loads onto its base, and when `merged` (a merged full model) is given, base + adapter logits == merged.
+    gives finite logits (and generates, with a generation_config EOS, where the head generates), tokenizer + chat
+    template. A LoRA adapter (adapter_config.json): not all zero, loads onto its base, and when `merged` (a merged
+    full model) is given, base + adapter logits == merged.
     """
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        problems = adapter_problems(path, merged)
+        problems = adapter_problems(path, merged, head)
     else:
-        problems = _full_model_problems(path, trust_remote_code)
+        problems = _full_model_problems(path, trust_remote_code, head)
     tok_problems, _ = _tokenizer_problems(path)
     return problems + tok_problems
 
@@ -66,16 +77,16 @@ def _weight_files(path: str) -> tuple[list[str], list[str]]:
     return files, legacy
 
 
-def _expected_shapes(path: str, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(path: str, trust_remote_code: bool, head: Head) -> dict[str, tuple[int, ...]]:
     """The shapes the config describes, named as save_pretrained writes them (MoE experts per expert), from a model
     built on the meta device (no memory, no weights)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = head.auto_class.from_config(config, trust_remote_code=trust_remote_code)
     return saved_shapes(model)
 
 
-def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:
+def _full_model_problems(path: str, trust_remote_code: bool, head: Head) -> list[str]:
     if not os.path.isfile(os.path.join(path, "config.json")):
         return ["config.json is missing: this is not a saved model (save_model writes it)"]
     files, legacy = _weight_files(path)
@@ -84,9 +95,9 @@ def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:
         return [f"no safetensors weights in {path}{hint}; save the model with save_pretrained(safe_serialization=True)"]
     problems, saved = _safetensors_shapes(path, files)
     try:
-        expected = _expected_shapes(path, trust_remote_code)
+        expected = _expected_shapes(path, trust_remote_code, head)
     except Exception as e:  # the config itself is broken: report it, do not crash
-        return problems + [f"config.json does not build a causal LM ({type(e).__name__}: {e})"]
+        return problems + [f"config.json does not build a {head.auto_class_name} ({type(e).__name__}: {e})"]
     for name in sorted(set(saved) & set(expected)):
         if saved[name] != expected[name]:
             hint = (" (an empty partition: ZeRO-3/FSDP weights were saved unconsolidated; hftrain's save gathers "
@@ -94,13 +105,15 @@ def _full_model_problems(path: str, trust_remote_code: bool) -> list[str]:
             problems.append(f"{name}: saved shape {list(saved[name])}, the config needs {list(expected[name])}{hint}")
     if problems:
         return problems  # loading broken weights would only repeat these
-    return _load_and_generate(path, trust_remote_code) + _generation_config_problems(path)
+    generation = _generation_config_problems(path) if head.generates else []
+    return _load_and_generate(path, trust_remote_code, head) + generation
 
 
-def _load_and_generate(path: str, trust_remote_code: bool) -> list[str]:
-    """from_pretrained on CPU (missing/unexpected keys reported) and a few greedy tokens with finite logits."""
+def _load_and_generate(path: str, trust_remote_code: bool, head: Head) -> list[str]:
+    """from_pretrained on CPU (missing/unexpected keys reported), finite logits, and where the head generates, a few
+    greedy tokens."""
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = head.auto_class.from_pretrained(
             path, device_map="cpu", trust_remote_code=trust_remote_code, output_loading_info=True)
     except Exception as e:
         return [f"from_pretrained({path!r}) fails on CPU: {type(e).__name__}: {str(e).splitlines()[0]}"]
@@ -123,6 +136,8 @@ def _load_and_generate(path: str, trust_remote_code: bool) -> list[str]:
         logits = model(**enc).logits
         if not torch.isfinite(logits).all():
             return ["the model's logits are not finite (NaN/inf) on a short prompt: the weights are broken"]
+        if not head.generates:
+            return problems
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=pad)
     if out.shape[1] <= enc["input_ids"].shape[1]:
@@ -156,7 +171,7 @@ def _tokenizer_problems(path: str):
     return [], tok
 
 
-def adapter_problems(path: str, merged: str | None) -> list[str]:
+def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM) -> list[str]:
     weights = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights):
         return [f"adapter_model.safetensors is missing in {path}; save the adapter with save_pretrained"]
@@ -179,14 +194,14 @@ def adapter_problems(path: str, merged: str | None) -> list[str]:
     try:
         from peft import PeftModel  # optional dependency (LoRA runs only); inside the try: its absence is reported
 
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, device_map="cpu")
+        base = head.auto_class.from_pretrained(base_path, dtype=torch.float32, device_map="cpu")
         adapted = PeftModel.from_pretrained(base, path).eval()
     except Exception as e:
         return [f"the adapter does not load onto its base {base_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"]
     if merged is None:
         return []
     try:
-        merged_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, device_map="cpu").eval()
+        merged_model = head.auto_class.from_pretrained(merged, dtype=torch.float32, device_map="cpu").eval()
     except Exception as e:
         return [f"the merged model in {merged} does not load: {type(e).__name__}: {str(e).splitlines()[0]}"]
     ids = torch.tensor(PROBE_IDS) % merged_model.config.vocab_size

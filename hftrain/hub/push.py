@@ -30,7 +30,7 @@ from ..config.rules import hub_problems, repo_id_problem
 from ..constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
 from ..errors import HubError
 from .card import build_card
-from .checks import adapter_problems, validate_folder
+from .checks import adapter_problems, head_of_run, validate_folder
 
 STAGE_DIR = "hub_upload"  # inside output_dir: the exact folder uploaded, kept for inspection
 CARD_FILE = "README.md"
@@ -241,13 +241,15 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
             raise HubError(NO_TOKEN)
     stage = os.path.abspath(stage_dir or os.path.join(output_dir, STAGE_DIR))
     merged_ref = os.path.join(output_dir, "merged")
+    head = head_of_run(output_dir)  # the trained model's head, as run_info.json records it
 
     def validate(folder: str) -> list[str]:
         if hub.merge_lora:  # the merged model pushed must equal base + the run's adapter
-            problems = validate_folder(folder, trust_remote_code=trust_remote_code) + adapter_problems(output_dir,
-                                                                                                        folder)
+            problems = (validate_folder(folder, trust_remote_code=trust_remote_code, head=head)
+                        + adapter_problems(output_dir, folder, head))
         else:
-            problems = validate_folder(folder, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code)
+            problems = validate_folder(folder, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code,
+                                       head)
         return problems + token_problems(folder, token)
 
     files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license, trust_remote_code, validate)

@@ -39,7 +39,9 @@ from ..config import HFTrainingArguments, LoraSection, MoeSection, Recipe, Strat
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..config.training import NOT_ARGUMENTS, TRAINING_DEFAULTS
 from ..evaluate import greedy_settings
+from ..heads import Head
 from ..losses import fused_ce
+from ..methods import policy_head
 from ..modeling import local_config, lora_config
 from ..moe.balance import bias_rate_problem
 from ..moe.capabilities import section_problems
@@ -253,7 +255,7 @@ def moe_problems(recipe: Recipe, world: int) -> list[tuple[str, str]]:
     config = local_config(recipe.model) if "model.name_or_path" not in recipe.invalid else None
     if config is None or any(k.startswith("moe.") for k in recipe.invalid):
         return out
-    model = meta_model(config, recipe.model.trust_remote_code)
+    model = _policy_on_meta(recipe, config)
     if moe.upcycle is not None:
         problem = bias_rate_problem(model, moe.bias_update_rate)
         return out + ([("moe.bias_update_rate", problem.split(": ", 1)[1])] if problem else [])
@@ -264,7 +266,7 @@ def experts_problems(recipe: Recipe) -> list[tuple[str, str]]:
     """model.experts_implementation asked of a model whose class cannot set it (a dense model): transformers refuses
     it when the weights load; asked here of the model built from its config on the meta device."""
     config = local_config(recipe.model)
-    if config is None or meta_model(config, recipe.model.trust_remote_code)._can_set_experts_implementation():
+    if config is None or _policy_on_meta(recipe, config)._can_set_experts_implementation():
         return []
     return [("model.experts_implementation", f"{recipe.model.name_or_path} ({config.model_type}) has no experts "
              "whose implementation transformers can set (not an MoE model): remove it")]
@@ -279,19 +281,23 @@ def fused_loss_problems(recipe: Recipe) -> list[tuple[str, str]]:
     if why is not None:
         return [("training.loss_impl", fused_ce.refusal(why))]
     config = local_config(recipe.model)
-    problem = None if config is None else fused_ce.where_problem(meta_model(config, recipe.model.trust_remote_code),
-                                                                 "cuda")
+    problem = None if config is None else fused_ce.where_problem(_policy_on_meta(recipe, config), "cuda")
     return [("training.loss_impl", problem)] if problem else []
 
 
+def _policy_on_meta(recipe: Recipe, config):
+    """The model the recipe's method trains (its head: methods.policy_head), built from `config` on the meta device."""
+    return meta_model(config, recipe.model.trust_remote_code, policy_head(recipe))
+
+
 # -- peft -----------------------------------------------------------------------------------------------------------
-def _try_lora(model_section, config) -> str | None:
+def _try_lora(model_section, config, head: Head) -> str | None:
     from peft import get_peft_model  # optional dependency: LoRA runs only
 
     try:
         with warnings.catch_warnings(), _quiet():
             warnings.simplefilter("ignore")
-            get_peft_model(meta_model(config, model_section.trust_remote_code), lora_config(model_section))
+            get_peft_model(meta_model(config, model_section.trust_remote_code, head), lora_config(model_section))
     except Exception as e:  # whatever peft (or torch, building the adapter's layers) raises for these values
         return _one_line(e)
     return None
@@ -306,12 +312,13 @@ def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     config = local_config(m)
     if config is None:
         return []
-    why = _try_lora(m, config)
+    head = policy_head(recipe)
+    why = _try_lora(m, config, head)
     if why is None:
         return []
     defaults = LoraSection()
     retries = {f"model.lora.{f.name}": (lambda f=f: _try_lora(dataclasses.replace(
-        m, lora=dataclasses.replace(m.lora, **{f.name: getattr(defaults, f.name)})), config))
+        m, lora=dataclasses.replace(m.lora, **{f.name: getattr(defaults, f.name)})), config, head))
         for f in dataclasses.fields(LoraSection) if getattr(m.lora, f.name) != getattr(defaults, f.name)}
     keys = blame(retries)
     named = ", ".join(f"{k} ({getattr(m.lora, k.rsplit('.', 1)[1])!r})" for k in keys)

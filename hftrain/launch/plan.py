@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from ..config import ModelSection
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
+from ..heads import Head
 from ..kernels import kernels_line
 from ..moe.blocks import moe_blocks, router_of
 from ..quantization import quantized_linear_bytes
@@ -152,13 +153,14 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
 
 
 def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code: bool = False,
-                dtype: str = "auto", quantization=None) -> ModelFacts:
-    """Parameter counts from the model's config, built on the meta device (no weights are read). `quantization`
+                dtype: str = "auto", quantization=None, head: Head = Head.CAUSAL_LM) -> ModelFacts:
+    """Parameter counts from the model's config, built with its `head` (the method's policy: methods.policy_head) on
+    the meta device (no weights are read). `quantization`
     (model.quantization, QLoRA): bitsandbytes' packed linear weights (all but the output head, as transformers
     quantises them), the other weights in float32 (peft's preparation), the adapter in float32."""
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = head.auto_class.from_config(config, trust_remote_code=trust_remote_code)
     params = sum(p.numel() for p in model.parameters())
     trainable = params
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]

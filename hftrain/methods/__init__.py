@@ -8,7 +8,8 @@ section that names it (`entry_of`). A method's module, and the trainer library i
 `method_of` is asked for the method itself: `hftrain --help`, `config` and `check` of an SFT recipe import no TRL
 trainer. Adding a method is a module here with its METHOD, and its entry in registry.py."""
 
-from .base import Method
+from ..heads import Head
+from .base import Method, ModelSpec
 from .grpo.grpo_section import GrpoSection, RewardSpec
 from .preference.preference_section import PreferenceSection
 from .recipe import Recipe, load_recipe, parse_recipe
@@ -23,5 +24,11 @@ def method_of(recipe: Recipe) -> Method:
     return entry_of(recipe).load()
 
 
-__all__ = ["METHODS", "SCRIPTS", "DEFAULT_SCRIPT", "Method", "MethodEntry", "entry_of", "method_of", "Recipe",
-           "load_recipe", "parse_recipe", "GrpoSection", "PreferenceSection", "RewardSpec"]
+def policy_head(recipe: Recipe) -> Head:
+    """The head of the model the recipe's method trains (Method.models): what loading, the memory plan, resume's
+    checks, the upload checks and the card ask instead of assuming a causal LM."""
+    return method_of(recipe).policy(recipe).head
+
+
+__all__ = ["METHODS", "SCRIPTS", "DEFAULT_SCRIPT", "Method", "MethodEntry", "ModelSpec", "entry_of", "method_of",
+           "policy_head", "Recipe", "load_recipe", "parse_recipe", "GrpoSection", "PreferenceSection", "RewardSpec"]

@@ -10,8 +10,19 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-from ..config import Recipe
+from ..config import ModelSection, Recipe
+from ..heads import Head, Role
+from ..modeling import load_model
 from .registry import MethodEntry
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model a method holds: its role, its head kind and the recipe section it loads from."""
+
+    role: Role
+    head: Head
+    section: ModelSection
 
 
 @dataclass(frozen=True)
@@ -41,9 +52,20 @@ class Method:
     def section(self) -> str | None:
         return self.entry.section
 
+    def models(self, recipe: Recipe) -> list[ModelSpec]:
+        """The models this method holds, by role and head (default: one causal-LM policy from recipe.model). Loading,
+        the memory plan, resume's checks, the upload checks and the card ask the policy's head (`policy`)."""
+        return [ModelSpec(Role.POLICY, Head.CAUSAL_LM, recipe.model)]
+
+    def policy(self, recipe: Recipe) -> ModelSpec:
+        """The model this method trains."""
+        return next(spec for spec in self.models(recipe) if spec.role is Role.POLICY)
+
     # What the method adds to the run (lifecycle.run); `run` is launch.Run (the recipe, strategy and arguments).
     def model(self, run):
-        raise NotImplementedError
+        """The policy, loaded by its head's Auto class (methods with more to set, SFT's packing, override this)."""
+        spec = self.policy(run.recipe)
+        return load_model(spec.section, head=spec.head)
 
     def trainer(self, run, model, tokenizer, data, callbacks: list):
         raise NotImplementedError
@@ -58,7 +80,8 @@ class Method:
 
     def card(self, recipe: Recipe) -> dict:
         """The method as run_info.json records it for the model card (hub.card reads it, naming no method)."""
-        return {"name": self.name, "tag": self.hub_tag or self.name, "description": self.describe(recipe)}
+        return {"name": self.name, "tag": self.hub_tag or self.name, "description": self.describe(recipe),
+                "head": self.policy(recipe).head.value}
 
 
 def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:

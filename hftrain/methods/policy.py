@@ -9,6 +9,7 @@ import dataclasses
 from ..config import DataSection, ModelSection, Problems, Recipe
 from ..config.fields import is_number
 from ..constants import QUANTIZED_STRATEGIES
+from ..heads import Head
 from ..modeling import load_model, lora_config
 from .base import Method
 
@@ -19,11 +20,11 @@ SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only
 POLICY_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
 
-def load_policy(cfg: ModelSection):
+def load_policy(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
     """The model to tune; with model.lora the base model, for TRL to wrap with `policy_peft_config`: TRL computes the
     reference with that fresh adapter disabled (no copy). A model wrapped beforehand would make TRL copy the adapter
     as a 'ref' adapter, for adapters trained earlier."""
-    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None))
+    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None), head=head)
 
 
 def policy_peft_config(cfg: ModelSection):
@@ -78,7 +79,8 @@ class PreferenceMethod(Method):
                 "eval_log_odds_chosen", "eval_nll_loss", "eval_kl", "eval_loss")
 
     def model(self, run):
-        return load_policy(run.recipe.model)
+        policy = self.policy(run.recipe)
+        return load_policy(policy.section, policy.head)
 
     def describe(self, recipe):
         return f"preference tuning ({recipe.preference.loss_type} loss, beta={recipe.preference.beta})"

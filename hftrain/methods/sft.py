@@ -50,8 +50,9 @@ def exact_match_metrics(run, trainer, data, before: bool, answer=greedy_answer) 
 
 class SFT(Method):
     def model(self, run):
-        return load_model(run.recipe.model, packing=run.recipe.data.packing, moe=run.recipe.moe,
-                          sequence_parallel=run.strategy.resolved_sequence_parallel())
+        policy = self.policy(run.recipe)
+        return load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
+                          sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         trainer = self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,

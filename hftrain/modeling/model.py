@@ -1,13 +1,14 @@
-"""The model (transformers AutoModelForCausalLM): dtype, attention kernel, a quantised base (quantization/), liger's
-kernels, MoE upcycling, LoRA through peft, and packed rows joined into one for flash kernels."""
+"""The model (loaded by the Auto class of its head, heads.Head): dtype, attention kernel, a quantised base
+(quantization/), liger's kernels, MoE upcycling, LoRA through peft, and packed rows joined into one for flash
+kernels."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from ..config import ModelSection
 from ..errors import ModelError
+from ..heads import Head
 from ..kernels import apply_liger, liger_problem, uses_liger
 from ..moe.upcycle import upcycle
 from ..quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, placement, prepare_for_training,
@@ -48,9 +49,10 @@ def join_packed_rows(model) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def _from_pretrained(cfg: ModelSection, quantized: bool):
-    """The base of `cfg` as transformers loads it (safetensors only: a pickle checkpoint could run code on load),
-    quantised by bitsandbytes when asked (placed whole on this rank's device, as accelerate requires)."""
+def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM):
+    """The base of `cfg` as transformers loads it by the Auto class of its `head` (safetensors only: a pickle
+    checkpoint could run code on load), quantised by bitsandbytes when asked (placed whole on this rank's device, as
+    accelerate requires)."""
     _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
     _raise_if(_pickle_only_problem(cfg.name_or_path))
     _raise_if(_folder_problem(cfg.name_or_path, "model.name_or_path"))
@@ -65,19 +67,19 @@ def _from_pretrained(cfg: ModelSection, quantized: bool):
         _raise_if(bitsandbytes_problem())
         kwargs.update(quantization_config=bnb_config(cfg), **placement())
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True,
-                                                     **kwargs)
+        model = head.auto_class.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
         raise ModelError(f"model.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
     return keep_training_kernels(model) if quantized else model
 
 
-def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1):
-    """The model of `cfg`, quantised (QLoRA's base) or upcycled to MoE, with liger's kernels, with LoRA.
-    `sequence_parallel` > 1: packed rows are split by sequence_parallel.DocumentAttention, never joined into one row
-    (Ulysses checks the rows it registered)."""
-    model = _from_pretrained(cfg, quantized=cfg.quantization is not None)
+def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1,
+               head: Head = Head.CAUSAL_LM):
+    """The model of `cfg` with its `head` (the method declares it: methods.Method.models), quantised (QLoRA's base)
+    or upcycled to MoE, with liger's kernels, with LoRA. `sequence_parallel` > 1: packed rows are split by
+    sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered)."""
+    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head)
     if cfg.kernels == "liger":
         _raise_if(liger_problem(model.config.model_type))
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):

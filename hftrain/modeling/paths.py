@@ -33,7 +33,8 @@ def _pickle_only_problem(path: str) -> str | None:
     if pickles and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
         return (f"model.name_or_path: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
                 "safetensors only, because unpickling a file can run code. If you trust the file, convert it once: "
-                "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (writes model.safetensors)")
+                "load it with its transformers Auto class and save it (AutoModelFor<its head>.from_pretrained(path)"
+                ".save_pretrained(path) writes model.safetensors)")
     return None
 
 

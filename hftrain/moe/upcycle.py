@@ -14,11 +14,12 @@ import os
 from typing import Iterable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoConfig, AutoTokenizer, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.initialization import no_init_weights
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..errors import MoeError
+from ..heads import Head
 
 # dense model_type -> the MoE model_type it is upcycled to
 # (Qwen3-MoE's attention normalises q and k per head, which a Llama has not: Llama goes to Mixtral, exactly.)
@@ -96,8 +97,8 @@ def upcycle(model, num_experts: int, top_k: int, layers: Iterable[int] | None = 
     std = c.initializer_range if router_init_std is None else router_init_std
     state = _upcycled_state(model.state_dict(), c, target, chosen, num_experts, std, seed)
     with no_init_weights():  # every weight is set below; skip the random init
-        moe = AutoModelForCausalLM.from_config(cfg, dtype=next(model.parameters()).dtype,
-                                               attn_implementation=c._attn_implementation)
+        moe = Head.CAUSAL_LM.auto_class.from_config(cfg, dtype=next(model.parameters()).dtype,
+                                                    attn_implementation=c._attn_implementation)
     missing, unexpected = moe.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:  # a transformers change in parameter names: never save a half-initialised model
@@ -167,7 +168,7 @@ def upcycle_folder(src: str, output: str, num_experts: int, top_k: int, layers: 
     if model_type not in UPCYCLE_TARGETS:
         raise MoeError(f"--model: model type {model_type!r} has no MoE counterpart in transformers that hftrain can "
                        f"upcycle to; supported: {supported()}")
-    dense = AutoModelForCausalLM.from_pretrained(src, dtype="auto", use_safetensors=True)
+    dense = Head.CAUSAL_LM.auto_class.from_pretrained(src, dtype="auto", use_safetensors=True)  # MoE: causal LMs
     moe = upcycle(dense, num_experts, top_k, layers, router_init_std, seed)
     os.makedirs(output, exist_ok=True)
     moe.save_pretrained(output, safe_serialization=True)

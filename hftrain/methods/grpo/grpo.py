@@ -188,7 +188,8 @@ class GRPO(SFT):
     reported = ()
 
     def model(self, run):
-        return load_policy(run.recipe.model)
+        policy = self.policy(run.recipe)
+        return load_policy(policy.section, policy.head)
 
     def metrics(self, run, trainer, data, before):
         """Exact match as SFT's; with grpo.tools, answers over several turns calling them (tools.ToolAnswer)."""

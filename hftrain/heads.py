@@ -1,0 +1,89 @@
+"""The kinds of model a method holds, in a layer every module may import: a model's `Head` (which transformers Auto
+class builds it, the Hub's pipeline tag, how the model card says to use it, whether it generates) and its `Role` in
+a method (policy, reference, teacher, reward). A method declares its models by role and head
+(methods/base.py: Method.models); loading, the memory plan, resume's checks, the upload checks and the card ask the
+head instead of assuming a causal LM (tests/test_architecture.py: no module outside methods/ and this one names the
+causal LM's Auto class or its pipeline tag)."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+import transformers
+
+# How a snippet on the card prompts each head's model once it is loaded (`model`, `tokenizer`).
+_PROMPTS = {
+    "generate": ('messages = [{"role": "user", "content": "Hello"}]\n'
+                 "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
+                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))\n"),
+    "score": ('inputs = tokenizer("Hello", return_tensors="pt")\n'
+              "print(model(**inputs).logits)\n"),
+}
+
+
+class Head(str, Enum):
+    """A model's head kind; its value is how run_info.json records it."""
+
+    CAUSAL_LM = "causal_lm"
+    SEQUENCE_CLASSIFICATION = "sequence_classification"
+    TOKEN_CLASSIFICATION = "token_classification"
+    IMAGE_TEXT_TO_TEXT = "image_text_to_text"
+
+    @property
+    def auto_class_name(self) -> str:
+        """transformers' Auto class of this head, by name."""
+        return {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification",
+                "token_classification": "AutoModelForTokenClassification",
+                "image_text_to_text": "AutoModelForImageTextToText"}[self.value]
+
+    @property
+    def auto_class(self) -> type:
+        """transformers' Auto class that builds (from_config) and loads (from_pretrained) a model with this head."""
+        return getattr(transformers, self.auto_class_name)
+
+    @property
+    def peft_auto_class_name(self) -> str:
+        """peft's Auto class that loads a LoRA adapter of this head onto its base (peft.auto)."""
+        return {"causal_lm": "AutoPeftModelForCausalLM",
+                "sequence_classification": "AutoPeftModelForSequenceClassification",
+                "token_classification": "AutoPeftModelForTokenClassification",
+                "image_text_to_text": "AutoPeftModel"}[self.value]
+
+    @property
+    def pipeline_tag(self) -> str:
+        """The Hub's pipeline tag of a model with this head (the card's metadata)."""
+        return {"causal_lm": "text-generation", "sequence_classification": "text-classification",
+                "token_classification": "token-classification", "image_text_to_text": "image-text-to-text"}[self.value]
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model answers with generate() (else it scores: logits per sequence or per token)."""
+        return self in (Head.CAUSAL_LM, Head.IMAGE_TEXT_TO_TEXT)
+
+    def usage(self, ident: str, adapter: bool) -> str:
+        """The card's Python snippet: load `ident` (a LoRA adapter through peft) and prompt it once."""
+        name = json.dumps(ident)
+        if adapter:
+            load = (f"from peft import {self.peft_auto_class_name}\nfrom transformers import AutoTokenizer\n\n"
+                    f"model = {self.peft_auto_class_name}.from_pretrained({name})\n")
+        else:
+            load = (f"from transformers import {self.auto_class_name}, AutoTokenizer\n\n"
+                    f"model = {self.auto_class_name}.from_pretrained({name})\n")
+        load += f"tokenizer = AutoTokenizer.from_pretrained({name})\n"
+        return load + _PROMPTS["generate" if self.generates else "score"]
+
+    @classmethod
+    def recorded(cls, value: str | None) -> Head:
+        """The head run_info.json records (methods.Method.card); a run written before heads were recorded trained a
+        causal LM."""
+        return cls(value) if value else cls.CAUSAL_LM
+
+
+class Role(str, Enum):
+    """What a model is to its method: the trained one is the policy."""
+
+    POLICY = "policy"
+    REFERENCE = "reference"
+    TEACHER = "teacher"
+    REWARD = "reward"
