@@ -17,7 +17,8 @@ from .config.strategy import STRATEGY_DEFAULTS, resolved_strategy
 from .constants import STRATEGIES
 from .errors import LaunchError, exit_on_user_error
 from .fileio import atomic_write
-from .hub.push import push, run_recipe, settings_for_run
+from .hub.push import push
+from .hub.run_settings import run_recipe, settings_for_run
 from .data.cache import cache_folder
 from .launch import check_data, check_recipe, machines
 from .launch.machines import check_in

@@ -22,7 +22,8 @@ import yaml
 
 from hftrain.errors import HubError
 from hftrain.hub.checks import validate_folder
-from hftrain.hub.push import STAGE_DIR, STAGE_MARKER, push
+from hftrain.hub.push import STAGE_DIR, push
+from hftrain.hub.stage import STAGE_MARKER
 from hftrain.config import HubSection, RecipeError
 from hftrain.methods import load_recipe
 from tests.support import free_port

@@ -112,17 +112,17 @@ REMOVALS = {
         1, "transformers' save_total_limit: the oldest checkpoint-N of this run's output_dir, after the new one is "
            "published (a previous run's checkpoints are refused by the claim, or removed with overwrite_output_dir)",
         ["tests/test_checkpoints.py::test_checkpoints_are_published_complete"]),
-    ("hftrain/hub/push.py", "stage_folder", "shutil.rmtree"): (
+    ("hftrain/hub/stage.py", "stage_folder", "shutil.rmtree"): (
         1, "the temporary stage this call made (tempfile.mkdtemp), after a failure",
         ["tests/test_hub.py::test_a_stage_that_fails_validation_leaves_the_previous_stage"]),
-    ("hftrain/hub/push.py", "_publish_stage", "os.rmdir"): (
+    ("hftrain/hub/stage.py", "_publish_stage", "os.rmdir"): (
         1, "an empty --stage-dir (rmdir: empty only)",
         ["tests/test_hub.py::test_cli_dry_run_needs_no_token_and_a_push_without_one_stages_nothing"]),
-    ("hftrain/hub/push.py", "_publish_stage", "os.rename"): (
+    ("hftrain/hub/stage.py", "_publish_stage", "os.rename"): (
         3, "the temporary stage to --stage-dir; an earlier stage of hftrain's (its marker lists exactly its files) "
            "into a folder made for it",
         ["tests/test_hub.py::test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not"]),
-    ("hftrain/hub/push.py", "_publish_stage", "shutil.rmtree"): (
+    ("hftrain/hub/stage.py", "_publish_stage", "shutil.rmtree"): (
         1, "the folder made (mkdtemp) to hold an earlier stage of hftrain's, checked just before",
         ["tests/test_hub.py::test_a_stage_of_its_own_is_replaced_and_a_stage_with_added_files_is_not",
          "tests/test_hub.py::test_a_dry_run_never_deletes_a_folder_it_did_not_stage"]),
