@@ -14,9 +14,12 @@ import transformers
 
 # How a snippet on the card prompts each head's model once it is loaded (`model`, `tokenizer`).
 _PROMPTS = {
+    # transformers 5's apply_chat_template returns a BatchEncoding with return_tensors (tests/test_heads.py runs it).
     "generate": ('messages = [{"role": "user", "content": "Hello"}]\n'
-                 "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
-                 "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0][ids.shape[1]:]))\n"),
+                 "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, "
+                 "return_tensors=\"pt\")\n"
+                 "out = model.generate(**inputs, max_new_tokens=64)\n"
+                 "print(tokenizer.decode(out[0][inputs[\"input_ids\"].shape[1]:]))\n"),
     "score": ('inputs = tokenizer("Hello", return_tensors="pt")\n'
               "print(model(**inputs).logits)\n"),
 }

@@ -11,6 +11,7 @@ from ..config.fields import is_of_type
 from ..constants import ZERO_STAGE
 from ..distributed import accelerator_available
 from ..guards import environment_engine_problem
+from ..methods import policy_head
 from ..sequence_parallel import heads_problem
 from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks
 from .plan import model_facts, swap_buffer_elems
@@ -20,11 +21,12 @@ from .plan import model_facts, swap_buffer_elems
 NVME_BYTES_PER_PARAM = 4 + 16
 
 
-def facts_or_none(name_or_path: str, trust_remote_code: bool = False):
-    """launch.plan.model_facts, or None when the config cannot be read here (e.g. an unreachable Hub id: loading
-    the model will then say so)."""
+def facts_or_none(recipe: Recipe):
+    """launch.plan.model_facts of the model the recipe's method trains (its head: methods.policy_head), or None when
+    the config cannot be read here (e.g. an unreachable Hub id: loading the model will then say so)."""
+    m = recipe.model
     try:
-        return model_facts(name_or_path, trust_remote_code=trust_remote_code)
+        return model_facts(m.name_or_path, trust_remote_code=m.trust_remote_code, head=policy_head(recipe))
     except Exception:
         return None
 
@@ -65,7 +67,7 @@ def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
         out.append(("strategy.sequence_parallel", heads))
     facts = None
     if strategy.name == "zero_infinity" and model_ok:
-        facts = facts_or_none(m.name_or_path, m.trust_remote_code)
+        facts = facts_or_none(recipe)
     if facts is not None:
         # DeepSpeed's usual 1e8 and 1e9 elements pin GBs of RAM per rank whatever the model; sized to the largest
         # parameter partition NVMe holds the rest. DeepSpeed sizes its optimizer swap buffers to the largest

@@ -1,0 +1,132 @@
+"""A model's head (hftrain/heads.py) as the house uses it: each head's Auto class builds its model, the card names the
+head's pipeline tag and a snippet that loads and runs the model, and a method that declares a sequence-classification
+policy gets it through the house's loading path, memory plan and upload checks (tiny configs built locally; no Hub).
+tests/test_architecture.py holds the other half: no module outside methods/ assumes a causal LM."""
+
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+from hftrain.config import ModelSection
+from hftrain.constants import RECIPE_FILE, RUN_INFO_FILE
+from hftrain.heads import Head, Role
+from hftrain.hub.card import build_card
+from hftrain.hub.checks import head_of_run, validate_folder
+from hftrain.launch.plan import model_facts
+from hftrain.methods import Method, MethodEntry, ModelSpec
+
+TINY_TEXT = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+PIPELINE_TAGS = {Head.CAUSAL_LM: "text-generation", Head.SEQUENCE_CLASSIFICATION: "text-classification",
+                 Head.TOKEN_CLASSIFICATION: "token-classification", Head.IMAGE_TEXT_TO_TEXT: "image-text-to-text"}
+BUILT = {Head.CAUSAL_LM: "LlamaForCausalLM", Head.SEQUENCE_CLASSIFICATION: "LlamaForSequenceClassification",
+         Head.TOKEN_CLASSIFICATION: "LlamaForTokenClassification",
+         Head.IMAGE_TEXT_TO_TEXT: "LlavaForConditionalGeneration"}
+TEXT_HEADS = (Head.CAUSAL_LM, Head.SEQUENCE_CLASSIFICATION, Head.TOKEN_CLASSIFICATION)
+
+
+def tiny_config(head: Head):
+    if head is Head.IMAGE_TEXT_TO_TEXT:
+        vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=32, patch_size=16, projection_dim=16)
+        return LlavaConfig(vision_config=vision, text_config=LlamaConfig(**TINY_TEXT), image_token_index=63)
+    return LlamaConfig(**TINY_TEXT, num_labels=3 if head is Head.TOKEN_CLASSIFICATION else 1)
+
+
+@pytest.mark.parametrize("head", list(Head))
+def test_each_head_builds_its_model_from_a_config(head):
+    model = head.auto_class.from_config(tiny_config(head))
+    assert type(model).__name__ == BUILT[head]
+    assert model.can_generate() == head.generates
+    assert Head.recorded(head.value) is head
+
+
+def write_run(folder, head_value: str | None, lora: bool = False):
+    """recipe.yaml and run_info.json as a run writes them, the method recording `head_value` (None: a run written
+    before heads were recorded)."""
+    model = {"name_or_path": "base", **({"lora": {"r": 4, "alpha": 8}} if lora else {})}
+    folder.mkdir(exist_ok=True)
+    (folder / RECIPE_FILE).write_text(json.dumps({"model": model, "data": {"sources": [{"path": "rows.jsonl"}]}}))
+    method = {"name": "stand_in", "tag": "stand_in", "description": "a stand-in method"}
+    (folder / RUN_INFO_FILE).write_text(json.dumps({"method": {**method, **({"head": head_value} if head_value
+                                                                            else {})}}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("head", list(Head))
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_card_names_the_heads_pipeline_tag_and_auto_class(tmp_path, head, lora):
+    card = str(build_card(write_run(tmp_path / "run", head.value, lora), [RECIPE_FILE, RUN_INFO_FILE]))
+    assert f"pipeline_tag: {PIPELINE_TAGS[head]}" in card
+    loader = head.peft_auto_class_name if lora else head.auto_class_name
+    assert f"model = {loader}.from_pretrained(" in card
+    assert ("model.generate(" in card) == head.generates
+    others = {h.auto_class_name for h in Head} - {head.auto_class_name}
+    assert not any(f"{name}," in card or f"{name}.from" in card for name in others)
+
+
+def test_a_run_written_before_heads_were_recorded_is_a_causal_lm(tmp_path):
+    folder = write_run(tmp_path / "run", None)
+    assert head_of_run(folder) is Head.CAUSAL_LM
+    assert "pipeline_tag: text-generation" in str(build_card(folder, [RECIPE_FILE, RUN_INFO_FILE]))
+    assert head_of_run(write_run(tmp_path / "scorer", "sequence_classification")) is Head.SEQUENCE_CLASSIFICATION
+
+
+def save_with_head(folder, tiny_model_dir: str, head: Head) -> str:
+    """The tiny test model with `head` (random weights for a new one) and its tokenizer, saved to `folder`."""
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_labels = 3 if head is Head.TOKEN_CLASSIFICATION else 1
+    head.auto_class.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("head", TEXT_HEADS)
+def test_the_cards_snippet_loads_and_runs_the_model(tmp_path, tiny_model_dir, head):
+    folder = save_with_head(tmp_path / "model", tiny_model_dir, head)
+    printed, names = io.StringIO(), {}
+    with contextlib.redirect_stdout(printed):
+        exec(head.usage(folder, adapter=False), names)
+    assert type(names["model"]).__name__ == BUILT[head]
+    assert printed.getvalue() not in ("", "\n")  # generated text (a random model's: newlines, maybe) or the logits
+
+
+class StandIn(Method):
+    """A method whose policy scores sequences (a reward model's shape); the rest is Method's defaults."""
+
+    def models(self, recipe):
+        return [ModelSpec(Role.POLICY, Head.SEQUENCE_CLASSIFICATION, recipe.model)]
+
+
+STAND_IN = StandIn(MethodEntry("stand_in", "sft", None, None, __name__), read=lambda *a: None)
+
+
+def test_a_method_declaring_a_sequence_classifier_gets_it_through_the_house(tiny_model_dir, monkeypatch):
+    loaded = []
+    for head in Head:
+        original = head.auto_class.from_pretrained
+        monkeypatch.setattr(head.auto_class, "from_pretrained",
+                            lambda *a, _head=head, _original=original, **k: loaded.append(_head) or _original(*a, **k))
+    recipe = SimpleNamespace(model=ModelSection(name_or_path=tiny_model_dir, dtype="float32"))
+    model = STAND_IN.model(SimpleNamespace(recipe=recipe))
+    assert loaded == [Head.SEQUENCE_CLASSIFICATION]
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert STAND_IN.card(recipe)["head"] == "sequence_classification"  # run_info.json records it for the push
+
+
+def test_the_memory_plan_counts_the_heads_parameters(tiny_model_dir):
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    for head in TEXT_HEADS:
+        expected = sum(p.numel() for p in head.auto_class.from_config(config).parameters())
+        assert model_facts(tiny_model_dir, head=head).params == expected
+    assert model_facts(tiny_model_dir).params != model_facts(tiny_model_dir, head=Head.SEQUENCE_CLASSIFICATION).params
+
+
+def test_the_upload_checks_load_a_sequence_classifier_by_its_head(tmp_path, tiny_model_dir):
+    folder = save_with_head(tmp_path / "scorer", tiny_model_dir, Head.SEQUENCE_CLASSIFICATION)
+    assert validate_folder(folder, head=Head.SEQUENCE_CLASSIFICATION) == []  # no generate(), no generation_config
+    assert validate_folder(folder) != []  # judged as a causal LM, its weights are not a causal LM's
