@@ -54,6 +54,13 @@ class Head(str, Enum):
                 "image_text_to_text": "AutoPeftModel"}[self.value]
 
     @property
+    def peft_task_type(self) -> str:
+        """peft's task type of a LoRA adapter on this head (peft.TaskType: a classifier's head is trained and saved
+        whole, modules_to_save); a vision-language model's is its language model's."""
+        return {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS",
+                "image_text_to_text": "CAUSAL_LM"}[self.value]
+
+    @property
     def pipeline_tag(self) -> str:
         """The Hub's pipeline tag of a model with this head (the card's metadata)."""
         return {"causal_lm": "text-generation", "sequence_classification": "text-classification",

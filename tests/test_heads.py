@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoConfig, AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-from hftrain.config import ModelSection
+from hftrain.config import LoraSection, ModelSection
 from hftrain.constants import RECIPE_FILE, RUN_INFO_FILE
 from hftrain.heads import Head, Role
 from hftrain.hub.card import build_card
@@ -130,3 +130,13 @@ def test_the_upload_checks_load_a_sequence_classifier_by_its_head(tmp_path, tiny
     folder = save_with_head(tmp_path / "scorer", tiny_model_dir, Head.SEQUENCE_CLASSIFICATION)
     assert validate_folder(folder, head=Head.SEQUENCE_CLASSIFICATION) == []  # no generate(), no generation_config
     assert validate_folder(folder) != []  # judged as a causal LM, its weights are not a causal LM's
+
+
+def test_a_lora_policy_with_a_classification_head_trains_and_saves_its_head(tiny_model_dir):
+    """peft's task type follows the head: a sequence classifier's adapter keeps its score head trainable (peft's
+    modules_to_save), where a causal LM's task type would leave it frozen at its random start."""
+    section = ModelSection(name_or_path=tiny_model_dir, dtype="float32", lora=LoraSection(r=4, alpha=8))
+    model = STAND_IN.model(SimpleNamespace(recipe=SimpleNamespace(model=section)))
+    assert type(model).__name__ == "PeftModelForSequenceClassification"
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert any(".score." in name and "modules_to_save" in name for name in trained), trained

@@ -297,7 +297,7 @@ def _try_lora(model_section, config, head: Head) -> str | None:
     try:
         with warnings.catch_warnings(), _quiet():
             warnings.simplefilter("ignore")
-            get_peft_model(meta_model(config, model_section.trust_remote_code, head), lora_config(model_section))
+            get_peft_model(meta_model(config, model_section.trust_remote_code, head), lora_config(model_section, head))
     except Exception as e:  # whatever peft (or torch, building the adapter's layers) raises for these values
         return _one_line(e)
     return None

@@ -61,7 +61,8 @@ def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[s
     """(name -> shape) of what a checkpoint of this recipe holds, and the names it may leave out (tied weights); the
     model built with the head of the policy the recipe's method trains."""
     m = recipe.model
-    model = meta_model(config, m.trust_remote_code, policy_head(recipe))
+    head = policy_head(recipe)
+    model = meta_model(config, m.trust_remote_code, head)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if m.lora is None:  # named as save_pretrained writes them: MoE experts, for one, in their original format
         return saved_shapes(model), tied
@@ -69,7 +70,7 @@ def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[s
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = get_peft_model(model, lora_config(m))
+        peft_model = get_peft_model(model, lora_config(m, head))
         return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model).items()}, set()
 
 

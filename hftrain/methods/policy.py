@@ -27,9 +27,9 @@ def load_policy(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
     return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None), head=head)
 
 
-def policy_peft_config(cfg: ModelSection):
-    """The LoraConfig TRL wraps the policy with (model.lora), or None."""
-    return lora_config(cfg) if cfg.lora is not None else None
+def policy_peft_config(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
+    """The LoraConfig TRL wraps the policy (with `head`) with (model.lora), or None."""
+    return lora_config(cfg, head) if cfg.lora is not None else None
 
 
 def sft_only_problems(recipe: Recipe, method: str, rows: str, averaged: str, data: dict | None = None) -> Problems:
@@ -86,6 +86,7 @@ class PreferenceMethod(Method):
         return f"preference tuning ({recipe.preference.loss_type} loss, beta={recipe.preference.beta})"
 
     def trainer(self, run, model, tokenizer, data, callbacks):
+        policy = self.policy(run.recipe)
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
-                                  processing_class=tokenizer, peft_config=policy_peft_config(run.recipe.model),
-                                  callbacks=callbacks)
+                                  processing_class=tokenizer,
+                                  peft_config=policy_peft_config(policy.section, policy.head), callbacks=callbacks)

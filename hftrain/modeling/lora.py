@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from ..config import ModelSection
+from ..heads import Head
 
 
-def lora_config(cfg: ModelSection):
-    """peft's LoraConfig of model.lora."""
+def lora_config(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
+    """peft's LoraConfig of model.lora on a model with `head` (its peft task type)."""
     from peft import LoraConfig  # optional dependency, heavy to import: LoRA runs only
 
-    return LoraConfig(task_type="CAUSAL_LM", r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=cfg.lora.target_modules, modules_to_save=cfg.lora.modules_to_save,
-                      target_parameters=cfg.lora.target_parameters)
+    return LoraConfig(task_type=head.peft_task_type, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                      lora_dropout=cfg.lora.dropout, target_modules=cfg.lora.target_modules,
+                      modules_to_save=cfg.lora.modules_to_save, target_parameters=cfg.lora.target_parameters)

@@ -97,7 +97,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     if cfg.lora is not None:
         from peft import get_peft_model  # optional dependency, heavy to import: LoRA runs only
 
-        model = get_peft_model(model, lora_config(cfg))
+        model = get_peft_model(model, lora_config(cfg, head))
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
     if packing and sequence_parallel == 1 and reads_packing_from_one_row(model.config._attn_implementation):

@@ -208,7 +208,8 @@ class GRPO(SFT):
                                   reward_funcs=load_rewards(run.recipe.grpo, defer=True),
                                   tools=load_tools(run.recipe.grpo, counts) or None, tool_counts=counts,
                                   environment_factory=load_environment(run.recipe.grpo, counts),
-                                  peft_config=policy_peft_config(run.recipe.model), callbacks=callbacks)
+                                  peft_config=policy_peft_config(run.recipe.model, self.policy(run.recipe).head),
+                                  callbacks=callbacks)
 
 
 METHOD = GRPO(
