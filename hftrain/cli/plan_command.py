@@ -1,0 +1,33 @@
+"""`hftrain plan`: memory per GPU and node for every strategy, what fits, and a recommendation."""
+
+from __future__ import annotations
+
+from ..launch.plan import GiB, format_plan, kernels_here, model_facts, plan
+from ..methods import load_recipe, policy_head
+from .arguments import recipe_arguments
+
+
+def _plan(ns) -> int:
+    recipe = load_recipe(ns.recipe, ns.overrides)
+    m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
+    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
+                        quantization=m.quantization, head=policy_head(recipe))
+    sp = recipe.strategy.resolved_sequence_parallel()
+    rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
+                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
+    active = f" ({facts.active_params / 1e6:.1f}M active per token)" if facts.active_params != facts.params else ""
+    print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
+          f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
+          + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp), kernels_here(m, facts), sep="\n")
+    return 0
+
+
+def add_plan_command(sub) -> None:
+    pl = sub.add_parser("plan", allow_abbrev=False,
+                        help="Memory per GPU / node for every strategy, what fits, and a recommendation.")
+    recipe_arguments(pl)
+    pl.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--gpu-memory", dest="gpu_memory", type=float, default=None, help="GiB per GPU")
+    pl.set_defaults(fn=_plan)
