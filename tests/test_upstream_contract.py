@@ -336,6 +336,8 @@ def overridden_private_members() -> set[tuple[str, str]]:
             for name, value in vars(cls).items():
                 if not name.startswith("_") or name.startswith("__") or not inspect.isfunction(value):
                     continue  # (a library's metaclass may add private attributes of its own: torch's _backward_cls)
+                if not (value.__module__ or "").startswith("hftrain"):
+                    continue  # put there by the standard library, not written here: enum's _generate_next_value_
                 for base in mro[i + 1:]:
                     if not base.__module__.startswith("hftrain") and name in vars(base):
                         found.add((base.__module__.split(".")[0], name))

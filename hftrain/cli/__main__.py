@@ -4,4 +4,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported (a test walking every module), it runs nothing
+    sys.exit(main())
