@@ -21,8 +21,13 @@ from ..modeling import saved_shapes
 
 def head_of_run(output_dir: str) -> Head:
     """The head of the model a run trained, as its run_info.json records it (methods.Method.card); a causal LM for a
-    run written before heads were recorded, or a folder without run_info.json."""
-    return Head.recorded((read_json(os.path.join(output_dir, RUN_INFO_FILE)).get("method") or {}).get("head"))
+    run written before heads were recorded, or a folder without run_info.json. A run_info.json that is a symbolic
+    link or no regular file is not read (not even for this: a link could point anywhere): the stage refuses it by
+    name, so the head asked here is then never used."""
+    path = os.path.join(output_dir, RUN_INFO_FILE)
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isfile(path)):
+        return Head.CAUSAL_LM
+    return Head.recorded((read_json(path).get("method") or {}).get("head"))
 
 
 def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False,
