@@ -27,6 +27,11 @@ def _recipe(tmp, model_dir, **training) -> str:
     return str(p)
 
 
+# Run with nothing beside it (marker `cluster`: scripts/test.sh's first invocation, one test at a time). In the two
+# full runs of issue 55 on three workers its Ctrl-C case failed both times, the run going on training 60 s after
+# SIGINT (stacks in the failure: the main thread in training_step); alone it passed (27 s, both cases). Not
+# understood yet: a Ctrl-C lost under load is a bug to find, not only a test to isolate.
+@pytest.mark.cluster
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_recipe_script_stopped_by_a_signal_exits_128_plus_n_in_one_line(sig, tmp_path, tiny_model_dir):
     """Sent as a terminal sends Ctrl-C: to the run's whole process group, mid-training."""
