@@ -10,6 +10,8 @@ import grimp
 import pytest
 from importlinter.cli import lint_imports
 
+from hftrain.methods import METHODS, SCRIPTS
+
 from .conftest import REPO
 
 PACKAGE = os.path.join(REPO, "hftrain")
@@ -19,6 +21,26 @@ SOURCES = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
 def test_import_linter_contract_is_kept(monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     code = lint_imports(config_filename=os.path.join(REPO, "pyproject.toml"), no_cache=True)
+    assert code == 0, capsys.readouterr().out[-4000:]
+
+
+def method_families() -> list[str]:
+    """The sub-packages of hftrain/methods/: one family of methods each (preference, grpo, ...)."""
+    root = os.path.join(PACKAGE, "methods")
+    return sorted(f"hftrain.methods.{name}" for name in os.listdir(root)
+                  if os.path.isfile(os.path.join(root, name, "__init__.py")))
+
+
+def test_the_method_families_are_independent(monkeypatch, capsys, tmp_path):
+    """Every sub-package of methods/ (found on disk: a new family needs no edit of a contract) imports no other; what
+    they share (base.Method, the policy, the registry, SFT) lives at the top of methods/."""
+    assert len(method_families()) >= 2, method_families()
+    config = tmp_path / "families.toml"
+    config.write_text('[tool.importlinter]\nroot_package = "hftrain"\n\n[[tool.importlinter.contracts]]\n'
+                      'name = "methods: each family (a sub-package of methods/) is independent of the others"\n'
+                      f'type = "independence"\nmodules = {method_families()!r}\n'.replace("'", '"'))
+    monkeypatch.chdir(REPO)
+    code = lint_imports(config_filename=str(config), no_cache=True)
     assert code == 0, capsys.readouterr().out[-4000:]
 
 
@@ -141,8 +163,10 @@ def test_the_installed_versions_are_the_tested_ones():
 # A method lives in hftrain/methods/ (its section, rules, trainer, data, card): the rest of hftrain asks the registry
 # and the sections (config.MethodSection) instead of naming one. What may still name a method: the commands' entry
 # points (hftrain/recipes/<script>.py) and the example command written into every generated accelerate config.
-METHOD_WORDS = {"sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo", "preference"}
-MAY_NAME_A_METHOD = {"recipes/sft.py", "recipes/dpo.py", "recipes/grpo.py", "launch/strategies.py"}
+# The words: every registered method's name and section (methods/registry.py), and the losses that name no method of
+# their own (IPO runs as DPO).
+METHOD_WORDS = {w for e in METHODS for w in (e.name, e.section) if w} | {"ipo"}
+MAY_NAME_A_METHOD = {f"recipes/{script}.py" for script in SCRIPTS} | {"launch/strategies.py"}
 
 
 def _words(text: str):

@@ -3,6 +3,7 @@ launcher's config rendered into a folder of the launch's own, the machines check
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from ..launch import check_recipe, machines
 from ..launch.machines import check_in
 from ..launch.strategies import render
 from ..methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, entry_of
+from ..methods.registry import BUILT_IN
 from .arguments import recipe_arguments
 
 
@@ -23,7 +25,10 @@ def script_for(recipe, kind: str | None = None, script: str | None = None) -> li
     with a grpo: section, else sft)."""
     if script:
         return [script]
-    return ["-m", f"hftrain.recipes.{kind or entry_of(recipe).script}"]
+    name = kind or entry_of(recipe).script
+    if importlib.util.find_spec(f"hftrain.recipes.{name}") is None:  # a method registered from outside hftrain
+        return ["-m", "hftrain.recipes", name]
+    return ["-m", f"hftrain.recipes.{name}"]
 
 
 def _check_machines(ns, strategy, s) -> None:
@@ -69,6 +74,9 @@ def _launch(ns) -> int:
         return lifetime.run_owned(cmd)
 
 
+BUILT_IN_SCRIPTS = {e.script for e in BUILT_IN}
+
+
 def _training_commands() -> list[tuple[str, str]]:
     """`hftrain launch` (the recipe's method) and one command per recipe script, described from the registry."""
     by_section: dict[str | None, list[str]] = {}
@@ -78,7 +86,8 @@ def _training_commands() -> list[tuple[str, str]]:
     commands = [("launch", f"the recipe's method ({chosen}; else {DEFAULT_SCRIPT})")]
     for script in reversed(SCRIPTS):  # the default first
         names = ", ".join(m.name for m in METHODS if m.script == script)
-        commands.append((script, f"{names} (hftrain/recipes/{script}.py)"))
+        commands.append((script, f"{names} (hftrain/recipes/{script}.py)" if script in BUILT_IN_SCRIPTS
+                         else names))
     return commands
 
 

@@ -6,7 +6,8 @@ them, with their rules (recipe.py: the Recipe with them, and how every recipe is
 registry.py is what the CLI, the run's set-up and preflight ask: each method's light entry, selected by the recipe
 section that names it (`entry_of`). A method's module, and the trainer library it imports (TRL), loads only when
 `method_of` is asked for the method itself: `hftrain --help`, `config` and `check` of an SFT recipe import no TRL
-trainer. Adding a method is a module here with its METHOD, and its entry in registry.py."""
+trainer. Adding a method is a package here (its module with its METHOD, its section) and its entry in registry.py
+(the entry names the section too: recipe.py builds the Recipe from the registry)."""
 
 from ..heads import Head
 from .base import Method, ModelSpec

@@ -1,20 +1,28 @@
-"""The recipe hftrain runs: config's sections and the methods' own (`preference:`, `grpo:`). config knows no method:
-it builds the sections this Recipe adds and asks them for their rules (config.MethodSection). Every recipe is read
-through here, so no method's rules can be skipped by a reader that never imported the methods."""
+"""The recipe hftrain runs: config's sections and the methods' own (`preference:`, `grpo:`, one per section the
+registry names: registry.sections). config knows no method: it builds the sections this Recipe adds and asks them for
+their rules (config.MethodSection). Every recipe is read through here, so no method's rules can be skipped by a
+reader that never imported the methods."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from typing import Optional
 
 from .. import config
-from .grpo.grpo_section import GrpoSection
-from .preference.preference_section import PreferenceSection
+from .registry import sections
 
 
-@dataclass
-class Recipe(config.Recipe):
-    preference: PreferenceSection | None = field(default=None, metadata={"help": PreferenceSection.HELP})
-    grpo: GrpoSection | None = field(default=None, metadata={"help": GrpoSection.HELP})
+def _recipe_type() -> type[config.Recipe]:
+    """config.Recipe with one optional field per method section, built from the registry: a new method's section
+    needs no edit here."""
+    fields = [(key, Optional[cls], dataclasses.field(default=None, metadata={"help": cls.HELP}))
+              for key, cls in sections().items()]
+    recipe = dataclasses.make_dataclass("Recipe", fields, bases=(config.Recipe,))
+    recipe.__module__ = __name__  # where pickle (the ranks' hand-over) and get_type_hints look it up
+    return recipe
+
+
+Recipe = _recipe_type()
 
 
 def parse_recipe(path: str | None, overrides: list[str] | None = None, raw: dict | None = None

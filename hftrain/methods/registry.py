@@ -5,12 +5,16 @@ without importing its trainer (TRL's trainers load only when a run or a command 
 A method is selected by its section, through a table: the recipe section a method reads names it (its `method`
 property: the `preference:` section's loss picks DPO (sigmoid, ipo), SimPO, ORPO or KTO, `grpo:` GRPO); a recipe with
 no method section trains with SFT. Two method sections in one recipe is a recipe error naming both (config's rules
-say the same when a recipe is checked). Adding a method: its module with its METHOD, and its entry here."""
+say the same when a recipe is checked). The recipe's method sections are read from here too (`section_class`:
+methods/recipe.py builds the Recipe with one field per section), so adding a method is its package (its module with
+its METHOD, its section) and one entry here; a method outside hftrain registers itself the same way, through the
+`hftrain.methods` entry-point group (a MethodEntry: `plugins`)."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 from ..config import Recipe, RecipeError
 
@@ -22,6 +26,12 @@ class MethodEntry:
     section: str | None  # the recipe section that selects it (preference, grpo), None for SFT
     example: str | None  # that section as a user writes it, for the refusal of a script run without it
     module: str  # the module whose METHOD (a base.Method) is this method, imported on first use
+    section_class: str | None = None  # "module:Class" of the section (a config.MethodSection); None for SFT
+
+    def load_section(self) -> type:
+        """The section's class (light: a section module imports no trainer)."""
+        module, _, name = self.section_class.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def load(self):
         """The method itself (base.Method): its module is imported here, on first use, not when the registry is."""
@@ -34,18 +44,54 @@ class MethodEntry:
 _PACKAGE = __name__.rpartition(".")[0]  # hftrain.methods
 _PREFERENCE, _GRPO = f"{_PACKAGE}.preference", f"{_PACKAGE}.grpo"  # the two families' sub-packages
 
+_PREFERENCE_SECTION = f"{_PREFERENCE}.preference_section:PreferenceSection"
+
 SFT = MethodEntry("sft", "sft", None, None, f"{_PACKAGE}.sft")
-DPO = MethodEntry("dpo", "dpo", "preference", "preference: {loss_type: sigmoid, beta: 0.1}", f"{_PREFERENCE}.dpo")
-SIMPO = MethodEntry("simpo", "dpo", "preference", "preference: {loss_type: simpo, beta: 2.0}", f"{_PREFERENCE}.simpo")
-ORPO = MethodEntry("orpo", "dpo", "preference", "preference: {loss_type: orpo, beta: 0.1}", f"{_PREFERENCE}.orpo")
-KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta: 0.1}", f"{_PREFERENCE}.kto")
-GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_GRPO}.grpo")
+DPO = MethodEntry("dpo", "dpo", "preference", "preference: {loss_type: sigmoid, beta: 0.1}", f"{_PREFERENCE}.dpo",
+                  _PREFERENCE_SECTION)
+SIMPO = MethodEntry("simpo", "dpo", "preference", "preference: {loss_type: simpo, beta: 2.0}", f"{_PREFERENCE}.simpo",
+                    _PREFERENCE_SECTION)
+ORPO = MethodEntry("orpo", "dpo", "preference", "preference: {loss_type: orpo, beta: 0.1}", f"{_PREFERENCE}.orpo",
+                   _PREFERENCE_SECTION)
+KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta: 0.1}", f"{_PREFERENCE}.kto",
+                  _PREFERENCE_SECTION)
+GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_GRPO}.grpo",
+                   f"{_GRPO}.grpo_section:GrpoSection")
+
+BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO)
+PLUGIN_GROUP = "hftrain.methods"  # the entry-point group a method outside hftrain registers its MethodEntry in
+
+
+def plugins() -> tuple[MethodEntry, ...]:
+    """The methods other packages register (entry points of group `hftrain.methods`, each a MethodEntry); a name
+    that is already taken is an error naming the package, not a silent override."""
+    found = []
+    for point in entry_points(group=PLUGIN_GROUP):
+        entry = point.load()
+        if not isinstance(entry, MethodEntry):
+            raise RuntimeError(f"entry point {point.value} ({PLUGIN_GROUP}) is {type(entry).__name__}, not a "
+                               "hftrain.methods.registry.MethodEntry")
+        if entry.name in {e.name for e in (*BUILT_IN, *found)}:
+            raise RuntimeError(f"entry point {point.value} ({PLUGIN_GROUP}) registers method {entry.name!r}, which "
+                               "is already registered: rename it")
+        found.append(entry)
+    return tuple(found)
+
 
 # Every method; SFT, the method of a recipe with no method section, first: its script is the default command's.
-METHODS: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO)
+METHODS: tuple[MethodEntry, ...] = (*BUILT_IN, *plugins())
 BY_NAME = {e.name: e for e in METHODS}  # the table a recipe section's `method` is looked up in
 DEFAULT = SFT
 SCRIPTS = tuple(dict.fromkeys(e.script for e in METHODS))  # hftrain sft / dpo / grpo
+
+
+def sections() -> dict[str, type]:
+    """Recipe key -> section class, for every method section (the methods sharing a section give one class)."""
+    out: dict[str, type] = {}
+    for entry in METHODS:
+        if entry.section is not None and entry.section not in out:
+            out[entry.section] = entry.load_section()
+    return out
 
 
 def entry_of(recipe: Recipe) -> MethodEntry:
