@@ -34,7 +34,7 @@ from .prompts import PromptData, build_prompt_data, preview_prompts
 from ...data.templates import template_kwargs
 from ...errors import DataError, LaunchError, RewardError
 from ...patches.transformers import mark_fsdp_managed
-from .rewards import dry_run, load_rewards
+from .rewards import ModelReward, Policy, dry_run, load_rewards
 from .sandbox import CallCounts
 from ...trainer import RUN_MIXINS
 from .. import registry
@@ -83,6 +83,11 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         self.tool_counts = tool_counts or CallCounts()  # what the guarded tools (`tools`) count, logged per step
         # TRL renders prompts with args.chat_template_kwargs as given: hftrain's renderings also pin the date.
         self.chat_template_kwargs = template_kwargs(self._tokenizer, self.args.chat_template_kwargs)
+        for reward in self._reward_models():  # once per rank, whole, on the policy's device
+            reward.fn.load(self.accelerator.device, self.args)
+
+    def _reward_models(self) -> list[ModelReward]:
+        return [f for f in self.reward_funcs if isinstance(f, ModelReward)]
 
     def _get_tool_suffix_ids(self, tool_messages):
         """TRL's, less a first token the model stops at and has just generated (tools.suffix_after_stop): the
@@ -113,20 +118,29 @@ class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
         return model, train_dataloader
 
     def _generate(self, prompts):
-        """TRL's; the tool mask kept for the rewards of the same rollouts (_calculate_rewards)."""
+        """TRL's; the tool mask, and each rollout's tokens (prompt + completion, tools' answers included), kept for
+        the rewards of the same rollouts (_calculate_rewards)."""
         out = super()._generate(prompts)
         self._tool_mask = out[2]
+        self._rollout_ids = [list(p) + list(c) for p, c in zip(out[0], out[1])]  # what reward models read
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's (each rank scores its completions, then all-gathers), then every rank raises the first reward error
         of any rank: raised where it happened, it would leave the other ranks waiting in the all-gather. With tools,
         `completion_ids` are the tokens the model generated (TRL passes the tools' answers too: a length penalty
-        would charge the model for what a tool said)."""
+        would charge the model for what a tool said). A reward model reads the rollouts' own tokens (_generate)."""
         mask, self._tool_mask = getattr(self, "_tool_mask", None), None
         if mask is not None:
             completion_ids_list = [[t for t, m in zip(ids, keep) if m] for ids, keep in zip(completion_ids_list, mask)]
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rollout_ids, self._rollout_ids = getattr(self, "_rollout_ids", None), None
+        for reward in self._reward_models():  # the tokens the policy generated from, scored when tokenizers agree
+            reward.fn.rollout_ids = rollout_ids
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            for reward in self._reward_models():
+                reward.fn.rollout_ids = None
         mine = next((f.error for f in self.reward_funcs if getattr(f, "error", None)), None)
         errors = distributed.all_gather_object(mine) if self.args.world_size > 1 else [mine]
         first = next((e for e in errors if e), None)
@@ -168,7 +182,8 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
         raise DataError(f"{key}: the chat template (data.chat_template, else the tokenizer's) {problem}")
     data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
                              exact_match=recipe.eval.exact_match, needs_reference=exact, tools=tools)
-    dry_run(load_rewards(g), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer,
+    policy = Policy(tokenizer, recipe.data.chat_template_kwargs, data.conversational, recipe.model)
+    dry_run(load_rewards(g, policy=policy), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer,
             load_environment(g))
     per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
         "gradient_accumulation_steps") // g.num_generations
@@ -199,13 +214,15 @@ class GRPO(SFT):
 
     def describe(self, recipe):
         g = recipe.grpo
-        rewards = ", ".join(str(r.function) for r in g.rewards or [])
+        rewards = ", ".join(str(r.function or f"model {r.model}") for r in g.rewards or [])
         return f"GRPO ({g.loss_type} loss, groups of {g.num_generations}, beta={g.beta}, rewards: {rewards})"
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         counts = CallCounts()
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
-                                  reward_funcs=load_rewards(run.recipe.grpo, defer=True),
+                                  reward_funcs=load_rewards(run.recipe.grpo, defer=True, policy=Policy(
+                                      tokenizer, run.recipe.data.chat_template_kwargs, data.conversational,
+                                      run.recipe.model)),
                                   tools=load_tools(run.recipe.grpo, counts) or None, tool_counts=counts,
                                   environment_factory=load_environment(run.recipe.grpo, counts),
                                   peft_config=policy_peft_config(run.recipe.model, self.policy(run.recipe).head),

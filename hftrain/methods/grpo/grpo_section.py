@@ -15,6 +15,7 @@ from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe, 
 from ...config.fields import is_number as _num
 from ...distributed import accelerator_available
 from ..policy import policy_strategy_problems, sft_only_problems
+from .reward_model import reward_model_problems
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
@@ -22,11 +23,15 @@ BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
 
 @dataclass
 class RewardSpec:
-    function: str = option(
-        help="exact_match (1 when the completion equals the reference answer, whitespace-stripped), regex (1 when the "
+    function: str | None = option(
+        None, "exact_match (1 when the completion equals the reference answer, whitespace-stripped), regex (1 when the "
         "whole completion matches `pattern`), length_penalty (-tokens beyond `limit` / grpo.max_completion_length), "
         "or your own as module:function or path/to/file.py:function, called as fn(prompts, completions, reference, "
-        "**kwargs) and returning one number (or None: does not apply) per completion.")
+        "**kwargs) and returning one number (or None: does not apply) per completion. Or `model` instead.")
+    model: str | None = option(
+        None, "A trained reward model instead of a function: the folder (or Hub id) of a sequence classifier with one "
+        "label (what AutoModelForSequenceClassification saves, e.g. an outcome reward model), scoring prompt + "
+        "completion, loaded once per rank without gradients (docs/grpo.md: the text it reads, its pad token).")
     weight: float = option(1.0, "Weight of this reward in the sum that scores each completion.")
     pattern: str | None = option(
         None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
@@ -202,13 +207,17 @@ def _other_section_problems(recipe: Recipe) -> Problems:
 def _reward_problems(r: RewardSpec, key: str) -> Problems:
     out: Problems = []
     fn = r.function
+    if (fn is None) == (r.model is None):
+        out.append((key, "needs exactly one of `function` (a built-in or your own) and `model` (a reward model's "
+                    f"folder), got {'both' if fn is not None else 'neither'}"))
     if isinstance(fn, str) and fn not in BUILTIN_REWARDS:
         module, _, name = fn.rpartition(":")
         if not module or not name.isidentifier():
             out.append((f"{key}.function", f"'{fn}' is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor "
                         "module:function (or path/to/file.py:function) of your own"))
+    what = f"'{fn}'" if fn is not None else "a reward model"
     if r.pattern is not None and fn != "regex":
-        out.append((f"{key}.pattern", f"applies to function regex, not '{fn}': remove it"))
+        out.append((f"{key}.pattern", f"applies to function regex, not {what}: remove it"))
     if fn == "regex" and r.pattern is None:
         out.append((f"{key}.pattern", "function regex needs the pattern a completion must match, e.g. "
                     "pattern: '<answer>.*</answer>'"))
@@ -218,7 +227,7 @@ def _reward_problems(r: RewardSpec, key: str) -> Problems:
         except re.error as e:
             out.append((f"{key}.pattern", f"is not a regular expression: {e}"))
     if r.limit is not None and fn != "length_penalty":
-        out.append((f"{key}.limit", f"applies to function length_penalty, not '{fn}': remove it"))
+        out.append((f"{key}.limit", f"applies to function length_penalty, not {what}: remove it"))
     if _num(r.limit) and r.limit < 0:
         out.append((f"{key}.limit", f"must be >= 0, got {r.limit}"))
     if _num(r.weight) and not math.isfinite(r.weight):
@@ -247,13 +256,17 @@ def grpo_batch_problem(recipe: Recipe, world: int) -> tuple[str, str] | None:
 
 def launch_problems(recipe: Recipe, world: int, environment: bool) -> Problems:
     """What the launch decides: the group size against the global batch of `world` processes (unless a training:
-    value it needs is already wrong), and, on the machine that runs, whether vLLM can generate."""
+    value it needs is already wrong), and, on the machine that runs, whether vLLM can generate and whether each
+    reward model is a sequence classifier with one label (its config.json: reward_model.reward_model_problems)."""
     out: Problems = []
     batch = None if any(k.startswith("training.") for k in recipe.invalid) else grpo_batch_problem(recipe, world)
     if batch:
         out.append(batch)
     if environment and recipe.grpo.generation == "vllm":
         out += [("grpo.generation", msg) for msg in vllm_problems()]
+    for i, r in enumerate(recipe.grpo.rewards if environment and isinstance(recipe.grpo.rewards, list) else []):
+        if isinstance(r, RewardSpec) and isinstance(r.model, str) and f"grpo.rewards.{i}.model" not in recipe.invalid:
+            out += reward_model_problems(r.model, f"grpo.rewards.{i}.model")
     return out
 
 

@@ -5,6 +5,7 @@ clear error naming it (errors.RewardError, exit 2) rather than a traceback or a 
     regex           1 when the whole completion matches `pattern` (re.fullmatch, DOTALL), else 0
     length_penalty  -(completion tokens beyond `limit`) / grpo.max_completion_length
     module:function or path/to/file.py:function: your own
+    model: a trained reward model's folder (reward_model.py: its score of prompt + completion)
 
 Each is called as TRL's GRPOTrainer 1.16 calls reward functions: fn(prompts, completions, completion_ids, reference,
 trainer_state, log_extra, log_metric), with completions as text, or as [{"role": "assistant", "content": ...}] for
@@ -21,10 +22,15 @@ before the model loads, so what can be caught before any weight moves is.
 from __future__ import annotations
 
 import math
+import os
 import re
 
+from dataclasses import dataclass
+
+from ...config import ModelSection
 from .grpo_section import GrpoSection, RewardSpec
 from ...errors import RewardError
+from .reward_model import RewardModel
 from .sandbox import UserCodeFailure, call_user_code, import_function, limit_of
 
 
@@ -114,15 +120,44 @@ class Reward:
         return out
 
 
-def load_rewards(g: GrpoSection, defer: bool = False) -> list[Reward]:
-    """The recipe's reward functions, named as TRL logs them (rewards/<name>/mean): a name used twice gets _2, ..."""
+class ModelReward(Reward):
+    """A reward model (reward_model.RewardModel) as a reward: hftrain's own code, called directly (not in the
+    user-code sandbox, whose time limit is for the user's functions), its values checked and its errors deferred as
+    any reward's."""
+
+    def _call(self, prompts, completions, kwargs: dict):
+        return self.fn(prompts, completions, **kwargs)
+
+
+@dataclass
+class Policy:
+    """What a reward model needs of the policy: its tokenizer, data.chat_template_kwargs, whether prompts are
+    conversations, and the model section (dtype, trust_remote_code) the reward model loads with."""
+
+    tokenizer: object
+    chat_template_kwargs: dict | None
+    conversational: bool
+    model: ModelSection
+
+
+def load_rewards(g: GrpoSection, defer: bool = False, policy: Policy | None = None) -> list[Reward]:
+    """The recipe's rewards, named as TRL logs them (rewards/<name>/mean; a reward model: model:<its folder's
+    name>): a name used twice gets _2, ... A reward model needs `policy`."""
     out, seen = [], {}
     for i, spec in enumerate(g.rewards):
         key = f"grpo.rewards.{i}"
-        fn = _builtin(spec, g.max_completion_length) or import_function(spec.function, f"{key}.function")
-        name = spec.function if spec.function in ("exact_match", "regex", "length_penalty") else fn.__name__
+        if spec.model is not None:
+            if policy is None:
+                raise RewardError(f"{key}.model: a reward model is scored against the policy's tokenizer, not given")
+            fn = RewardModel(spec.model, f"{key}.model", policy.tokenizer, policy.chat_template_kwargs,
+                             policy.conversational, policy.model)
+            name, kind = f"model:{os.path.basename(os.path.normpath(spec.model))}", ModelReward
+        else:
+            fn = _builtin(spec, g.max_completion_length) or import_function(spec.function, f"{key}.function")
+            builtin = spec.function in ("exact_match", "regex", "length_penalty")
+            name, kind = (spec.function if builtin else fn.__name__), Reward
         seen[name] = seen.get(name, 0) + 1
-        out.append(Reward(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer, g.reward_timeout))
+        out.append(kind(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer, g.reward_timeout))
     return out
 
 
@@ -139,7 +174,8 @@ def _builtin(spec: RewardSpec, max_completion_length: int):
 def dry_run(rewards: list[Reward], rows: list[dict], tokenizer, environment: type | None = None) -> None:
     """Every reward function on `rows` (prompt, reference), answered by their references and by empty completions,
     as TRL will call it (with `environment`, the guarded environment class, each completion's instance reset with its
-    row, as TRL passes them): what fails here fails before the model is loaded."""
+    row, as TRL passes them): what fails here fails before the model is loaded. A reward model is not called here
+    (its weights load with the policy's); its tokenizer and pad token were checked when load_rewards built it."""
     from transformers import TrainerState  # heavy import, only for the run's data phase
 
     conversational = isinstance(rows[0]["prompt"], list)
@@ -152,5 +188,5 @@ def dry_run(rewards: list[Reward], rows: list[dict], tokenizer, environment: typ
         kwargs["environments"] = [environment() for _ in answers]
         for instance, row in zip(kwargs["environments"], rows * 2):
             instance.reset(**row)
-    for reward in rewards:
+    for reward in (r for r in rewards if not isinstance(r, ModelReward)):
         reward(prompts=[r["prompt"] for r in rows] * 2, completions=completions, completion_ids=ids, **kwargs)

@@ -1,0 +1,189 @@
+"""A trained reward model as a GRPO reward (`grpo.rewards: [{model: runs/rm}]`): a sequence classifier with one label
+(what AutoModelForSequenceClassification saves: an outcome reward model) scores each prompt + completion.
+
+- Checked before anything loads (`reward_model_problems`, from `hftrain check` and the run alike): its config.json
+  only, never the weights: a local folder that is not there, pickle-only weights, a model that is not a sequence
+  classifier with one label. A token-classification (process) reward model is refused: a score per step is not
+  aggregated here yet.
+- Loaded once per rank (`RewardModel.load`) through hftrain's own loader (modeling.load_model: safetensors only,
+  remote code only with model.trust_remote_code, said first), whole on each rank (outside ZeRO-3's partitioning),
+  in eval mode, without gradients, on the policy's device.
+- The text it scores: when its tokenizer is the policy's (same vocabulary, same chat template), the very tokens the
+  policy generated from (the prompt as rendered for generation + the completion ids: no decode and re-encode);
+  otherwise the conversation (prompt messages + the completion as an assistant turn) rendered with the reward
+  model's own tokenizer and chat template, said once. A differing tokenizer without a chat template is refused
+  for conversation prompts (there is no way to render them as the reward model was trained).
+- The score is the logit at the last real token: transformers' sequence classifiers find it from
+  config.pad_token_id. A folder whose config has none takes its tokenizer's pad token (set on the config, and
+  batches are padded with it); with neither, it is refused naming the folder: without it transformers reads the
+  wrong position, or fails, as soon as two texts of different lengths share a batch.
+Why hftrain's own and not TRL's model rewards (GRPOTrainer with a PreTrainedModel in reward_funcs): TRL re-renders
+every completion from decoded text, scores the whole generation batch in one forward, sets pad = eos silently, and
+under ZeRO-3 partitions the reward model; here the scores go through rewards.Reward's checks and deferred errors too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoConfig, AutoTokenizer
+
+from ...config import ModelSection, Problems
+from ...distributed import print0
+from ...errors import ModelError, RewardError
+from ...heads import Head
+from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
+from ...data.templates import apply
+
+SCORE_BATCH = 16  # completions per forward of the reward model
+
+
+def _looks_local(name: str) -> bool:
+    """As modeling.paths judges model.name_or_path: a Hub id is "name" or "org/name", anything else a local path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def reward_model_problems(name: str, key: str) -> Problems:
+    """(key, message) for a reward model that cannot score: read from its config.json alone (no weights loaded). A Hub
+    id is checked when its config is in the local cache (else where it loads)."""
+    folder = os.path.expanduser(name)
+    if not os.path.isdir(folder):
+        if _looks_local(name) or os.path.exists(folder):
+            return [(key, f"{name} is not a folder (a local path: check the spelling, or train the reward model "
+                     "first)")]
+        cached = try_to_load_from_cache(name, "config.json")
+        if not isinstance(cached, str):  # not in the local cache: the loader downloads it and says what is wrong
+            return []
+        folder = os.path.dirname(cached)
+    return _folder_problems(folder, name, key)
+
+
+def _folder_problems(folder: str, name: str, key: str) -> Problems:
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return [(key, f"{name} has no readable config.json ({type(e).__name__}: {str(e)[:120]}); a reward model is "
+                 "a folder saved by AutoModelForSequenceClassification.save_pretrained")]
+    names = os.listdir(folder)
+    if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names) and any(
+            n.endswith((".bin", ".pt", ".pth")) for n in names):
+        return [(key, f"{name} holds pickle weights only; hftrain loads safetensors only (unpickling can run code): "
+                 "load it with AutoModelForSequenceClassification and save_pretrained it once")]
+    architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    if any(a.endswith("ForTokenClassification") for a in architectures):
+        return [(key, f"{name} is a token-classification (process) reward model ({', '.join(architectures)}): "
+                 "GRPO scores a completion with a sequence classifier with one label only (a score per step is not "
+                 "aggregated yet); use an outcome reward model")]
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return [(key, f"{name} is not a sequence classifier (architectures: {architectures or 'none'}); a reward "
+                 "model is a ...ForSequenceClassification with one label")]
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    if labels != 1:
+        return [(key, f"{name} has {labels} labels; a reward model scores with one (num_labels: 1)")]
+    return []
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers render and encode alike: the same vocabulary (tokens and ids) and chat template."""
+    return a.get_vocab() == b.get_vocab() and a.chat_template == b.chat_template
+
+
+def _pad_token_id(name: str, key: str, tokenizer, trust_remote_code: bool) -> int:
+    """The id the score's position is found from: config.pad_token_id, else the tokenizer's pad token; neither: a
+    refusal naming the folder."""
+    config = AutoConfig.from_pretrained(resolved_name_or_path(name), trust_remote_code=trust_remote_code)
+    pad = config.get_text_config().pad_token_id
+    pad = tokenizer.pad_token_id if pad is None else pad
+    if pad is None:
+        raise RewardError(f"{key}: {name} has no pad token (config.json's pad_token_id, or a pad token in its "
+                          "tokenizer): its sequence classifier could not find the last real token of a padded text. "
+                          "Set pad_token_id in its config.json (e.g. to its eos_token_id, as it was trained with)")
+    return pad
+
+
+_said: set[str] = set()
+
+
+class RewardModel:
+    """The reward model of `key` (`name`: its folder or Hub id), callable as a reward function: one score per
+    completion. Its tokenizer and pad token are read (and refused) when it is built; its weights when `load` is
+    called (GroupTrainer, once per rank), or on the first call. `rollout_ids`: the tokens the policy generated from,
+    prompt + completion, handed over by the trainer for the call about to be made (used when the tokenizers are the
+    same); without them each conversation is rendered with the reward model's tokenizer."""
+
+    def __init__(self, name: str, key: str, policy_tokenizer, chat_template_kwargs: dict | None,
+                 conversational: bool, cfg: ModelSection):
+        self.name, self.key, self.cfg, self.model, self.rollout_ids = name, key, cfg, None, None
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(resolved_name_or_path(name),
+                                                           trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise RewardError(f"{key}: cannot load the tokenizer of {name} ({type(e).__name__}: {str(e)[:200]}); "
+                              "save it beside the model (tokenizer.save_pretrained)") from None
+        self.same = same_tokenizer(policy_tokenizer, self.tokenizer)
+        if not self.same and conversational and not self.tokenizer.chat_template:
+            raise RewardError(f"{key}: {name}'s tokenizer differs from the policy's (vocabulary or chat template) and "
+                              "has no chat template to render the conversations with as it was trained: save its "
+                              "tokenizer with its chat template, or train it with the policy's tokenizer")
+        self.template_kwargs = chat_template_kwargs or {}
+        self.pad_token_id = _pad_token_id(name, key, self.tokenizer, cfg.trust_remote_code)
+        if not self.same and key not in _said:
+            _said.add(key)
+            print0(f"hftrain: {key}: {name}'s tokenizer differs from the policy's (vocabulary or chat template): "
+                   "each completion is rendered again with its own tokenizer and chat template for it to score")
+
+    def load(self, device, args=None) -> None:
+        """The weights, through modeling.load_model (safetensors, remote code only when model.trust_remote_code),
+        whole on this rank (ZeRO-3's config set aside: `args`), on `device`, in eval mode without gradients."""
+        section = ModelSection(name_or_path=self.name, dtype=self.cfg.dtype, kernels="none",
+                               trust_remote_code=self.cfg.trust_remote_code)
+        try:
+            with loading_outside_zero3(args):
+                model = load_model(section, head=Head.SEQUENCE_CLASSIFICATION)
+        except ModelError as e:
+            raise RewardError(str(e).replace("model.name_or_path", self.key)) from None
+        model.config.pad_token_id = self.pad_token_id  # where transformers' classifier reads the score
+        model.config.get_text_config().pad_token_id = self.pad_token_id
+        self.model = model.eval().requires_grad_(False).to(device)
+
+    def render(self, prompts: list, completions: list) -> list[list[int]]:
+        """Each prompt + completion as the reward model's tokenizer encodes it: a conversation (the completion as
+        an assistant turn, or a tool-using rollout's turns) with its chat template, a text as it is."""
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, list):
+                turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+                text = apply(self.tokenizer, prompt + turns, None, self.template_kwargs, self.key, tokenize=False)
+                out.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                out.append(self.tokenizer(prompt + completion)["input_ids"])
+        return out
+
+    def score_ids(self, rows: list[list[int]]) -> list[float]:
+        """The score (the one label's logit) of each token sequence, SCORE_BATCH at a time, right-padded with the
+        pad id the model reads the last real token from (the tokenizer's own pad() would pad with the tokenizer's
+        pad token, which need not be the config's)."""
+        if self.model is None:
+            self.load(torch.device("cpu"))
+        device, out = self.model.device, []
+        with torch.inference_mode():
+            for start in range(0, len(rows), SCORE_BATCH):
+                chunk = rows[start:start + SCORE_BATCH]
+                ids = torch.full((len(chunk), max(1, *map(len, chunk))), self.pad_token_id, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, row in enumerate(chunk):
+                    ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
+                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                out += logits[:, 0].float().tolist()
+        return out
+
+    def __call__(self, prompts, completions, **_):
+        handed = self.rollout_ids if self.same and self.rollout_ids is not None else None
+        return self.score_ids(handed if handed is not None and len(handed) == len(completions)
+                              else self.render(prompts, completions))
