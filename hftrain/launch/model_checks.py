@@ -4,9 +4,10 @@ Problems come back as (key, message) pairs; launch.preflight.environment_problem
 
 from __future__ import annotations
 
-from ..config import Recipe, arguments_kwargs, arguments_problem
+from ..config import Recipe, RecipeError, arguments_kwargs, arguments_problem
 from ..distributed import accelerator_available
 from ..kernels import liger_problem
+from ..methods import method_of
 from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
 from . import libraries
@@ -19,6 +20,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
     template = recipe.data.chat_template if recipe.data is not None else None
     if model_ok:
         out += path_problems(m, template if isinstance(template, str) else None)
+        out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):
         msg = arguments_problem(arguments_kwargs(recipe, accelerator_available()))
@@ -42,6 +44,16 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         if missing:
             out.append(("model.quantization", missing))
     return out
+
+
+def other_model_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """The paths of the models the recipe's method holds beside the policy (a teacher, a reward model), under their
+    own keys (methods.Method.others); a method whose section is not readable yet names none."""
+    try:
+        others = method_of(recipe).others(recipe)
+    except RecipeError:  # two method sections: config's rules say so
+        return []
+    return [problem for spec in others for problem in path_problems(spec.section, key=spec.key)]
 
 
 def setting_problems(recipe: Recipe, skip: set[str]) -> list[tuple[str, str]]:

@@ -18,11 +18,13 @@ from .registry import MethodEntry
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model a method holds: its role, its head kind and the recipe section it loads from."""
+    """A model a method holds: its role, its head kind, the recipe section it loads from and where that section sits
+    in the recipe (`key`: model for the policy, e.g. distill.teacher for a teacher), which every message names."""
 
     role: Role
     head: Head
     section: ModelSection
+    key: str = "model"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,19 @@ class Method:
         """The policy, loaded by its head's Auto class (methods with more to set, SFT's packing, override this)."""
         spec = self.policy(run.recipe)
         return load_model(spec.section, head=spec.head)
+
+    def others(self, recipe: Recipe) -> list[ModelSpec]:
+        """The models this method holds beside the policy (a reference, a teacher, a reward model): preflight checks
+        their paths as it checks the policy's, under their own keys, before anything loads."""
+        return [spec for spec in self.models(recipe) if spec.role is not Role.POLICY]
+
+    def load_frozen(self, spec: ModelSpec):
+        """A model the method holds but does not train (a teacher, a reward model), through the policy's safe path
+        (safetensors only, trust_remote_code as its section says, messages naming spec.key): in eval mode, no
+        gradients, so no optimizer state is ever made for it."""
+        model = load_model(spec.section, head=spec.head, key=spec.key).eval()
+        model.requires_grad_(False)
+        return model
 
     def trainer(self, run, model, tokenizer, data, callbacks: list):
         raise NotImplementedError

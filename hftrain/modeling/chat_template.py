@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from .paths import _raise_if
+from .paths import raise_if
 
 
 TRL_TEMPLATE = "trl:"  # data.chat_template: trl:NAME is TRL's shipped chat_templates/NAME.jinja
@@ -21,7 +21,7 @@ def chat_template_file(chat_template: str | None) -> str | None:
     return chat_template if chat_template and chat_template.endswith(".jinja") else None
 
 
-def _chat_template_problem(chat_template: str | None, key: str = "data.chat_template") -> str | None:
+def chat_template_problem(chat_template: str | None, key: str = "data.chat_template") -> str | None:
     path = chat_template_file(chat_template)
     if path and not os.path.isfile(path):
         if chat_template.startswith(TRL_TEMPLATE):
@@ -36,7 +36,7 @@ def _chat_template_problem(chat_template: str | None, key: str = "data.chat_temp
 
 def chat_template_text(chat_template: str, key: str = "data.chat_template") -> str:
     """The template a .jinja path or trl:NAME names, or `chat_template` itself (template text)."""
-    _raise_if(_chat_template_problem(chat_template, key))
+    raise_if(chat_template_problem(chat_template, key))
     path = chat_template_file(chat_template)
     if not path:
         return chat_template

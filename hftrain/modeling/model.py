@@ -13,8 +13,9 @@ from ..kernels import apply_liger, liger_problem, uses_liger
 from ..moe.upcycle import upcycle
 from ..quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, placement, prepare_for_training,
                             record_fingerprint)
+from .before_loading import path_problems
 from .lora import lora_config
-from .paths import (_folder_problem, _path_problem, _pickle_only_problem, _raise_if, resolved_name_or_path,
+from .paths import (raise_if, resolved_name_or_path,
                     warn_remote_code)
 
 
@@ -49,13 +50,12 @@ def join_packed_rows(model) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM):
+def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model"):
     """The base of `cfg` as transformers loads it by the Auto class of its `head` (safetensors only: a pickle
     checkpoint could run code on load), quantised by bitsandbytes when asked (placed whole on this rank's device, as
-    accelerate requires)."""
-    _raise_if(_path_problem(cfg.name_or_path, "model.name_or_path"))
-    _raise_if(_pickle_only_problem(cfg.name_or_path))
-    _raise_if(_folder_problem(cfg.name_or_path, "model.name_or_path"))
+    accelerate requires). `key`: where `cfg` sits in the recipe, for the messages."""
+    for _, problem in path_problems(cfg, key=key):
+        raise_if(problem)
     warn_remote_code(cfg, cfg.name_or_path)
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
@@ -64,24 +64,25 @@ def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSA
     if cfg.experts_implementation:
         kwargs["experts_implementation"] = cfg.experts_implementation
     if quantized:
-        _raise_if(bitsandbytes_problem())
+        raise_if(bitsandbytes_problem())
         kwargs.update(quantization_config=bnb_config(cfg), **placement())
     try:
         model = head.auto_class.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
-        raise ModelError(f"model.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
+        raise ModelError(f"{key}.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
     return keep_training_kernels(model) if quantized else model
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1,
-               head: Head = Head.CAUSAL_LM):
+               head: Head = Head.CAUSAL_LM, key: str = "model"):
     """The model of `cfg` with its `head` (the method declares it: methods.Method.models), quantised (QLoRA's base)
     or upcycled to MoE, with liger's kernels, with LoRA. `sequence_parallel` > 1: packed rows are split by
-    sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered)."""
-    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head)
+    sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered). `key`:
+    where `cfg` sits in the recipe (model, or a method's other model: ModelSpec.key), for the messages."""
+    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head, key=key)
     if cfg.kernels == "liger":
-        _raise_if(liger_problem(model.config.model_type))
+        raise_if(liger_problem(model.config.model_type))
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):
         apply_liger(model)
     if cfg.quantization is not None:

@@ -16,7 +16,7 @@ from ..errors import ModelError
 from ..fileio import safetensors_problem
 
 
-def _path_problem(name_or_path: str, key: str) -> str | None:
+def path_problem(name_or_path: str, key: str) -> str | None:
     # A Hub id is "name" or "org/name"; anything else is a local path, and a missing one is a typo, not a download.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
@@ -24,21 +24,21 @@ def _path_problem(name_or_path: str, key: str) -> str | None:
     return None
 
 
-def _pickle_only_problem(path: str) -> str | None:
+def pickle_only_problem(path: str, key: str = "model.name_or_path") -> str | None:
     """A local folder with pickle weights only: say why it is refused and how to convert it."""
     if not os.path.isdir(path):
         return None
     names = os.listdir(path)
     pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
     if pickles and not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names):
-        return (f"model.name_or_path: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
+        return (f"{key}: {path} holds pickle weights only ({', '.join(pickles[:3])}); hftrain loads "
                 "safetensors only, because unpickling a file can run code. If you trust the file, convert it once: "
                 "load it with its transformers Auto class and save it (AutoModelFor<its head>.from_pretrained(path)"
                 ".save_pretrained(path) writes model.safetensors)")
     return None
 
 
-def _folder_problem(path: str, key: str) -> str | None:
+def folder_problem(path: str, key: str) -> str | None:
     """A local model folder whose config.json does not parse, or whose safetensors files are not whole (a copy or a
     download cut short): named before anything is loaded, rather than as a loader's traceback minutes later."""
     folder = os.path.expanduser(path)
@@ -97,7 +97,7 @@ def warn_remote_code(cfg: ModelSection, name: str) -> None:
            f"{shown}", file=sys.stderr)
 
 
-def _raise_if(problem: str | None) -> None:
+def raise_if(problem: str | None) -> None:
     if problem:
         raise ModelError(problem)
 

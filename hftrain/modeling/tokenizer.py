@@ -6,15 +6,15 @@ from transformers import AutoTokenizer
 
 from ..config import ModelSection
 from ..errors import ModelError
-from .paths import _path_problem, _raise_if, warn_remote_code
-from .chat_template import _chat_template_problem, chat_template_text
+from .paths import path_problem, raise_if, warn_remote_code
+from .chat_template import chat_template_problem, chat_template_text
 
 
 def load_tokenizer(cfg: ModelSection, chat_template: str | None = None):
     name = cfg.tokenizer_name_or_path or cfg.name_or_path
-    _raise_if(_path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path
+    raise_if(path_problem(name, "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path
                             else "model.name_or_path"))
-    _raise_if(_chat_template_problem(chat_template))
+    raise_if(chat_template_problem(chat_template))
     warn_remote_code(cfg, name)
     key = "model.tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model.name_or_path"
     try:
