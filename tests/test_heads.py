@@ -13,9 +13,11 @@ from transformers import AutoConfig, AutoTokenizer, CLIPVisionConfig, LlamaConfi
 
 from hftrain.config import LoraSection, ModelSection
 from hftrain.constants import RECIPE_FILE, RUN_INFO_FILE
+from hftrain.errors import ModelError
 from hftrain.heads import Head, Role
 from hftrain.hub.card import build_card
 from hftrain.hub.checks import head_of_run, validate_folder
+from hftrain.launch import model_checks
 from hftrain.launch.plan import model_facts
 from hftrain.methods import Method, MethodEntry, ModelSpec
 
@@ -140,3 +142,34 @@ def test_a_lora_policy_with_a_classification_head_trains_and_saves_its_head(tiny
     assert type(model).__name__ == "PeftModelForSequenceClassification"
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     assert any(".score." in name and "modules_to_save" in name for name in trained), trained
+
+
+class WithTeacher(Method):
+    """A method holding a causal-LM teacher beside its policy (a distillation's shape)."""
+
+    def models(self, recipe):
+        return [ModelSpec(Role.POLICY, Head.CAUSAL_LM, recipe.model),
+                ModelSpec(Role.TEACHER, Head.CAUSAL_LM, recipe.teacher, key="distill.teacher")]
+
+
+WITH_TEACHER = WithTeacher(MethodEntry("with_teacher", "sft", None, None, __name__), read=lambda *a: None)
+
+
+def test_a_teacher_s_path_is_checked_under_its_own_key_before_anything_loads(tmp_path, tiny_model_dir, monkeypatch):
+    missing = str(tmp_path / "no-such-teacher")
+    recipe = SimpleNamespace(model=ModelSection(name_or_path=tiny_model_dir),
+                             teacher=ModelSection(name_or_path=missing))
+    monkeypatch.setattr(model_checks, "method_of", lambda r: WITH_TEACHER)
+    problems = model_checks.other_model_problems(recipe)
+    assert [key for key, _ in problems] == ["distill.teacher.name_or_path"] and missing in problems[0][1]
+    recipe.teacher = ModelSection(name_or_path=tiny_model_dir)
+    assert model_checks.other_model_problems(recipe) == []
+
+
+def test_a_frozen_model_loads_in_eval_mode_without_gradients(tiny_model_dir):
+    teacher = WITH_TEACHER.load_frozen(ModelSpec(Role.TEACHER, Head.CAUSAL_LM,
+                                                 ModelSection(name_or_path=tiny_model_dir, dtype="float32")))
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    with pytest.raises(ModelError, match="^distill.teacher.name_or_path: "):
+        WITH_TEACHER.load_frozen(ModelSpec(Role.TEACHER, Head.CAUSAL_LM, ModelSection(name_or_path="./nope"),
+                                           key="distill.teacher"))
