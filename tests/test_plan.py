@@ -115,3 +115,15 @@ def test_an_moe_model_is_planned_with_every_experts_state_and_the_active_experts
     mlp = 16 * sbh * (2 * expert_width + shared) / (4 * 32)
     expected = sparse * (18 * sbh + mlp) + (2 - sparse) * 34 * sbh + 2 * 4 * 4 * 128 * 64
     assert activation_bytes(f, 4, 128, checkpointing=False) == pytest.approx(expected)
+
+
+def test_a_frozen_model_adds_its_weights_sharded_as_the_policy_s_and_no_gradients_or_optimizer_states():
+    teacher = ModelFacts(params=PSI // 2, trainable=0, largest_layer=0, hidden=2048, layers=16, vocab=32000,
+                         weight_bytes=2)
+    alone = by_name(plan(FACTS, 8, 1, 1, 512, True, True))
+    taught = by_name(plan(FACTS, 8, 1, 1, 512, True, True, frozen=[teacher]))
+    assert taught["ddp"].gpu_params - alone["ddp"].gpu_params == PSI  # bf16 weights, whole on each GPU
+    assert taught["zero3"].gpu_params - alone["zero3"].gpu_params == PSI / 8  # sharded over the 8 GPUs
+    assert taught["zero3_offload"].cpu_per_node - alone["zero3_offload"].cpu_per_node == PSI  # offloaded with them
+    for s in alone:
+        assert (taught[s].gpu_grads, taught[s].gpu_optimizer) == (alone[s].gpu_grads, alone[s].gpu_optimizer)

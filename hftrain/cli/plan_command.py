@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..launch.plan import GiB, format_plan, kernels_here, model_facts, plan
-from ..methods import load_recipe, policy_head
+from ..methods import load_recipe, method_of, policy_head
 from .arguments import recipe_arguments
 
 
@@ -12,13 +12,17 @@ def _plan(ns) -> int:
     m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
                         quantization=m.quantization, head=policy_head(recipe))
+    frozen = [model_facts(o.section.name_or_path, None, o.section.trust_remote_code, o.section.dtype,
+                          quantization=o.section.quantization, head=o.head) for o in method_of(recipe).others(recipe)]
     sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
-                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp)
+                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp, frozen)
     active = f" ({facts.active_params / 1e6:.1f}M active per token)" if facts.active_params != facts.params else ""
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
-          + (f", each sequence split across {sp} GPUs" if sp > 1 else ""))
+          + (f", each sequence split across {sp} GPUs" if sp > 1 else "")
+          + "".join(f"; {o.key} {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
+                    for o, x in zip(method_of(recipe).others(recipe), frozen)))
     print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp), kernels_here(m, facts), sep="\n")
     return 0
 

@@ -123,9 +123,16 @@ def activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: b
     return layers + logits
 
 
+def frozen_bytes(frozen: list[ModelFacts]) -> float:
+    """The weights of the models a method holds but does not train (a teacher, a reward model): no gradients, no
+    optimizer states; they are sharded and offloaded as the policy's parameters are."""
+    return sum(f.params * f.weight_bytes if f.param_bytes is None else f.param_bytes for f in frozen)
+
+
 def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: int, checkpointing: bool,
-         mixed: bool, sequence_parallel: int = 1) -> list[Row]:
-    """One row per strategy; with `sequence_parallel` N the strategies that run it hold s/N tokens' activations."""
+         mixed: bool, sequence_parallel: int = 1, frozen: list[ModelFacts] = ()) -> list[Row]:
+    """One row per strategy; with `sequence_parallel` N the strategies that run it hold s/N tokens' activations;
+    `frozen`: the facts of the models beside the policy (frozen_bytes)."""
     n = gpus_per_node * nodes
     full = activation_bytes(f, micro_batch, seq, checkpointing)
     split = activation_bytes(f, micro_batch, -(-seq // sequence_parallel), checkpointing)
@@ -134,6 +141,7 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
     for s in STRATEGIES:
         act = split if s in SEQUENCE_PARALLEL_STRATEGIES else full
         P, G, Opt = state_bytes(s, f, mixed)  # the docstring's P, G, O
+        P += frozen_bytes(frozen)
         cpu = nvme = 0.0
         if s == "ddp":
             gpu = (P, G, Opt)
