@@ -102,6 +102,16 @@ def test_another_tokenizer_renders_the_conversation_with_its_own_template(tmp_pa
     assert not scorer(bare, tokenizer, conversational=False).same  # a text prompt is the text: no template needed
 
 
+def test_a_template_that_refuses_the_conversation_is_a_reward_error_raised_on_every_rank(tmp_path, tokenizer):
+    strict = train_tokenizer(["a b c"] * 20, vocab_size=270,
+                             chat_template="{{ raise_exception('roles must alternate') }}")
+    path = save_classifier(tmp_path / "strict", strict, pad_in_config=True)
+    policy = Policy(tokenizer, None, True, ModelSection(name_or_path="p", dtype="float32"))
+    reward = load_rewards(GrpoSection(rewards=[RewardSpec(model=path)]), defer=True, policy=policy)[0]
+    assert reward([PROMPT], ["c b a"]) == [None]  # deferred: GroupTrainer raises it on every rank after the gather
+    assert reward.error.startswith(f"{KEY}: the chat template refused the conversation: roles must alternate")
+
+
 def test_a_reward_model_without_a_pad_token_is_refused_naming_the_folder(tmp_path, tokenizer):
     no_pad = train_tokenizer(["a b c"] * 20, vocab_size=270)
     no_pad.pad_token = None

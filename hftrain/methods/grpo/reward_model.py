@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ...config import ModelSection, Problems
 from ...distributed import print0
-from ...errors import ModelError, RewardError
+from ...errors import DataError, ModelError, RewardError
 from ...heads import Head
 from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
 from ...data.templates import apply
@@ -159,7 +159,10 @@ class RewardModel:
         for prompt, completion in zip(prompts, completions):
             if isinstance(prompt, list):
                 turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-                text = apply(self.tokenizer, prompt + turns, None, self.template_kwargs, self.key, tokenize=False)
+                try:
+                    text = apply(self.tokenizer, prompt + turns, None, self.template_kwargs, self.key, tokenize=False)
+                except DataError as e:  # a RewardError is raised on every rank at once (GroupTrainer), not here
+                    raise RewardError(str(e)) from None
                 out.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             else:
                 out.append(self.tokenizer(prompt + completion)["input_ids"])
