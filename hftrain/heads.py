@@ -71,6 +71,12 @@ class Head(str, Enum):
         """Whether the model answers with generate() (else it scores: logits per sequence or per token)."""
         return self in (Head.CAUSAL_LM, Head.IMAGE_TEXT_TO_TEXT)
 
+    @property
+    def scores_last_token(self) -> bool:
+        """Whether the model reads one score per sequence at its last token before padding (config.pad_token_id,
+        which loading sets from the tokenizer: modeling.model.score_pad_token)."""
+        return self is Head.SEQUENCE_CLASSIFICATION
+
     def usage(self, ident: str, adapter: bool) -> str:
         """The card's Python snippet: load `ident` (a LoRA adapter through peft) and prompt it once."""
         name = json.dumps(ident)

@@ -10,6 +10,7 @@ import grimp
 import pytest
 from importlinter.cli import lint_imports
 
+from hftrain.heads import Role
 from hftrain.methods import METHODS, SCRIPTS
 
 from .conftest import REPO
@@ -165,7 +166,9 @@ def test_the_installed_versions_are_the_tested_ones():
 # points (hftrain/recipes/<script>.py) and the example command written into every generated accelerate config.
 # The words: every registered method's name and section (methods/registry.py), and the losses that name no method of
 # their own (IPO runs as DPO).
-METHOD_WORDS = {w for e in METHODS for w in (e.name, e.section) if w} | {"ipo"}
+# A model's role (heads.Role: policy, reference, teacher, reward) is a word of the house, not a method's name, though
+# the `reward:` section is named after it: GRPO's rewards and the reward role are named outside methods/.
+METHOD_WORDS = ({w for e in METHODS for w in (e.name, e.section) if w} | {"ipo"}) - {r.value for r in Role}
 MAY_NAME_A_METHOD = {f"recipes/{script}.py" for script in SCRIPTS} | {"launch/strategies.py"}
 
 

@@ -354,7 +354,7 @@ def test_the_pairs_kept_are_those_trls_trainer_keeps(tmp_path, tiny_model_dir):
     import datasets
     from transformers import AutoTokenizer
 
-    from hftrain.methods.preference.pairs import check_lengths
+    from hftrain.methods.pairs import check_lengths
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     pairs = [_text_pair(i, n) for i, n in enumerate([1, 12, 2, 12, 3, 1, 30])]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hftrain.methods import parse_recipe
 from hftrain.config.sections import DataSource
-from hftrain.methods.preference.pairs import read_pairs
+from hftrain.methods.pairs import read_pairs
 from hftrain.errors import DataError
 from hftrain.hub.card import build_card
 

@@ -12,19 +12,20 @@ the file and row in the file's own numbering (data/sources.py).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
 
-from ...config import DataSection, DataSource
-from ...constants import ROLES
-from ...distributed import print0
-from ...errors import DataError
-from ...data.build import mix
-from ...data.sources import column_map, read_rows
-from ...data.split import held_out_split
+from ..config import DataSection, DataSource
+from ..constants import ROLES
+from ..distributed import print0
+from ..errors import DataError
+from ..data.build import mix
+from ..data.sources import column_map, read_rows
+from ..data.split import held_out_split
 
 PAIR = ("chosen", "rejected")
 
@@ -97,9 +98,20 @@ def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
     return pair
 
 
-def read_pairs(src: DataSource, key: str, with_rows: bool = False):
+def numbers_of(row: dict, keep: tuple[str, ...]) -> dict:
+    """The columns `keep` of a row (a reward model's margin), each a finite number; a DataError names the column."""
+    out = {}
+    for column in keep:
+        value = row.get(column)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DataError(f"column {column!r} must hold a finite number, got {str(value)[:40]}")
+        out[column] = float(value)
+    return out
+
+
+def read_pairs(src: DataSource, key: str, with_rows: bool = False, keep: tuple[str, ...] = ()):
     """The pair of every row of a source, and whether they are conversations (and, `with_rows`, each pair's row in
-    the file's own numbering); the first bad row stops."""
+    the file's own numbering); the first bad row stops. `keep`: number columns carried beside the pair."""
     rows = read_rows(src, key)
     rename = column_map(rows, src, key)
     if rows.count == 0:
@@ -107,7 +119,8 @@ def read_pairs(src: DataSource, key: str, with_rows: bool = False):
     pairs, kinds, places = [], {}, []
     for where, row in rows.iterate():
         try:
-            pair = pair_of_row({rename.get(k, k): v for k, v in row.items()}, src.roles)
+            named = {rename.get(k, k): v for k, v in row.items()}
+            pair = {**pair_of_row(named, src.roles), **numbers_of(named, keep)}
         except DataError as e:
             raise DataError(f"{key}: {where}: {e}") from None
         kind = isinstance(pair["chosen"], list)
@@ -183,22 +196,24 @@ def check_kind(kinds: dict, key: str, conversational: bool, has_template: bool, 
                         "data.chat_template (a Jinja string or a .jinja file)")
 
 
-def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, tokenizer=None) -> PreferenceData:
+def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, tokenizer=None,
+                          measure=check_lengths, keep: tuple[str, ...] = ()) -> PreferenceData:
     """Every source read and checked, held-out pairs split off (data.eval_fraction) or read (data.eval_sources),
-    the training sources mixed by weight. With the run's `tokenizer`, each source's pairs are also measured as TRL
-    will truncate them (check_lengths), before any model is loaded."""
+    the training sources mixed by weight. With the run's `tokenizer`, each source's pairs are also measured as the
+    method's TRL trainer will cut them (`measure`: DPO's truncation, check_lengths), before any model is loaded.
+    `keep`: number columns carried beside each pair (numbers_of)."""
     train_parts, eval_parts, weights, kinds = [], [], [], {}
     groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
         ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
     for group, src, i in groups:
         key = f"data.{group}.{i}"
-        pairs, conversational, places = read_pairs(src, key, with_rows=True)
+        pairs, conversational, places = read_pairs(src, key, with_rows=True, keep=keep)
         check_kind(kinds, key, conversational, has_template, "pairs")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             pairs = [{**p, "chat_template_kwargs": cfg.chat_template_kwargs} for p in pairs]
         ds = datasets.Dataset.from_list(pairs)
         if tokenizer is not None:
-            ds = check_lengths(ds, places, tokenizer, cfg.max_length, key, src.path)
+            ds = measure(ds, places, tokenizer, cfg.max_length, key, src.path)
         if group == "eval_sources":
             eval_parts.append(ds)
             continue

@@ -20,11 +20,12 @@ SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only
 POLICY_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
 
-def load_policy(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
+def load_policy(cfg: ModelSection, head: Head = Head.CAUSAL_LM, num_labels: int | None = None):
     """The model to tune; with model.lora the base model, for TRL to wrap with `policy_peft_config`: TRL computes the
     reference with that fresh adapter disabled (no copy). A model wrapped beforehand would make TRL copy the adapter
-    as a 'ref' adapter, for adapters trained earlier."""
-    return load_model(cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None), head=head)
+    as a 'ref' adapter, for adapters trained earlier. `num_labels`: a classifier's classes (a reward model's one)."""
+    base = cfg if cfg.lora is None else dataclasses.replace(cfg, lora=None)
+    return load_model(base, head=head, num_labels=num_labels)
 
 
 def policy_peft_config(cfg: ModelSection, head: Head = Head.CAUSAL_LM):

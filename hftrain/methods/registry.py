@@ -21,7 +21,7 @@ from ..config import Recipe, RecipeError
 
 @dataclass(frozen=True)
 class MethodEntry:
-    name: str  # sft, dpo (sigmoid, ipo), simpo, orpo, kto, grpo
+    name: str  # sft, dpo (sigmoid, ipo), simpo, orpo, kto, grpo, outcome_reward
     script: str  # the recipe script that runs it: `hftrain <script>`, hftrain.recipes.<script>
     section: str | None  # the recipe section that selects it (preference, grpo), None for SFT
     example: str | None  # that section as a user writes it, for the refusal of a script run without it
@@ -42,7 +42,8 @@ class MethodEntry:
 
 
 _PACKAGE = __name__.rpartition(".")[0]  # hftrain.methods
-_PREFERENCE, _GRPO = f"{_PACKAGE}.preference", f"{_PACKAGE}.grpo"  # the two families' sub-packages
+_PREFERENCE, _GRPO = f"{_PACKAGE}.preference", f"{_PACKAGE}.grpo"  # the families' sub-packages
+_REWARD = f"{_PACKAGE}.reward"
 
 _PREFERENCE_SECTION = f"{_PREFERENCE}.preference_section:PreferenceSection"
 
@@ -57,8 +58,10 @@ KTO = MethodEntry("kto", "dpo", "preference", "preference: {loss_type: kto, beta
                   _PREFERENCE_SECTION)
 GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_match}]}", f"{_GRPO}.grpo",
                    f"{_GRPO}.grpo_section:GrpoSection")
+REWARD = MethodEntry("outcome_reward", "reward", "reward", "reward: {kind: outcome}", f"{_REWARD}.outcome",
+                     f"{_REWARD}.reward_section:RewardSection")
 
-BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO)
+BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD)
 PLUGIN_GROUP = "hftrain.methods"  # the entry-point group a method outside hftrain registers its MethodEntry in
 
 

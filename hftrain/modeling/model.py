@@ -17,6 +17,7 @@ from .before_loading import path_problems
 from .lora import lora_config
 from .paths import (raise_if, resolved_name_or_path,
                     warn_remote_code)
+from .tokenizer import load_tokenizer
 
 
 def reads_packing_from_one_row(attn_implementation: str | None) -> bool:
@@ -50,7 +51,19 @@ def join_packed_rows(model) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model"):
+def score_pad_token(model, cfg: ModelSection, key: str = "model") -> None:
+    """A sequence classifier reads its score at the last token that is not config.pad_token_id: without one it
+    refuses batches of several rows, and with a pad id other than the tokenizer's it scores a padding position. The
+    model's pad id is set here from the run's tokenizer (load_tokenizer: its pad token, else its EOS or UNK, said
+    so); where the tokenizer has none to take, the data phase refuses the run (the method's read)."""
+    tokenizer = load_tokenizer(cfg, say_padding=key)
+    if tokenizer.pad_token_id is not None:
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model",
+                     num_labels: int | None = None):
     """The base of `cfg` as transformers loads it by the Auto class of its `head` (safetensors only: a pickle
     checkpoint could run code on load), quantised by bitsandbytes when asked (placed whole on this rank's device, as
     accelerate requires). `key`: where `cfg` sits in the recipe, for the messages."""
@@ -59,6 +72,8 @@ def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSA
     warn_remote_code(cfg, cfg.name_or_path)
     dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     kwargs = {"dtype": dtype, "revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    if num_labels is not None:  # the method's classes (a reward model's one score)
+        kwargs["num_labels"] = num_labels
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.experts_implementation:
@@ -71,16 +86,19 @@ def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSA
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
         raise ModelError(f"{key}.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
+    if head.scores_last_token:
+        score_pad_token(model, cfg, key)
     return keep_training_kernels(model) if quantized else model
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1,
-               head: Head = Head.CAUSAL_LM, key: str = "model"):
+               head: Head = Head.CAUSAL_LM, key: str = "model", num_labels: int | None = None):
     """The model of `cfg` with its `head` (the method declares it: methods.Method.models), quantised (QLoRA's base)
     or upcycled to MoE, with liger's kernels, with LoRA. `sequence_parallel` > 1: packed rows are split by
     sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered). `key`:
-    where `cfg` sits in the recipe (model, or a method's other model: ModelSpec.key), for the messages."""
-    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head, key=key)
+    where `cfg` sits in the recipe (model, or a method's other model: ModelSpec.key), for the messages; `num_labels`:
+    a classifier's classes where the method fixes them (a reward model's one score)."""
+    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head, key=key, num_labels=num_labels)
     if cfg.kernels == "liger":
         raise_if(liger_problem(model.config.model_type))
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):

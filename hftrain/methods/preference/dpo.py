@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from trl import DPOConfig, DPOTrainer
 
-from ... import losses
-from ...losses import GlobalBatchMixin
+from ...losses import PairMeanMixin
 from ...config import HFTrainOptions, Recipe
-from .pairs import build_preference_data
+from ..pairs import build_preference_data
 from ...trainer import RUN_MIXINS
 from ..base import first_rows, has_template
 from .. import registry
@@ -51,26 +49,6 @@ def dpo_config(recipe: Recipe, **kwargs) -> HFDPOConfig:
     """The run's arguments (`kwargs`: every TrainingArguments value launch.setup resolved) plus the preference
     section's."""
     return HFDPOConfig(**kwargs, **preference_values(recipe))
-
-
-class PairMeanMixin(GlobalBatchMixin):
-    """The preference loss as the exact mean over the pairs of the optimizer step's global batch
-    (losses.pair_mean_share), from the per-micro-batch mean a TRL trainer returns."""
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """The pairs of the optimizer step over every micro-batch and rank (a batch holds chosen then rejected rows)."""
-        if not batch_samples or "input_ids" not in batch_samples[0]:
-            return None
-        return self.global_sum(torch.tensor(sum(b["input_ids"].shape[0] // 2 for b in batch_samples), device=device))
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs)
-        if not model.training or num_items_in_batch is None:  # eval: the micro-batch's mean, as TRL returns it
-            return out
-        loss, outputs = out if return_outputs else (out, None)
-        loss = losses.pair_mean_share(loss, inputs["input_ids"].shape[0] // 2, num_items_in_batch,
-                                      self.data_parallel_size())
-        return (loss, outputs) if return_outputs else loss
 
 
 class PreferenceTrainer(*RUN_MIXINS, PairMeanMixin, DPOTrainer):

@@ -24,7 +24,7 @@ from ...config import DataSection, DataSource
 from ...distributed import print0
 from ...errors import DataError
 from ...data.build import mix
-from .pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
+from ..pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
 from ...data.sources import column_map, read_rows
 from ...data.split import held_out_split
 

@@ -1,0 +1,93 @@
+"""An outcome reward model's data phase: the preference pairs every layout DPO reads (methods/pairs.py: explicit or
+implicit prompt, conversations with the chat template, local files, mixing), tokenised as TRL 1.16's RewardTrainer
+tokenises them (its own _prepare_dataset: EOS after text answers, prompt + answer, the chat template for
+conversations), before the model loads. What TRL does silently is said here by file and row: it drops every pair with
+a side longer than data.max_length (counted and named; none left is an error). The tokenizer's pad token is checked
+here too: a sequence classifier reads its score at the last token before padding (config.pad_token_id)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+from trl import RewardTrainer
+
+from ...config import Recipe
+from ...distributed import print0
+from ...errors import DataError
+from ..base import has_template
+from ..pairs import ROW, PreferenceData, build_preference_data
+
+MARGIN = "margin"  # TRL's column of each pair's margin (RewardTrainer.compute_loss)
+
+
+def pad_problem(tokenizer) -> str | None:
+    """Why a sequence classifier could not find the last real token of a padded row with this tokenizer (hftrain's
+    tokenizer pads with EOS, or UNK, when it has no pad token: modeling.load_tokenizer), or None."""
+    if tokenizer.pad_token_id is None:
+        return ("model.tokenizer_name_or_path: the tokenizer has no pad, eos or unk token, so a sequence classifier "
+                "cannot find the last real token of a padded row (config.pad_token_id): add a pad token to the "
+                "tokenizer (tokenizer.add_special_tokens({'pad_token': ...})) and save it again")
+    return None
+
+
+def trl_tokenised(ds, tokenizer, max_length: int | None, name: str):
+    """The pairs as TRL's RewardTrainer prepares them (called, not re-written: the lengths here are its own); a side
+    longer than `max_length` drops the pair. The rows keep ROW, their index in `ds`."""
+    args = SimpleNamespace(dataset_num_proc=None, max_length=max_length)
+    indexed = ds.add_column(ROW, list(range(len(ds))))
+    return RewardTrainer._prepare_dataset(None, indexed, tokenizer, args, name)
+
+
+def measured(ds, places: list[str], tokenizer, max_length: int, key: str, path: str):
+    """One source's pairs tokenised; those TRL would drop (a side over data.max_length tokens) are counted and named,
+    none left is a DataError naming data.max_length."""
+    prepared = trl_tokenised(ds, tokenizer, max_length, key)
+    dropped = sorted(set(range(len(ds))) - set(prepared[ROW]))
+    if len(dropped) == len(ds):
+        every = trl_tokenised(ds, tokenizer, None, key)
+        shortest = min(max(len(c), len(r)) for c, r in zip(every["chosen_ids"], every["rejected_ids"]))
+        raise DataError(f"{key}: every one of the {len(ds)} pairs of {path} has a side longer than data.max_length="
+                        f"{max_length} tokens, and a reward model scores whole sequences (the shortest pair's longer "
+                        f"side has {shortest} tokens); raise data.max_length to {shortest} or more")
+    if dropped:
+        shown = ", ".join(places[i] for i in dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5
+                                                             else "")
+        print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} pairs of {path} are left out: a side is longer than "
+               f"data.max_length={max_length} tokens ({shown}); raise data.max_length to keep them", file=sys.stderr)
+    return prepared.remove_columns(ROW)
+
+
+def read_reward_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PreferenceData:
+    """Every pair read, checked and tokenised (errors name the file and row); the tokenizer's pad token and the
+    first bad row are refused together."""
+    margin = recipe.reward.margin
+    problems = [p for p in (pad_problem(tokenizer),) if p]
+    try:
+        data = build_preference_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer,
+                                     measure=measured, keep=(margin,) if margin else ())
+    except DataError as e:
+        raise DataError("\n".join([*problems, str(e)])) from None
+    if problems:
+        raise DataError("\n".join(problems))
+    if margin and margin != MARGIN:  # TRL reads the margin from its own column name
+        data.train = data.train.rename_column(margin, MARGIN)
+        data.eval = data.eval.rename_column(margin, MARGIN) if data.eval is not None else None
+    return data
+
+
+def show_pairs(recipe: Recipe, tokenizer, n: int) -> str:
+    """The first n training pairs as `hftrain data` shows them: the texts and each side's length in tokens."""
+    data = read_reward_pairs(recipe, tokenizer, 1, recipe.training_value("seed"))
+    rows = data.train.select(range(min(n, len(data.train))))
+    print(f"hftrain: the first {len(rows)} training pairs (each side as the reward model scores it, in tokens)",
+          file=sys.stderr)
+    lines = []
+    for row in rows:
+        shown = {"chosen": tokenizer.decode(row["chosen_ids"]), "rejected": tokenizer.decode(row["rejected_ids"]),
+                 "chosen_tokens": len(row["chosen_ids"]), "rejected_tokens": len(row["rejected_ids"])}
+        if MARGIN in row:
+            shown[MARGIN] = row[MARGIN]
+        lines.append(json.dumps(shown, ensure_ascii=False))
+    return "\n".join(lines)
