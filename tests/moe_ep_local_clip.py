@@ -7,9 +7,9 @@ import sys
 
 from transformers import Trainer
 
-from hftrain.moe.mixin import ExpertParallelMixin
+from hftrain.moe.mixin import MoeMixin
 
-ExpertParallelMixin._clip_grad_norm = Trainer._clip_grad_norm
-ExpertParallelMixin._get_grad_norm = Trainer._get_grad_norm
+MoeMixin._clip_grad_norm = Trainer._clip_grad_norm
+MoeMixin._get_grad_norm = Trainer._get_grad_norm
 sys.argv = ["recipes/sft.py", *sys.argv[1:]]
 runpy.run_path("recipes/sft.py", run_name="__main__")

@@ -8,7 +8,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from hftrain import moe
 from hftrain.errors import MoeError
 from hftrain.moe.aux import z_loss
 from hftrain.moe.blocks import moe_blocks, routers
@@ -665,9 +664,8 @@ def test_aux_terms_of_hf_moe_models_enter_the_loss_once_scaled_by_accumulation(m
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     args = HFTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    trainer = SFTTrainer(model=model, args=args)
-    done = moe.attach(trainer, MoeSection(aux_loss_coef=0.1, router_z_loss_coef=0.01))
-    assert done["aux_losses"] == ["moe_aux_loss", "moe_z_loss"]
+    trainer = SFTTrainer(model=model, args=args, moe=MoeSection(aux_loss_coef=0.1, router_z_loss_coef=0.01))
+    assert sorted(trainer.aux_losses) == ["moe_aux_loss", "moe_z_loss"]  # wired as the trainer is built (MoeMixin)
     mask = torch.ones_like(IDS)
     mask[1, 7:] = 0  # padding
     labels = IDS.masked_fill(mask == 0, -100)

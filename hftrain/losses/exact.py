@@ -25,7 +25,7 @@ from .global_batch import GlobalBatchMixin
 
 class ExactLossMixin(GlobalBatchMixin):
     def __init__(self, *args, **kwargs):
-        # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term (moe.attach registers some)
+        # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term (MoeMixin registers some)
         self.aux_losses: dict[str, tuple[Callable, float]] = {}
         self._step_counts: list[tuple[int, int]] = []  # (targets, sequences) of each step since the last log
         self._last_counts: tuple[int, int] | None = None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from .. import moe
 from ..config import HFTrainingArguments, Recipe
 from ..constants import SHARDED, ZERO3
 from ..data import build_datasets
@@ -17,14 +16,14 @@ from ..data.stream_position import StreamPositionMixin
 from ..losses import ChunkedLossMixin, ExactLossMixin
 from ..modeling import load_model
 from ..moe.expert_parallel import expert_parallel_size
-from ..moe.mixin import ExpertParallelMixin
+from ..moe.mixin import MoeMixin
 from ..sequence_parallel import SequenceParallelMixin
 from ..trainer import RUN_MIXINS
 from . import registry
 from .base import Method
 
 
-class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, ExpertParallelMixin, SequenceParallelMixin, ExactLossMixin,
+class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMixin, ExactLossMixin,
                  ChunkedLossMixin, Trainer):
     """Supervised fine-tuning: transformers' Trainer with every hftrain concern (trainer/: the mixins, in their
     method resolution order)."""
@@ -55,10 +54,9 @@ class SFT(Method):
                           sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
-        trainer = self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
-                                     processing_class=tokenizer, data_collator=data.collator, callbacks=callbacks)
-        moe.attach(trainer, run.recipe.moe)  # MoE aux / z losses, router health; ZeRO-3 leaf modules
-        return trainer
+        return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
+                                  processing_class=tokenizer, data_collator=data.collator, callbacks=callbacks,
+                                  moe=run.recipe.moe)  # MoeMixin: aux / z losses, router health, ZeRO-3 leaves
 
     def metrics(self, run, trainer, data, before):
         return exact_match_metrics(run, trainer, data, before)

@@ -1,6 +1,7 @@
 """Mixture of experts: upcycling dense models to native MoE classes, router aux / z losses, aux-loss-free balancing of
-biased routers, router health, expert parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer; mixin.py
-is SFTTrainer's part of expert parallelism (the gradient norm and the optimizer state over every rank's experts)."""
+biased routers, router health, expert parallelism. `attach(trainer, recipe.moe)` wires it into a Trainer, called by
+mixin.MoeMixin as the trainer is built (the one way MoE enters a trainer), which also holds the trainer's part of
+expert parallelism (the gradient norm and the optimizer state over every rank's experts)."""
 
 from __future__ import annotations
 

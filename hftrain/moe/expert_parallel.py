@@ -270,7 +270,7 @@ def release_gathered(model: nn.Module) -> None:
 class ExpertParallelCallback(TrainerCallback):
     """Drops the gathered copies of the experts while training (a copy of every expert on every rank is what expert
     parallelism saves): once accelerate's preparation and a resume's load have read them, and after each checkpoint.
-    The gather itself is part of every save (mixin.ExpertParallelMixin.save_model)."""
+    The gather itself is part of every save (mixin.MoeMixin.save_model)."""
 
     def __init__(self, model):
         self.model = model

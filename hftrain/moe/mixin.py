@@ -1,5 +1,7 @@
-"""Expert parallelism in the Trainer (expert_parallel.py: the layer). Each rank holds other experts, so what the
-Trainer does over "the" parameters is done here over every rank's:
+"""MoE in the Trainer, the one way it enters one: `MoeMixin.__init__(..., moe=recipe.moe)` wires the `moe:` section
+(moe.attach: ZeRO-3 leaf modules, aux / z losses, expert parallelism, router health, bias balancing) when the trainer
+is built, not by editing it afterwards. Expert parallelism (expert_parallel.py: the layer): each rank holds other
+experts, so what the Trainer does over "the" parameters is done here over every rank's:
 
 - the gradient norm, for clipping and for the logged grad_norm: the dense gradients (equal on every rank after DDP's
   average) and every rank's experts (expert_parallel.clip_grad_norm_);
@@ -16,14 +18,20 @@ import os
 import torch
 
 from ..errors import CheckpointError
+from . import attach
 from . import expert_parallel as ep
 from .blocks import unwrap
 
 EXPERT_OPTIMIZER = "expert_optimizer_rank{rank}.pt"  # one per rank: the optimizer state of its own experts
 
 
-class ExpertParallelMixin:
+class MoeMixin:
     _split_experts: tuple[dict, object] | None = None
+
+    def __init__(self, *args, moe=None, **kwargs):
+        """`moe`: the recipe's moe: section (None: a dense model, or an MoE model trained as it is)."""
+        super().__init__(*args, **kwargs)
+        attach(self, moe)
 
     def _experts(self) -> tuple[dict, object]:
         """(this rank's expert parameters by name, their group), found once, at the first use in train(): the blocks
