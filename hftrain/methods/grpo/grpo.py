@@ -40,7 +40,8 @@ from ...trainer import RUN_MIXINS
 from .. import registry
 from ..policy import load_policy, policy_peft_config
 from ...evaluate import greedy_answer
-from ..sft import SFT, exact_match_metrics
+from ..base import Method
+from ..sft import exact_match_metrics
 from .environments import load_environment, shown_tools
 from .tools import (ToolAnswer, load_tools, suffix_after_stop, tool_template_problem,
                     unanswered_calls)
@@ -195,10 +196,10 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     return data
 
 
-class GRPO(SFT):
+class GRPO(Method):
     """GRPO in the run: TRL's GRPOConfig, the policy (the reference is TRL's: the LoRA adapter disabled, or a frozen
-    copy), the reward functions and GroupTrainer; judged as SFT is, by exact match of greedy answers to held-out
-    prompts before and after (no held-out loss: the Trainer gets no eval dataset)."""
+    copy), the reward functions and GroupTrainer; judged by exact match of greedy answers to held-out prompts before
+    and after, SFT's measure (sft.exact_match_metrics; no held-out loss: the Trainer gets no eval dataset)."""
 
     reported = ()
 
