@@ -61,7 +61,10 @@ GRPO = MethodEntry("grpo", "grpo", "grpo", "grpo: {rewards: [{function: exact_ma
 REWARD = MethodEntry("outcome_reward", "reward", "reward", "reward: {kind: outcome}", f"{_REWARD}.outcome",
                      f"{_REWARD}.reward_section:RewardSection")
 
-BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD)
+DISTILL = MethodEntry("distill", "distill", "distill", "distill: {teacher: {name_or_path: TEACHER_FOLDER}}",
+                      f"{_PACKAGE}.distill.distill", f"{_PACKAGE}.distill.distill_section:DistillSection")
+
+BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD, DISTILL)
 PLUGIN_GROUP = "hftrain.methods"  # the entry-point group a method outside hftrain registers its MethodEntry in
 
 

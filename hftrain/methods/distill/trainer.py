@@ -1,0 +1,108 @@
+"""The distillation trainer: SFT's trainer (transformers' Trainer, hftrain's run mixins, the exact loss over the global
+batch: losses.ExactLossMixin) whose micro-batch loss sum is the divergence to the teacher over every completion token
+(divergence.py, in chunks of tokens), plus distill.ce_weight x their cross-entropy; ExactLossMixin divides it by the
+step's completion tokens over every micro-batch and rank (GlobalBatchMixin.step_share), so 2 ranks x GA2 train as 1
+rank x GA4.
+
+on_policy: before the step's tokens are counted, the micro-batches GKD's lambda picks (the same on every rank: a coin
+seeded by the run's seed, the step and the micro-batch) are replaced by the student's own samples for their prompts
+(each row's tokens before its first completion token), so the count is of the sampled tokens. The teacher is frozen
+(Method.load_frozen), on the student's device, never in the optimizer."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ...constants import IGNORE_INDEX
+from ...distributed import print0
+from ...losses import target_ce
+from ..sft import SFTTrainer
+from .divergence import DivergenceSpec, divergence_sum, token_divergences
+from .distill_section import DistillSection
+from .sampling import sample_completions
+from .teacher_checks import shared_vocab
+
+
+class DistillTrainer(SFTTrainer):
+    def __init__(self, *args, teacher, section: DistillSection, **kwargs):
+        self.teacher, self.section = teacher, section
+        self.spec = DivergenceSpec(section.resolved_divergence, section.value("beta"), section.temperature,
+                                   section.top_k)
+        self.ce_weight = section.value("ce_weight") if section.mode == "logits" else 0.0
+        super().__init__(*args, **kwargs)
+        self.vocab = self._compared_vocab()
+
+    def _chunked_head(self, loss_impl: str):
+        """No chunked CE head: the divergence reads the student's logits (and is chunked over tokens itself)."""
+        print0(f"hftrain: loss: {self.spec.kind} to the teacher over the completion tokens, in chunks of tokens"
+               + (f", + {self.ce_weight} x cross-entropy" if self.ce_weight else "") + ", / the global batch's "
+               "completion tokens")
+        return None
+
+    def _compared_vocab(self) -> int:
+        student = self.accelerator.unwrap_model(self.model).config.vocab_size
+        teacher, size = self.teacher.config.vocab_size, len(self.processing_class)
+        shared = shared_vocab(student, teacher, size)
+        if shared is None:  # teacher_problems refuses it before loading; a model changed since is refused here
+            raise ValueError(f"distill.teacher: vocabulary size {teacher} against the student's {student}, the "
+                             f"tokenizer has {size} tokens: not padding only")
+        if student != teacher:
+            print0(f"hftrain: distill.teacher: vocabulary sizes differ only by padding (student {student}, teacher "
+                   f"{teacher}): both distributions are compared over the tokenizer's {shared} tokens")
+        return shared
+
+    def _teacher_logits(self, inputs: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return self.teacher(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+
+    def _pairs(self, student_logits, teacher_logits, labels):
+        """The student's and teacher's logits at the positions that predict a completion token, [tokens, vocab]
+        each, and each token's row."""
+        mask = labels[:, 1:] != IGNORE_INDEX
+        rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(mask)[mask]
+        return (student_logits[:, :-1][mask][:, :self.vocab], teacher_logits[:, :-1][mask][:, :self.vocab], rows)
+
+    def _loss_sum(self, model, inputs: dict, mode: str):
+        """(outputs, this micro-batch's sum over its completion tokens of divergence + ce_weight x CE)."""
+        labels = inputs.pop("labels")
+        outputs = self._forward(model, inputs)
+        student, teacher, _ = self._pairs(outputs.logits, self._teacher_logits(inputs), labels)
+        total = divergence_sum(student, teacher, self.spec, self.loss_chunk_size)
+        if self.ce_weight:
+            total = total + self.ce_weight * target_ce(outputs.logits, labels[:, 1:]).sum()
+        return outputs, total
+
+    @torch.no_grad()
+    def row_divergences(self, model, inputs: dict) -> torch.Tensor:
+        """[rows, 2]: each row's divergence sum over its completion tokens and their count (held-out metrics)."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        student, teacher, rows = self._pairs(self._forward(model, inputs).logits, self._teacher_logits(inputs),
+                                             labels)
+        out = torch.zeros(labels.shape[0], 2, device=labels.device, dtype=torch.float32)
+        out[:, 0].index_add_(0, rows, token_divergences(student, teacher, self.spec, self.loss_chunk_size))
+        out[:, 1].index_add_(0, rows, torch.ones_like(rows, dtype=torch.float32))
+        return out
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """on_policy: the micro-batches lambda picks are replaced (in the step's list) by the student's samples
+        before the step's completion tokens are counted (the Trainer calls this once per step, in training)."""
+        if self.section.mode == "on_policy":
+            lmbda = self.section.value("lmbda")
+            for i, batch in enumerate(batch_samples):
+                coin = random.Random(f"{self.args.seed}:{self.state.global_step}:{i}").random()
+                if coin < lmbda:
+                    batch_samples[i] = self._sampled(batch)
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _sampled(self, batch: dict) -> dict:
+        model = self.accelerator.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()
+        try:
+            return sample_completions(model, self.processing_class, batch, self.section.value("max_new_tokens"),
+                                      self.section.temperature)
+        finally:
+            model.train(was_training)
