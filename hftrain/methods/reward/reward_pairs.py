@@ -22,11 +22,11 @@ from ..pairs import ROW, PreferenceData, build_preference_data
 MARGIN = "margin"  # TRL's column of each pair's margin (RewardTrainer.compute_loss)
 
 
-def pad_problem(tokenizer) -> str | None:
+def pad_problem(tokenizer, key: str) -> str | None:
     """Why a sequence classifier could not find the last real token of a padded row with this tokenizer (hftrain's
     tokenizer pads with EOS, or UNK, when it has no pad token: modeling.load_tokenizer), or None."""
     if tokenizer.pad_token_id is None:
-        return ("model.tokenizer_name_or_path: the tokenizer has no pad, eos or unk token, so a sequence classifier "
+        return (f"{key}: the tokenizer has no pad, eos or unk token, so a sequence classifier "
                 "cannot find the last real token of a padded row (config.pad_token_id): add a pad token to the "
                 "tokenizer (tokenizer.add_special_tokens({'pad_token': ...})) and save it again")
     return None
@@ -63,9 +63,11 @@ def read_reward_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int) -> 
     """Every pair read, checked and tokenised (errors name the file and row); the tokenizer's pad token and the
     first bad row are refused together."""
     margin = recipe.reward.margin
-    problems = [p for p in (pad_problem(tokenizer),) if p]
-    try:
-        data = build_preference_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer,
+    where = "model.tokenizer_name_or_path" if recipe.model.tokenizer_name_or_path else "model.name_or_path"
+    problems = [p for p in (pad_problem(tokenizer, where),) if p]
+    try:  # without a pad token TRL's tokenising is not reached: the rows are still read and checked
+        data = build_preference_data(recipe.data, has_template(tokenizer), seed=seed,
+                                     tokenizer=None if problems else tokenizer,
                                      measure=measured, keep=(margin,) if margin else ())
     except DataError as e:
         raise DataError("\n".join([*problems, str(e)])) from None
