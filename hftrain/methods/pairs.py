@@ -23,9 +23,8 @@ from ..config import DataSection, DataSource
 from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
-from ..data.build import mix
 from ..data.sources import column_map, read_rows
-from ..data.split import held_out_split
+from ..data.gather import gather_sources
 
 PAIR = ("chosen", "rejected")
 
@@ -202,25 +201,16 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, 
     the training sources mixed by weight. With the run's `tokenizer`, each source's pairs are also measured as the
     method's TRL trainer will cut them (`measure`: DPO's truncation, check_lengths), before any model is loaded.
     `keep`: number columns carried beside each pair (numbers_of)."""
-    train_parts, eval_parts, weights, kinds = [], [], [], {}
-    groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
-        ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
-    for group, src, i in groups:
-        key = f"data.{group}.{i}"
+    kinds: dict = {}
+
+    def read(src: DataSource, key: str, group: str) -> datasets.Dataset:
         pairs, conversational, places = read_pairs(src, key, with_rows=True, keep=keep)
         check_kind(kinds, key, conversational, has_template, "pairs")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             pairs = [{**p, "chat_template_kwargs": cfg.chat_template_kwargs} for p in pairs]
         ds = datasets.Dataset.from_list(pairs)
-        if tokenizer is not None:
-            ds = measure(ds, places, tokenizer, cfg.max_length, key, src.path)
-        if group == "eval_sources":
-            eval_parts.append(ds)
-            continue
-        if cfg.eval_fraction > 0:
-            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
-            eval_parts.append(held)
-        train_parts.append(ds)
-        weights.append(src.weight)
-    evald = datasets.concatenate_datasets(eval_parts) if eval_parts else None
-    return PreferenceData(mix(train_parts, weights, seed), evald, bool(kinds.get(True)))
+        return ds if tokenizer is None else measure(ds, places, tokenizer, cfg.max_length, key, src.path)
+
+    gathered = gather_sources(cfg, seed, read)
+    evald = datasets.concatenate_datasets(gathered.held) if gathered.held else None
+    return PreferenceData(gathered.train, evald, bool(kinds.get(True)))

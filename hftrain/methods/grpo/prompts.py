@@ -19,12 +19,11 @@ from typing import Any
 
 import datasets
 
-from ...config import DataSection
+from ...config import DataSection, DataSource
 from ...distributed import print0
 from ...errors import DataError
-from ...data.build import mix
 from ...data.layouts import read_canonical
-from ...data.split import held_out_split
+from ...data.gather import gather_sources
 from ...data.templates import apply, template_kwargs
 from .tools import example_trajectory
 
@@ -128,11 +127,9 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
                       ) -> PromptData:
     """Every source read and checked, held-out prompts split off (data.eval_fraction) or read (data.eval_sources),
     the training sources mixed by weight."""
-    train_parts, weights, held, kinds = [], [], [], {}
-    groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
-        ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
-    for group, src, i in groups:
-        key = f"data.{group}.{i}"
+    kinds: dict = {}
+
+    def read(src: DataSource, key: str, group: str) -> datasets.Dataset:
         rows = [row for _, row, _ in read_prompts(src, key, tokenizer, cfg, max_completion_length,
                                                   needs_reference if group == "sources" else None, tools)]
         conversational = isinstance(rows[0][PROMPT], list)
@@ -140,20 +137,15 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
         if len(kinds) > 1:
             raise DataError(f"{key}: holds {'conversation' if conversational else 'text'} prompts but "
                             f"{kinds[not conversational]} holds the other kind; use one kind in a run")
-        if group == "eval_sources":
-            held += rows
-            continue
-        ds = datasets.Dataset.from_list(rows)
-        if cfg.eval_fraction > 0:  # the rule every method holds rows out by
-            ds, held_out = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
-            held += list(held_out)
-        train_parts.append(ds)
-        weights.append(src.weight)
+        return datasets.Dataset.from_list(rows)
+
+    gathered = gather_sources(cfg, seed, read)
+    held = [row for part in gathered.held for row in part]
     examples = _eval_examples(held)[:exact_match]
     if exact_match and not examples:
         raise DataError("eval.exact_match: no held-out prompt has a reference answer to compare with; give the "
                         "held-out rows their answers (the last assistant turn, or the completion)")
-    return PromptData(mix(train_parts, weights, seed), None, examples, bool(kinds.get(True)))
+    return PromptData(gathered.train, None, examples, bool(kinds.get(True)))
 
 
 def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, examples: int = 2,

@@ -23,10 +23,9 @@ from trl.data_utils import unpair_preference_dataset
 from ...config import DataSection, DataSource
 from ...distributed import print0
 from ...errors import DataError
-from ...data.build import mix
 from ..pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
 from ...data.sources import column_map, read_rows
-from ...data.split import held_out_split
+from ...data.gather import gather_sources
 
 EXAMPLE = ("prompt", "completion", "label")
 PLACE = "__hftrain_row"  # an example's row name (file:line) while it is measured; removed before training
@@ -148,26 +147,26 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42, to
     the training sources mixed by weight; both splits shuffled with `seed` (the module docstring says why). With the
     run's `tokenizer`, each source's examples are also measured as TRL will truncate them (check_example_lengths),
     before any model is loaded, and both labels must be left."""
-    train_parts, eval_parts, weights, kinds = [], [], [], {}
-    groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
-        ("eval_sources", s, i) for i, s in enumerate(cfg.eval_sources)]
-    for group, src, i in groups:
-        key = f"data.{group}.{i}"
-        ds, paired, conversational = read_unpaired(src, key, with_rows=True)
+    kinds: dict = {}
+    paired_of: dict[str, bool] = {}
+
+    def read(src: DataSource, key: str, group: str) -> datasets.Dataset:
+        ds, paired_of[key], conversational = read_unpaired(src, key, with_rows=True)
         check_kind(kinds, key, conversational, has_template, "examples")
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             ds = ds.add_column("chat_template_kwargs", [cfg.chat_template_kwargs] * len(ds))
-        measured = (lambda d: d) if tokenizer is None else (
-            lambda d: check_example_lengths(d, tokenizer, cfg.max_length, key, src.path))
-        if group == "eval_sources":
-            eval_parts.append(measured(split_in_two(ds, paired)).remove_columns(PLACE))
-            continue
-        if cfg.eval_fraction > 0:  # pairs are held out whole: no prompt's answers on both sides
-            ds, held = held_out_split(ds, cfg.eval_fraction, seed, key, src.path)
-            eval_parts.append(measured(split_in_two(held, paired)).remove_columns(PLACE))
-        train_parts.append(measured(split_in_two(ds, paired)).remove_columns(PLACE))
-        weights.append(src.weight)
-    train = mix(train_parts, weights, seed).shuffle(seed=seed)
+        return ds
+
+    def finish(ds: datasets.Dataset, key: str, src: DataSource) -> datasets.Dataset:
+        """Pairs are held out whole (no prompt's answers on both sides), then split in two and measured."""
+        examples = split_in_two(ds, paired_of[key])
+        if tokenizer is not None:
+            examples = check_example_lengths(examples, tokenizer, cfg.max_length, key, src.path)
+        return examples.remove_columns(PLACE)
+
+    gathered = gather_sources(cfg, seed, read, finish)
+    eval_parts = gathered.held
+    train = gathered.train.shuffle(seed=seed)
     _both_labels(train, "data.sources", "add examples of the other label, or train with a paired loss on pairs")
     evald = None
     if eval_parts:
