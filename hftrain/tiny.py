@@ -18,6 +18,7 @@ from .config import DataSource
 from .data import canonicalise, detect_format, read_rows
 from .heads import Head
 from .modeling import chat_template_text
+from .vision import tiny_models as tiny_vision
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n ; generation stops at <|im_end|> (the eos token). Tools, when a row
 # has them, are listed in a system turn first, and an assistant's tool calls follow its content as
@@ -72,6 +73,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, chat_template: 
     )
 
 
+def _walk(value, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, dict):
+        for x in value.values():
+            _walk(x, out)
+    elif isinstance(value, list):
+        for x in value:
+            _walk(x, out)
+
+
+def strings_of_rows(paths: Iterable[str]) -> list[str]:
+    """Every string of the rows of data files, whatever their layout (image rows' texts among them)."""
+    out: list[str] = []
+    for p in paths:
+        _walk([row for _, row in read_rows(DataSource(path=p), f"--data {p}").iterate()], out)
+    return out
+
+
 def texts_of_data(paths: Iterable[str], chat_template: str | None = None) -> list[str]:
     """Every string of the canonical examples of data files (any layout and file type the data loader reads: the
     same reader, the same row errors), for tokenizer training: contents, tool names and arguments, tools. Rows of
@@ -79,25 +99,14 @@ def texts_of_data(paths: Iterable[str], chat_template: str | None = None) -> lis
     conversation rendered by it too, so that the template's own text (a tool-calling system prompt of hundreds of
     characters, say) becomes a few tokens, as in a real model's vocabulary."""
     out: list[str] = []
-
-    def walk(v):
-        if isinstance(v, str):
-            out.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
     for p in paths:
         src, key = DataSource(path=p), f"--data {p}"
         rows = read_rows(src, key)
         if detect_format(rows.columns) is None:  # rows of no training layout: their strings are text all the same
-            walk([row for _, row in rows.iterate()])
+            _walk([row for _, row in rows.iterate()], out)
         else:
             examples = [canon for _, canon in canonicalise(rows, src, key, has_template=True)[1]]
-            walk(examples)
+            _walk(examples, out)
             if chat_template:
                 out.extend(_rendered(examples, chat_template))
     return out
@@ -137,6 +146,14 @@ def build_tiny_model(
     return output
 
 
+def build_tiny_vision_model(output: str, texts: list[str], family: str = "qwen2_5_vl", vocab_size: int = 512,
+                            seed: int = 0) -> str:
+    """A tiny image-text-to-text model of `family` (hftrain.vision.tiny.BUILDERS: qwen2_5_vl, llava) with a tokenizer
+    trained on `texts` and the family's chat template, and its processor (PIL image processor), saved to `output`."""
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size, chat_template=tiny_vision.template(family))
+    return tiny_vision.save_tiny_vision_model(output, tokenizer, family, seed=seed)
+
+
 def add_tiny_model_command(sub) -> None:
     """`hftrain tiny-model` (registered in cli.COMMANDS)."""
     t = sub.add_parser("tiny-model", allow_abbrev=False, help="Build a tiny Llama-style model (random weights) with a "
@@ -148,12 +165,23 @@ def add_tiny_model_command(sub) -> None:
     t.add_argument("--chat-template", default=None,
                    help="the tokenizer's chat template (a .jinja file, or trl:NAME for one TRL ships; default ChatML); "
                         "the data's conversations rendered with it train the tokenizer too")
+    t.add_argument("--vision", default=None, choices=sorted(tiny_vision.BUILDERS),
+                   help="build a tiny image-text-to-text model of this family instead (vision tower, projector, "
+                        "language model; its chat template and processor saved beside it)")
     t.add_argument("--vocab-size", type=int, default=512)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=_tiny_model)
 
 
 def _tiny_model(ns) -> int:
+    if ns.vision:
+        if ns.config or ns.chat_template:
+            raise SystemExit("hftrain tiny-model: --vision builds the family's own config and chat template; "
+                             "drop --config and --chat-template")
+        out = build_tiny_vision_model(ns.output, strings_of_rows(ns.data), ns.vision, vocab_size=ns.vocab_size,
+                                      seed=ns.seed)
+        print(f"hftrain: tiny {ns.vision} image-text-to-text model and processor written to {out}")
+        return 0
     config = json.loads(ns.config) if ns.config else None
     template = chat_template_text(ns.chat_template, "--chat-template") if ns.chat_template else None
     out = build_tiny_model(ns.output, texts_of_data(ns.data, template), config=config, vocab_size=ns.vocab_size,

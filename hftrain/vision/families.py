@@ -1,0 +1,50 @@
+"""The vision-language families hftrain has checked (masks against the family's template oracle, the processor's
+placeholder expansion token for token: tests/test_vision.py), found from a model's config.json; a model transformers
+builds with AutoModelForImageTextToText whose family is not here is refused by name with this list."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    model_type: str  # config.json's model_type
+    processor_class: str  # transformers' processor class of the family
+    placeholder: str  # the token the chat template writes for one image (the processor expands it)
+
+
+CHECKED = {f.model_type: f for f in [
+    VisionFamily("qwen2_5_vl", "Qwen2_5_VLProcessor", "<|image_pad|>"),
+    VisionFamily("llava", "LlavaProcessor", "<image>"),
+]}
+
+
+def model_type_of(name_or_path: str) -> str | None:
+    """config.json's model_type of a local model folder (None: no folder or no config.json here, e.g. a Hub id
+    not downloaded, or unreadable: the model's own checks say why)."""
+    path = os.path.join(name_or_path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def is_image_text_to_text(model_type: str | None) -> bool:
+    """Whether transformers builds this model type with AutoModelForImageTextToText (checked or not)."""
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def family_problem(model_type: str | None, key: str = "model.name_or_path") -> str | None:
+    """A refusal for an image-text-to-text model of a family hftrain has not checked."""
+    if not is_image_text_to_text(model_type) or model_type in CHECKED:
+        return None
+    return (f"{key}: the model is an image-text-to-text model of family {model_type!r}, which hftrain has not checked "
+            f"(labels against the family's template, the processor's image token expansion); the families checked: "
+            f"{', '.join(sorted(CHECKED))}")
