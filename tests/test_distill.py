@@ -1,0 +1,189 @@
+"""Distillation (hftrain/methods/distill/): what check and the run refuse, all at once; the loss exact over the
+global batch (2 ranks x GA2 = 1 rank x GA4, losses and weights, fp32, with a negative control); a teacher whose
+vocabulary is the student's plus padding rows aligned and said; held-out metrics and the card; on_policy sampling."""
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from .conftest import DEMO_TRAIN, PY, SMALL, assert_close_rel, launch_prefix, run, run_matrix
+
+STEPS = 2
+
+
+def write_rows(path, n, seed=0):
+    """Conversations whose answers are 1 to 12 letters long: very uneven completion lengths in every batch."""
+    rng = random.Random(seed)
+
+    def word(k):
+        return " ".join(rng.choice("abcdefghij") for _ in range(k))
+    rows = [{"messages": [{"role": "user", "content": f"reverse: {word(3)}"},
+                          {"role": "assistant", "content": word(rng.choice([1, 2, 8, 12]))}]} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_recipe(folder, name, student, teacher, data, distill=None, evaluate=None, **training):
+    tree = {"model": {"name_or_path": str(student), "dtype": "float32"},
+            "data": {"sources": [{"path": str(data)}], "max_length": 64,
+                     **({"eval_sources": [{"path": str(evaluate)}]} if evaluate else {})},
+            "distill": {"teacher": {"name_or_path": str(teacher), "dtype": "float32"}, **(distill or {})},
+            "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
+                         "logging_steps": 1, "save_strategy": "no", **training}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A spiky student, a wider teacher (another seed) with the same tokenizer, the teacher with 8 padding rows,
+    and a model with another tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.tiny import build_tiny_model, texts_of_jsonl
+
+    root, texts = tmp_path_factory.mktemp("distill_models"), texts_of_jsonl([DEMO_TRAIN])
+    spiky = {**SMALL, "initializer_range": 0.3}
+    student = build_tiny_model(str(root / "student"), texts, config=spiky, vocab_size=300, seed=0)
+    teacher = build_tiny_model(str(root / "teacher"), texts, config={**spiky, "hidden_size": 48}, vocab_size=300,
+                               seed=1)
+    padded = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
+    padded.resize_token_embeddings(padded.config.vocab_size + 8)
+    padded.save_pretrained(root / "padded")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (root / "padded" / name).write_bytes((root / "teacher" / name).read_bytes())
+    other = build_tiny_model(str(root / "other"), texts[:40], config=SMALL, vocab_size=200, seed=0)
+    return {"student": student, "teacher": teacher, "padded": str(root / "padded"), "other": other}
+
+
+def test_check_and_the_run_refuse_every_problem_at_once(tmp_path, models):
+    data = write_rows(tmp_path / "rows.jsonl", 8)
+    rec = write_recipe(tmp_path, "bad", models["student"], models["other"], data,
+                       {"lmbda": 0.5, "beta": 0.3, "temperature": 0}, loss_averaging="sequence")
+    for cmd in ([PY, "-m", "hftrain.cli", "check", str(rec)], [PY, "recipes/distill.py", str(rec)]):
+        r = run(cmd)
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+        for needed in ("distill.lmbda: applies to distill.mode: on_policy, not logits",
+                       "distill.beta: applies to distill.divergence: jsd, not forward_kl",
+                       "distill.temperature: must be a finite number > 0", "training.loss_averaging",
+                       f"the teacher's tokenizer ({models['other']}) differs from the student's "
+                       f"({models['student']})"):
+            assert needed in r.stderr, (needed, cmd, r.stderr[-3000:])
+
+
+def test_a_strategy_other_than_ddp_and_on_policy_options_in_logits_mode_are_refused(tmp_path, models):
+    from hftrain.launch.preflight import check_recipe
+    from hftrain.config import RecipeError
+
+    data = write_rows(tmp_path / "rows.jsonl", 8)
+    rec = write_recipe(tmp_path, "fsdp", models["student"], models["teacher"], data,
+                       {"mode": "on_policy", "ce_weight": 0.5}, per_device_train_batch_size=2)
+    with pytest.raises(RecipeError) as e:
+        check_recipe(str(rec), ["strategy.name=fsdp"])
+    text = str(e.value)
+    assert "distillation runs under ddp only, not 'fsdp'" in text and "distill.ce_weight: applies to" in text
+    ok = write_recipe(tmp_path, "ok", models["student"], models["padded"], data, per_device_train_batch_size=2)
+    check_recipe(str(ok))  # a teacher whose vocabulary is the student's plus padding rows is accepted
+
+
+EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+             train_sampling_strategy="sequential", max_steps=STEPS)
+JSD = {"divergence": "jsd", "beta": 0.3, "temperature": 2.0, "ce_weight": 0.5}
+
+
+def variant(folder, name, models, data, bs, ga, module="hftrain.recipes.distill", teacher="teacher", distill=JSD,
+            **training):
+    rec = write_recipe(folder, name, models["student"], models[teacher], data, distill,
+                       **{**EXACT, "per_device_train_batch_size": bs, "gradient_accumulation_steps": ga, **training})
+    return module, [str(rec)]
+
+
+def outcome(variants, folder, name, world=1):
+    """(losses per step, final weights) of a variant, after checking it ran with `world` processes."""
+    variants[name].check()
+    out = folder / name
+    assert json.load(open(out / "run_info.json"))["world_size"] == world
+    history = json.load(open(out / "trainer_state.json"))["log_history"]
+    return [h["loss"] for h in history if "loss" in h], load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, models):
+    """Every one-process run of this module in one launch: (folder, {name: variant}, data)."""
+    tmp = tmp_path_factory.mktemp("distill_one_rank")
+    data, held = write_rows(tmp / "rows.jsonl", 16), write_rows(tmp / "held.jsonl", 6, seed=1)
+    variants = {
+        "1x_ga4": variant(tmp, "1x_ga4", models, data, 2, 4),
+        "1x_bs8": variant(tmp, "1x_bs8", models, data, 8, 1),
+        "naive_1x_ga4": variant(tmp, "naive_1x_ga4", models, data, 2, 4, module="tests.distill_naive"),
+        "padded": variant(tmp, "padded", models, data, 4, 1, teacher="padded", distill={"top_k": 5}, max_steps=1),
+        "held_out": ("hftrain.recipes.distill",
+                     [str(write_recipe(tmp, "held_out", models["student"], models["teacher"], data, {}, held,
+                                       **{**EXACT, "learning_rate": 0.05, "max_steps": 4},
+                                       per_device_train_batch_size=4))]),
+        "on_policy": variant(tmp, "on_policy", models, data, 4, 2,
+                             distill={"mode": "on_policy", "max_new_tokens": 3}),
+    }
+    return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=600), data
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, models, one_rank):
+    tmp = tmp_path_factory.mktemp("distill_two_ranks")
+    variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2)}
+    return tmp, run_matrix(launch_prefix(2), variants, tmp / "matrix", ranks=2, timeout=600)
+
+
+@pytest.mark.launches
+def test_two_ranks_ga2_equal_one_rank_ga4_and_one_batch(one_rank, two_ranks):
+    """The loss is the sum over the step's completion tokens / their global count: 2 ranks x GA2 (micro-batch 2),
+    1 rank x GA4 and one batch of 8 give the same losses and weights (jsd, temperature 2, ce_weight 0.5); each
+    micro-batch's own mean averaged over the accumulation steps does not (answers of 1 to 12 letters)."""
+    tmp, variants, _ = one_rank
+    ref_loss, ref = outcome(variants, tmp, "1x_ga4")
+    for folder, found, name, world in ((tmp, variants, "1x_bs8", 1), (*two_ranks, "2x_ga2", 2)):
+        losses, final = outcome(found, folder, name, world)
+        assert losses == pytest.approx(ref_loss, rel=1e-5), name
+        assert_close_rel(final, ref)
+    naive_loss, naive = outcome(variants, tmp, "naive_1x_ga4")
+    assert naive_loss[0] != pytest.approx(ref_loss[0], rel=1e-3)
+    with pytest.raises(AssertionError):
+        assert_close_rel(naive, ref, rel=1e-4)
+
+
+@pytest.mark.launches
+def test_a_teacher_with_padding_rows_is_aligned_and_said(one_rank, models):
+    tmp, variants, _ = one_rank
+    outcome(variants, tmp, "padded")
+    size = json.load(open(f"{models['student']}/config.json"))["vocab_size"]
+    said = f"vocabulary sizes differ only by padding (student {size}, teacher {size + 8})"
+    assert said in variants["padded"].stdout + variants["padded"].stderr
+
+
+@pytest.mark.launches
+def test_held_out_loss_and_divergence_before_and_after_and_the_card(one_rank):
+    tmp, variants, _ = one_rank
+    variants["held_out"].check()
+    info = json.load(open(tmp / "held_out" / "run_info.json"))
+    metrics = info["metrics"]
+    assert metrics["final_eval_divergence"] < metrics["initial_eval_divergence"], metrics
+    assert metrics["final_eval_loss"] != metrics["initial_eval_loss"]
+    assert "distillation from" in info["method"]["description"] and "logits mode" in info["method"]["description"]
+    assert info["method"]["tag"] == "knowledge-distillation"
+
+
+@pytest.mark.launches
+def test_on_policy_trains_on_the_students_samples(one_rank):
+    """on_policy (lambda 1): every micro-batch is the student's samples of at most 3 tokens, so a step counts at most
+    8 x 3 completion tokens (the dataset's answers of the same rows are up to 12 letters: far more)."""
+    tmp, variants, _ = one_rank
+    variants["on_policy"].check()
+    history = json.load(open(tmp / "on_policy" / "trainer_state.json"))["log_history"]
+    counted = [h["target_tokens_per_step"] for h in history if "loss" in h]
+    assert len(counted) == STEPS and all(0 < c <= 8 * 3 for c in counted), history
