@@ -167,7 +167,7 @@ def plan(tmp, name, model_dir, rows, bs, ga, steps, module="hftrain.recipes.rewa
     """One variant of a matrix launch: `hftrain reward` (or a test driver) on its own recipe, in tmp/name; plain SGD
     in fp32, so that the weights follow the losses' gradients exactly."""
     training = {"output_dir": str(tmp / name), "max_steps": steps, "per_device_train_batch_size": bs,
-                "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.5,
+                "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": 0.1,
                 "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0, "save_strategy": "no",
                 "train_sampling_strategy": "sequential", "logging_steps": 1, "seed": 0, "report_to": "none",
                 **extra.pop("training", {})}
