@@ -45,3 +45,168 @@ def test_a_tiny_vlm_saves_reloads_and_runs_on_an_image(vlm_dirs, family):
         logits = model(**enc).logits
     assert logits.shape == (1, enc["input_ids"].shape[1], len(processor.tokenizer))
     assert torch.isfinite(logits).all()
+
+
+# --- image rows: layouts, checks, labels against the family's template oracle, the processor's expansion --------
+
+def _image(path, size, colour):
+    Image.new("RGB", size, colour).save(path)
+    return os.path.basename(path)
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    for name, size, colour in [("red.png", (60, 90), "red"), ("blue.png", (120, 50), "blue"),
+                               ("green.png", (90, 90), "green")]:
+        _image(tmp_path / name, size, colour)
+    return tmp_path
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def part_rows():  # content parts naming their images, as the Hub's processors and TRL write them
+    return [{"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
+                                                       {"type": "text", "text": "what colour is the square"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe the image"},
+                                                       {"type": "image", "image": "blue.png"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "blue"}]},
+                          {"role": "user", "content": [{"type": "image", "image": "green.png"},
+                                                       {"type": "text", "text": "and this"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "green"}]}]}]
+
+
+def marker_rows():  # an images column and <image> markers in the text
+    return [{"images": ["red.png"], "messages": [{"role": "user", "content": "<image>what colour is the square"},
+                                                 {"role": "assistant", "content": "red"}]},
+            {"images": ["blue.png", "green.png"],
+             "messages": [{"role": "user", "content": "describe the image<image>"},
+                          {"role": "assistant", "content": "blue"},
+                          {"role": "user", "content": "<image>and this"}, {"role": "assistant", "content": "green"}]}]
+
+
+def _data(path, **kw):
+    from hftrain.config import DataSection, DataSource
+
+    return DataSection(sources=[DataSource(path=path)], **kw)
+
+
+def _examples(folder, family, path, **kw):
+    from hftrain.vision.image_datasets import build_image_datasets
+
+    processor = load_processor(folder, PROCESSORS[family])
+    return processor, build_image_datasets(_data(path, **kw), processor, seed=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_layouts_give_the_same_examples(vlm_dirs, image_dir, family):
+    _, parts = _examples(vlm_dirs[family], family, _write(image_dir / "parts.jsonl", part_rows()))
+    _, marked = _examples(vlm_dirs[family], family, _write(image_dir / "marked.jsonl", marker_rows()))
+    assert parts.train[:] == marked.train[:]
+    assert parts.train[1]["images"] == [str(image_dir / "blue.png"), str(image_dir / "green.png")]
+
+
+@pytest.mark.parametrize("spoil, said", [
+    (lambda d: os.remove(d / "blue.png"), "image 0: image {d}/blue.png does not exist"),
+    (lambda d: (d / "blue.png").write_text("not an image"), "is not an image PIL can read"),
+    (lambda d: (d / "blue.png").write_bytes((d / "blue.png").read_bytes()[:-30]), "is damaged or truncated"),
+])
+def test_a_bad_image_is_a_data_error_naming_file_row_and_image(vlm_dirs, image_dir, spoil, said):
+    from hftrain.errors import DataError
+
+    path = _write(image_dir / "parts.jsonl", part_rows())
+    spoil(image_dir)
+    with pytest.raises(DataError) as e:
+        _examples(vlm_dirs["llava"], "llava", path)
+    assert str(e.value).startswith(f"data.sources.0 ({path}:2), image 0")
+    assert said.format(d=image_dir) in str(e.value)
+
+
+def test_an_over_large_image_is_a_data_error(vlm_dirs, image_dir, monkeypatch):
+    from hftrain.errors import DataError
+    from hftrain.vision import images
+
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 5500)  # red.png: 60 x 90 passes, blue.png 120 x 50 not
+    said = r"parts.jsonl:2\), image 0: image .*blue.png is 120 x 50 pixels, more than the 5500"
+    with pytest.raises(DataError, match=said):
+        _examples(vlm_dirs["llava"], "llava", _write(image_dir / "parts.jsonl", part_rows()))
+
+
+def test_markers_and_images_must_agree(vlm_dirs, image_dir):
+    from hftrain.errors import DataError
+
+    rows = marker_rows()
+    rows[1]["images"].append("red.png")
+    with pytest.raises(DataError, match=r"marked.jsonl:2\): the row has 3 images and 2 <image> markers"):
+        _examples(vlm_dirs["llava"], "llava", _write(image_dir / "marked.jsonl", rows))
+
+
+ORACLES = {"qwen2_5_vl": "trl:qwen2_5_vl_training", "llava": "trl:llava_next_training"}
+
+
+def oracle_differences(example: dict, processor, family: str, messages: list[dict]) -> list[str]:
+    """hftrain's trained tokens against the family's template oracle (TRL's training template, transformers'
+    assistant mask) on the template's text with one placeholder per image: every image token untrained, every other
+    token trained exactly when the oracle trains it, but whitespace the oracle trains after the stop token (the
+    model never writes it: generation has ended). Returns the differences, named."""
+    from hftrain.constants import IGNORE_INDEX
+    from hftrain.modeling import chat_template_text
+
+    tok = processor.tokenizer
+    image_id = tok.convert_tokens_to_ids(processor.image_token)
+    oracle = tok.apply_chat_template(messages, chat_template=chat_template_text(ORACLES[family]), tokenize=True,
+                                     return_dict=True, return_assistant_tokens_mask=True)
+    plain, mask = oracle["input_ids"], oracle["assistant_masks"]
+    ids, labels = example["input_ids"], example["labels"]
+    out = [f"image token {k} trained" for k, t in enumerate(ids) if t == image_id and labels[k] != IGNORE_INDEX]
+    kept = [k for k, t in enumerate(ids) if t != image_id]  # the placeholders' runs collapsed to one each
+    collapsed = [k for j, k in enumerate(range(len(ids))) if ids[k] != image_id or j == 0 or ids[k - 1] != image_id]
+    if [ids[k] for k in collapsed] != list(plain):
+        return out + ["the processor's ids are not the oracle's text with its placeholders expanded"]
+    for j, k in enumerate(collapsed):
+        if ids[k] == image_id:
+            continue
+        ours, theirs = labels[k] != IGNORE_INDEX, bool(mask[j])
+        if ours and labels[k] != ids[k]:
+            out.append(f"token {k} trained on another token")
+        if ours != theirs and not (theirs and not tok.decode([plain[j]]).strip() and plain[j - 1] == tok.eos_token_id):
+            out.append(f"token {k} {tok.decode([ids[k]])!r}: hftrain {'trains' if ours else 'not'}, the oracle "
+                       f"{'trains' if theirs else 'not'}")
+    assert kept  # the row has text
+    return out
+
+
+def _hub_messages(rows_of_parts: dict, folder) -> list[dict]:
+    """A content-parts row as the processor's own apply_chat_template takes it (images as PIL images)."""
+    return [{"role": m["role"], "content": [dict(p, image=Image.open(folder / p["image"]).convert("RGB"))
+                                            if p["type"] == "image" else p for p in m["content"]]}
+            for m in rows_of_parts["messages"]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_match_the_oracle_and_the_expansion_is_the_processors(vlm_dirs, image_dir, family):
+    processor, data = _examples(vlm_dirs[family], family, _write(image_dir / "parts.jsonl", part_rows()))
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    for row, example in zip(part_rows(), data.train):
+        msgs = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
+                                                for p in m["content"]]} for m in row["messages"]]
+        assert oracle_differences(example, processor, family, msgs) == []
+        # the expansion, token for token: the processor's own rendering of the Hub-style row (images inline)
+        own = processor.apply_chat_template(_hub_messages(row, image_dir), tokenize=True, return_dict=True)
+        assert example["input_ids"] == list(own["input_ids"][0])
+        runs = [len(r) for r in "".join("x" if t == image_id else " " for t in example["input_ids"]).split()]
+        sizes = [Image.open(p).size for p in example["images"]]
+        if family == "qwen2_5_vl":  # one token per 28 x 28 pixels (14-pixel patches merged 2 x 2), as resized
+            grid = processor.image_processor(images=[Image.open(p) for p in example["images"]])["image_grid_thw"]
+            assert runs == [int(g.prod()) // 4 for g in grid] and len(set(runs)) == len(sizes)
+        else:  # every image resized to 56 x 56: 16 tokens
+            assert runs == [16] * len(sizes)
+    spoiled = dict(data.train[0])
+    k = spoiled["input_ids"].index(image_id)
+    spoiled["labels"] = spoiled["labels"][:k] + [image_id] + spoiled["labels"][k + 1:]  # a placeholder trained
+    msgs = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
+                                            for p in m["content"]]} for m in part_rows()[0]["messages"]]
+    assert oracle_differences(spoiled, processor, family, msgs) == [f"image token {k} trained"]

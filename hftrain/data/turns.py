@@ -290,7 +290,8 @@ def _not_written(m: dict, text: str) -> tuple[str, str] | None:
     """(what, the piece) of a message that is not in `text`: a line of its content or reasoning, its tool calls'
     names and arguments; None when all are."""
     pieces = [("content", line) for part in ([m["content"]] if isinstance(m["content"], str) else
-                                             [p["text"] for p in m["content"]]) for line in part.splitlines()]
+                                             [p.get("text", "") for p in m["content"]])  # an image part: none
+             for line in part.splitlines()]
     pieces += [("reasoning", line) for line in m.get("reasoning_content", "").splitlines()]
     for what, line in pieces:
         line = line.strip()

@@ -1,0 +1,42 @@
+"""Batches of image rows: token ids and labels padded on the right, the batch's images (any sizes) through the
+processor's image processor in row order (its pixel values and, for Qwen-VL, each image's patch grid), and the
+token-type ids the processor itself returns where the model reads them (Qwen-VL: 1 at image tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..constants import IGNORE_INDEX
+from ..errors import DataError
+from .images import open_rgb
+
+
+class ImageRows:
+    """The collator of image rows (labels.py: input_ids, labels, images)."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        if tokenizer.pad_token_id is None:
+            raise DataError("the tokenizer has no pad token; batching image rows needs one")
+        self.pad_token_id = tokenizer.pad_token_id
+        self.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+        self.token_types = "mm_token_type_ids" in processor.model_input_names
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(f["input_ids"]) for f in features)
+        input_ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(features), width), dtype=torch.long)
+        for r, f in enumerate(features):
+            n = len(f["input_ids"])
+            input_ids[r, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            labels[r, :n] = torch.as_tensor(f["labels"], dtype=torch.long)
+            attention_mask[r, :n] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        images = [open_rgb(path) for f in features for path in f["images"]]
+        if images:
+            batch.update(self.processor.image_processor(images=images, return_tensors="pt"))
+        if self.token_types:
+            batch["mm_token_type_ids"] = (input_ids == self.image_token_id).long() * attention_mask
+        return batch

@@ -1,0 +1,88 @@
+"""The datasets of a recipe whose model is an image-text-to-text model: every row of every source read, its images
+opened and checked (image_rows.py, images.py), rendered by the processor and labelled (labels.py), before the model
+loads; held-out rows split as the text pipeline splits them (data/split.py). Rows are kept in memory, not in the
+datasets cache, and neither packing nor streaming is done for them yet (refused by name)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+
+from ..config import DataSection, DataSource
+from ..data import Datasets, read_rows
+from ..data.render import trainable_tokens
+from ..data.split import split_rows
+from ..distributed import print0
+from ..errors import DataError
+from .image_batches import ImageRows
+from .labels import image_example
+from .image_rows import base_folder, canonical_image_row
+
+
+@dataclass
+class ImageDatasets(Datasets):
+    processor: Any = None  # the trainer's processing class: saved beside the model
+
+
+def not_yet_problems(cfg: DataSection) -> list[str]:
+    out = []
+    if cfg.packing:
+        out.append("data.packing: packing image rows is not done yet (Qwen-VL's position ids need a row per "
+                   "segment); set data.packing: false")
+    if cfg.streaming:
+        out.append("data.streaming: streaming image rows is not done yet; set data.streaming: false")
+    return out
+
+
+def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> tuple[list[dict], int]:
+    """(every row of one source that trains as an example: input_ids, labels, images, row; the source's rows), each
+    row checked."""
+    rows = read_rows(src, key)
+    base, out = base_folder(src.path), []
+    for index, (where, row) in enumerate(rows.iterate()):
+        at = f"{key} ({where})"
+        example = image_example(canonical_image_row(row, at, base), processor, not cfg.assistant_only_loss,
+                                cfg.chat_template_kwargs, at)
+        if len(example["input_ids"]) > cfg.max_length:
+            if cfg.truncation == "drop":
+                continue
+            raise DataError(f"{at}: {len(example['input_ids'])} tokens (its images' tokens included) is more than "
+                            f"data.max_length={cfg.max_length}, and image rows are never cut (an image's tokens cut "
+                            "would not match its pixels); raise data.max_length or set data.truncation: drop")
+        if trainable_tokens(example["labels"]) == 0:
+            if cfg.skip_untrainable:
+                continue
+            raise DataError(f"{at}: the row has no trainable token (no assistant turn); fix it or set "
+                            "data.skip_untrainable: true")
+        out.append(dict(example, row=index))
+    if not out:
+        raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
+    print0(f"hftrain: {key} ({src.path}): image rows, {rows.count} rows", file=sys.stderr)
+    return out, rows.count
+
+
+def _dataset(examples: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_list([{k: e[k] for k in ("input_ids", "labels", "images")} for e in examples])
+
+
+def build_image_datasets(cfg: DataSection, processor, seed: int) -> ImageDatasets:
+    problems = not_yet_problems(cfg)
+    if problems:
+        raise DataError(problems[0] if len(problems) == 1 else "; ".join(problems))
+    train, held = [], []
+    for i, src in enumerate(cfg.sources):
+        key = f"data.sources.{i}"
+        examples, count = source_examples(src, key, processor, cfg)
+        if cfg.eval_fraction > 0:
+            _, out = split_rows(count, cfg.eval_fraction, seed, key, src.path)
+            out = set(int(r) for r in out)
+            held += [e for e in examples if e["row"] in out]
+            examples = [e for e in examples if e["row"] not in out]
+        train += examples
+    for i, src in enumerate(cfg.eval_sources):
+        held += source_examples(src, f"data.eval_sources.{i}", processor, cfg)[0]
+    return ImageDatasets(_dataset(train), _dataset(held) if held else None, ImageRows(processor),
+                         [], processor=processor)

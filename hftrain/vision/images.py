@@ -1,0 +1,62 @@
+"""Images read in the data phase, before any model loads: each opened, verified, decoded whole and measured with PIL,
+so that a missing, unreadable, truncated or over-large image stops the run with a DataError naming the file, the row
+and the image, never a traceback in the collator mid-run."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from PIL import Image, UnidentifiedImageError
+
+from ..errors import DataError
+
+# The most pixels an image may have (width x height): 8192 x 8192. Larger images are almost always a mistake (a scan
+# at print resolution) and cost memory in the processor before it resizes them; PIL's own bomb guard is above this.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def image_path(value, base: str, what: str) -> str:
+    """The local file an image entry names: a path relative to the data file's folder, or absolute."""
+    if not isinstance(value, str) or not value:
+        raise DataError(f"{what} is {type(value).__name__} {str(value)[:80]!r} where the path of an image file is "
+                        "expected (relative to the data file)")
+    if value.startswith(("http://", "https://")):
+        raise DataError(f"{what} is a URL ({value[:80]}); hftrain reads local image files only: download it and "
+                        "give its path relative to the data file")
+    return value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
+
+
+def check_image(path: str, what: str, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) of the image file at `path`, opened, verified and decoded whole; else a DataError naming
+    `what` (the file, the row and the image). `max_pixels`: MAX_IMAGE_PIXELS unless given."""
+    max_pixels = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    if not os.path.isfile(path):
+        raise DataError(f"{what}: image {path} does not exist; fix the path (relative to the data file) or add "
+                        "the file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                size = image.size
+                if size[0] * size[1] > max_pixels:
+                    raise DataError(f"{what}: image {path} is {size[0]} x {size[1]} pixels, more than the "
+                                    f"{max_pixels} hftrain reads; resize it")
+                image.verify()  # the file's structure (checksums of PNG chunks)
+            with Image.open(path) as image:
+                image.load()  # every pixel decoded: a truncated file fails here
+    except DataError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DataError(f"{what}: image {path} is too large to decode safely ({e}); resize it") from None
+    except UnidentifiedImageError:
+        raise DataError(f"{what}: {path} is not an image PIL can read; convert it to PNG or JPEG") from None
+    except (OSError, SyntaxError, ValueError) as e:  # PIL: "image file is truncated", broken chunks (SyntaxError)
+        raise DataError(f"{what}: image {path} is damaged or truncated ({e}); replace the file") from None
+    return size
+
+
+def open_rgb(path: str) -> Image.Image:
+    """The image as the processor gets it: decoded, RGB."""
+    with Image.open(path) as image:
+        return image.convert("RGB")
