@@ -77,7 +77,7 @@ def test_check_and_the_run_refuse_every_problem_at_once(tmp_path, models):
             assert needed in r.stderr, (needed, cmd, r.stderr[-3000:])
 
 
-def test_a_strategy_other_than_ddp_and_on_policy_options_in_logits_mode_are_refused(tmp_path, models):
+def test_a_strategy_other_than_ddp_a_missing_teacher_and_the_other_modes_options_are_refused(tmp_path, models):
     from hftrain.launch.preflight import check_recipe
     from hftrain.config import RecipeError
 
@@ -88,6 +88,9 @@ def test_a_strategy_other_than_ddp_and_on_policy_options_in_logits_mode_are_refu
         check_recipe(str(rec), ["strategy.name=fsdp"])
     text = str(e.value)
     assert "distillation runs under ddp only, not 'fsdp'" in text and "distill.ce_weight: applies to" in text
+    missing = write_recipe(tmp_path, "missing", models["student"], tmp_path / "no_teacher", data)
+    with pytest.raises(RecipeError, match="distill.teacher.name_or_path"):
+        check_recipe(str(missing))
     ok = write_recipe(tmp_path, "ok", models["student"], models["padded"], data, per_device_train_batch_size=2)
     check_recipe(str(ok))  # a teacher whose vocabulary is the student's plus padding rows is accepted
 
