@@ -27,11 +27,14 @@ def _recipe(tmp, model_dir, **training) -> str:
     return str(p)
 
 
-# Run with nothing beside it (marker `cluster`: scripts/test.sh's first invocation, one test at a time). In the two
-# full runs of issue 55 on three workers its Ctrl-C case failed both times, the run going on training 60 s after
-# SIGINT (stacks in the failure: the main thread in training_step); alone it passed (27 s, both cases). Not
-# understood yet: a Ctrl-C lost under load is a bug to find, not only a test to isolate.
-@pytest.mark.cluster
+# The run is started with SIGINT at its default disposition, as a terminal's foreground job is: a suite started as a
+# background job of a non-interactive shell (`pytest ... &`) ignores SIGINT, every process it starts inherits SIG_IGN,
+# and Python then installs no KeyboardInterrupt handler: the run trained on after Ctrl-C (seen in issue 55's full runs,
+# passing when run in the foreground; the cause found in issue 56's session).
+def _sigint_as_a_terminal_has_it():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_recipe_script_stopped_by_a_signal_exits_128_plus_n_in_one_line(sig, tmp_path, tiny_model_dir):
     """Sent as a terminal sends Ctrl-C: to the run's whole process group, mid-training."""
@@ -39,7 +42,8 @@ def test_a_recipe_script_stopped_by_a_signal_exits_128_plus_n_in_one_line(sig, t
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HFTRAIN_TEST_STEP_SLEEP="0.3",
                PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen([PY, "tests/slow_sft.py", _recipe(tmp_path, tiny_model_dir)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_sigint_as_a_terminal_has_it)
     lines, t0 = [], time.time()
     try:
         for line in proc.stdout:
