@@ -64,7 +64,10 @@ REWARD = MethodEntry("outcome_reward", "reward", "reward", "reward: {kind: outco
 DISTILL = MethodEntry("distill", "distill", "distill", "distill: {teacher: {name_or_path: TEACHER_FOLDER}}",
                       f"{_PACKAGE}.distill.distill", f"{_PACKAGE}.distill.distill_section:DistillSection")
 
-BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD, DISTILL)
+PROCESS_REWARD = MethodEntry("process_reward", "reward", "reward", "reward: {kind: process}", f"{_REWARD}.process",
+                             REWARD.section_class)
+
+BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD, PROCESS_REWARD, DISTILL)
 PLUGIN_GROUP = "hftrain.methods"  # the entry-point group a method outside hftrain registers its MethodEntry in
 
 

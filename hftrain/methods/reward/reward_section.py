@@ -15,15 +15,17 @@ from ..policy import policy_strategy_problems, sft_only_problems
 
 RewardKind = Literal["outcome", "process"]
 # The method each kind is trained by (methods/registry.py); a kind with no method yet is refused by the rules.
-METHOD_OF_KIND = {"outcome": "outcome_reward"}
+METHOD_OF_KIND = {"outcome": "outcome_reward", "process": "process_reward"}
 # The options each kind reads beyond `kind`, and their value when unset (an option of another kind is refused).
-OPTIONS_OF_KIND = {"outcome": {"margin": None, "center_rewards_coefficient": None}, "process": {}}
+OPTIONS_OF_KIND = {"outcome": {"margin": None, "center_rewards_coefficient": None},
+                   "process": {"step_separator": "\n", "train_on_last_step_only": False}}
 
 
 @dataclass
 class RewardSection(MethodSection):
     HELP = ("Reward modelling (recipes/reward.py): kind outcome trains a sequence classifier that scores a whole "
-            "answer from prompt/chosen/rejected pairs (Bradley-Terry).")
+            "answer from prompt/chosen/rejected pairs (Bradley-Terry); kind process trains a token classifier that "
+            "scores each reasoning step from prompt/completions/labels rows.")
 
     kind: RewardKind = option(
         "outcome", "outcome: one score per sequence, trained on prompt/chosen/rejected pairs (Bradley-Terry loss "
@@ -34,6 +36,11 @@ class RewardSection(MethodSection):
     center_rewards_coefficient: float | None = option(
         None, "outcome: weight of the centring term coefficient * mean((score(chosen) + score(rejected))^2), which "
         "keeps the scores near 0 (Eisenstein et al. 2023); a number > 0.")
+    step_separator: str = option(
+        "\n", "process: the text after each step (the last one too); its token carries the step's label. It must be "
+        "one token the tokenizer keeps apart from its neighbours, and no step may hold it.")
+    train_on_last_step_only: bool = option(
+        False, "process: train on the last step's label only (the others -100); held-out rows keep every step's.")
 
     @property
     def method(self) -> str:
@@ -63,6 +70,8 @@ def option_problems(section: RewardSection) -> Problems:
     if is_number(coefficient) and not (math.isfinite(coefficient) and coefficient > 0):
         out.append(("reward.center_rewards_coefficient", f"must be a finite number > 0, got {coefficient} (remove "
                     "it for no centring)"))
+    if not isinstance(section.step_separator, str) or not section.step_separator:
+        out.append(("reward.step_separator", f"must be non-empty text, got {section.step_separator!r}"))
     if isinstance(section.margin, str) and not section.margin.strip():
         out.append(("reward.margin", "must name the column holding each pair's margin, got an empty name"))
     return out
