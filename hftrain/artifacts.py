@@ -90,7 +90,9 @@ def probe_logits(trainer) -> list:
     model = trainer.model_wrapped
     was_training = model.training
     model.eval()
-    ids = torch.tensor(PROBE_IDS, device=trainer.args.device) % trainer.model.config.vocab_size
+    # the language model's vocabulary (a vision-language model's config holds it in its text config)
+    vocab = trainer.model.config.get_text_config().vocab_size
+    ids = torch.tensor(PROBE_IDS, device=trainer.args.device) % vocab
     logits = model(input_ids=ids).logits.float().cpu()
     model.train(was_training)
     return logits.tolist()

@@ -210,3 +210,88 @@ def test_labels_match_the_oracle_and_the_expansion_is_the_processors(vlm_dirs, i
     msgs = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                             for p in m["content"]]} for m in part_rows()[0]["messages"]]
     assert oracle_differences(spoiled, processor, family, msgs) == [f"image token {k} trained"]
+
+
+# --- the run: SFT of a tiny VLM, saved with its processor; families not checked refused -------------------------
+
+def _square_rows(folder, n=16):
+    """Rows of drawn squares of four colours on images of four sizes (so every batch of 4 mixes sizes)."""
+    from PIL import ImageDraw
+
+    colours, sizes = ["red", "blue", "green", "yellow"], [(56, 56), (84, 56), (60, 100), (112, 84)]
+    rows = []
+    for i in range(n):
+        (w, h), colour = sizes[i % 4], colours[(i // 4) % 4]
+        image = Image.new("RGB", (w, h), "white")
+        ImageDraw.Draw(image).rectangle([w // 4, h // 4, 3 * w // 4, 3 * h // 4], fill=colour)
+        image.save(folder / f"square{i}.png")
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": f"square{i}.png"},
+                                                               {"type": "text", "text": "what colour is the square"}]},
+                                  {"role": "assistant", "content": colour}]})
+    return _write(folder / "squares.jsonl", rows)
+
+
+def _recipe(folder, model, data, out, **training):
+    import yaml
+
+    recipe = {"model": {"name_or_path": model, "dtype": "float32", "attn_implementation": "sdpa"},
+              "data": {"sources": [{"path": data}], "eval_fraction": 0.25, "max_length": 256},
+              "strategy": {"num_processes": 1},
+              "training": {"output_dir": out, "max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-3,
+                           "logging_steps": 1, "save_strategy": "no", "seed": 0, **training}}
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_images_of_different_sizes_collate_into_one_batch(vlm_dirs, tmp_path):
+    processor, data = _examples(vlm_dirs["qwen2_5_vl"], "qwen2_5_vl", _square_rows(tmp_path, 4), eval_fraction=0.0)
+    rows = [data.train[i] for i in range(4)]
+    assert len({Image.open(r["images"][0]).size for r in rows}) == 4
+    batch = data.collator(rows)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dirs["qwen2_5_vl"])
+    with torch.no_grad():
+        together = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        for r, row in enumerate(rows):  # each row alone gives the logits it has in the padded batch
+            alone = data.collator([row])
+            logits = model(**{k: v for k, v in alone.items() if k != "labels"}).logits[0]
+            assert torch.allclose(together[r, :len(row["input_ids"])], logits, atol=1e-5)
+
+
+@pytest.mark.launches
+def test_sft_of_a_tiny_vlm_saves_model_and_processor(vlm_dirs, tmp_path):
+    from hftrain.hub.card import build_card
+
+    from .conftest import run
+
+    out = str(tmp_path / "out")
+    recipe = _recipe(tmp_path, vlm_dirs["qwen2_5_vl"], _square_rows(tmp_path), out)
+    done = run([".venv/bin/hftrain", "sft", recipe], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "12 training examples, 4 held out" in done.stdout + done.stderr
+    with open(os.path.join(out, "run_info.json")) as f:
+        info = json.load(f)
+    assert info["method"]["head"] == "image_text_to_text"
+    assert info["metrics"]["final_eval_loss"] < info["metrics"]["initial_eval_loss"]
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    base = AutoModelForImageTextToText.from_pretrained(vlm_dirs["qwen2_5_vl"])
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # trained
+    processor = load_processor(out, Qwen2_5_VLProcessor)  # saved beside the model, as the family's class
+    base_processor = load_processor(vlm_dirs["qwen2_5_vl"], Qwen2_5_VLProcessor)
+    assert processor.chat_template == base_processor.chat_template
+    assert processor.image_processor.to_dict() == base_processor.image_processor.to_dict()
+    card = str(build_card(out, ["recipe.yaml", "run_info.json"]))
+    assert "pipeline_tag: image-text-to-text" in card and "AutoModelForImageTextToText.from_pretrained(" in card
+
+
+def test_an_image_text_to_text_family_not_checked_is_refused(vlm_dirs, tmp_path, capsys):
+    from .test_bad_input import run_check
+
+    folder = tmp_path / "idefics"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
+    (folder / "model.safetensors").write_bytes(b"")
+    code, err = run_check([_recipe(tmp_path, str(folder), _square_rows(tmp_path, 4), str(tmp_path / "o"))], capsys)
+    assert code == 2
+    assert ("model.name_or_path: the model is an image-text-to-text model of family 'idefics3', which hftrain has "
+            "not checked") in err and "the families checked: llava, qwen2_5_vl" in err

@@ -10,6 +10,7 @@ from ..kernels import liger_problem
 from ..methods import method_of
 from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
+from ..vision.families import family_problem, model_type_of
 from . import libraries
 
 
@@ -20,6 +21,9 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
     template = recipe.data.chat_template if recipe.data is not None else None
     if model_ok:
         out += path_problems(m, template if isinstance(template, str) else None)
+        family = family_problem(model_type_of(m.name_or_path))  # an image-text-to-text family not checked
+        if family:
+            out.append(("model.name_or_path", family))
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):

@@ -18,9 +18,13 @@ from ..modeling import load_model
 from ..moe.expert_parallel import expert_parallel_size
 from ..moe.mixin import MoeMixin
 from ..sequence_parallel import SequenceParallelMixin
+from ..heads import Head, Role
 from ..trainer import RUN_MIXINS
+from ..vision.families import head_of
+from ..vision.image_datasets import build_image_datasets
+from ..vision.processor import arguments_for, processor_of
 from . import registry
-from .base import Method
+from .base import Method, ModelSpec
 
 
 class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMixin, ExactLossMixin,
@@ -30,6 +34,8 @@ class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMix
 
 
 def read(recipe: Recipe, tokenizer, world_size: int, seed: int):
+    if head_of(recipe.model) is Head.IMAGE_TEXT_TO_TEXT:  # image rows, rendered by the model's processor (vision/)
+        return build_image_datasets(recipe.data, processor_of(recipe.model), seed)
     return build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
 
 
@@ -48,6 +54,10 @@ def exact_match_metrics(run, trainer, data, before: bool, answer=greedy_answer) 
 
 
 class SFT(Method):
+    def models(self, recipe):
+        """A causal LM, or an image-text-to-text model of a family hftrain has checked (vision.families)."""
+        return [ModelSpec(Role.POLICY, head_of(recipe.model), recipe.model)]
+
     def model(self, run):
         policy = self.policy(run.recipe)
         return load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
@@ -55,7 +65,8 @@ class SFT(Method):
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
-                                  processing_class=tokenizer, data_collator=data.collator, callbacks=callbacks,
+                                  processing_class=getattr(data, "processor", None) or tokenizer,  # saved beside it
+                                  data_collator=data.collator, callbacks=callbacks,
                                   moe=run.recipe.moe)  # MoeMixin: aux / z losses, router health, ZeRO-3 leaves
 
     def metrics(self, run, trainer, data, before):
@@ -67,4 +78,5 @@ class SFT(Method):
 
 METHOD = SFT(entry=registry.SFT, read=read,
              show=lambda recipe, tokenizer, n: preview(recipe.data, tokenizer, n),
-             arguments=lambda recipe, **kwargs: HFTrainingArguments(**kwargs), trainer_class=SFTTrainer)
+             arguments=lambda recipe, **kwargs: HFTrainingArguments(**arguments_for(head_of(recipe.model), kwargs)),
+             trainer_class=SFTTrainer)

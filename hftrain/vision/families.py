@@ -8,7 +8,10 @@ import json
 import os
 from dataclasses import dataclass
 
+import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from ..heads import Head
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,21 @@ def is_image_text_to_text(model_type: str | None) -> bool:
     return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def family_problem(model_type: str | None, key: str = "model.name_or_path") -> str | None:
+def family_problem(model_type: str | None) -> str | None:
     """A refusal for an image-text-to-text model of a family hftrain has not checked."""
     if not is_image_text_to_text(model_type) or model_type in CHECKED:
         return None
-    return (f"{key}: the model is an image-text-to-text model of family {model_type!r}, which hftrain has not checked "
+    return (f"the model is an image-text-to-text model of family {model_type!r}, which hftrain has not checked "
             f"(labels against the family's template, the processor's image token expansion); the families checked: "
             f"{', '.join(sorted(CHECKED))}")
+
+
+def head_of(section) -> Head:
+    """The head of a model section's model: image-text-to-text for a family hftrain has checked, else a causal LM
+    (an image-text-to-text model of another family is refused by the preflight check: family_problem)."""
+    name = getattr(section, "name_or_path", None)
+    return Head.IMAGE_TEXT_TO_TEXT if isinstance(name, str) and model_type_of(name) in CHECKED else Head.CAUSAL_LM
+
+
+def processor_class(model_type: str) -> type:
+    return getattr(transformers, CHECKED[model_type].processor_class)

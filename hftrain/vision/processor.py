@@ -10,6 +10,9 @@ from __future__ import annotations
 from transformers import AutoProcessor, ProcessorMixin
 from transformers.utils import is_torchvision_available
 
+from ..heads import Head
+from .families import model_type_of, processor_class
+
 
 def images_only(processor_class: type) -> type:
     """`processor_class` (a Qwen-VL processor) without its video processor: the same __call__, chat template and
@@ -44,3 +47,18 @@ def load_processor(name_or_path: str, processor_class: type | None = None, **kwa
     if processor_class is None or not needs_video_processor(processor_class) or is_torchvision_available():
         return AutoProcessor.from_pretrained(name_or_path, **kwargs)
     return images_only(processor_class).from_pretrained(name_or_path, **kwargs)
+
+
+def processor_of(section):
+    """The processor of a model section's image-text-to-text model (a family hftrain has checked)."""
+    kwargs = {"revision": section.revision} if getattr(section, "revision", None) else {}
+    return load_processor(section.name_or_path, processor_class(model_type_of(section.name_or_path)), **kwargs)
+
+
+def arguments_for(head: Head, kwargs: dict) -> dict:
+    """TrainingArguments values for a policy of this head: image rows keep their images column (the Trainer would
+    drop a column the model's forward does not take)."""
+    if head is Head.IMAGE_TEXT_TO_TEXT:
+        kwargs = dict(kwargs)
+        kwargs.setdefault("remove_unused_columns", False)
+    return kwargs
