@@ -76,6 +76,24 @@ def function_local_imports(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def private_imports(source: str) -> list[str]:
+    """`from <an hftrain module> import _name`: a private name used by another module (a name two modules share is
+    public, and says so by its spelling)."""
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("hftrain"))
+            and any(a.name.startswith("_") and not a.name.startswith("__") for a in node.names)]
+
+
+def test_no_module_imports_another_s_private_name():
+    found = {os.path.relpath(path, REPO): private_imports(open(path, encoding="utf-8").read()) for path in SOURCES}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+
+
+def test_the_private_import_check_sees_one():
+    assert private_imports("from .model import _from_pretrained, load_model\nfrom . import __version__\n") == [
+        "1: from .model import _from_pretrained, load_model"]
+
+
 @pytest.mark.parametrize("path", SOURCES, ids=[os.path.relpath(p, REPO) for p in SOURCES])
 def test_no_function_local_import_of_hftrain(path):
     """A function-local import of hftrain's own modules hides a cycle; only optional or heavy libraries are

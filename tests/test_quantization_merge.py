@@ -102,7 +102,7 @@ def test_under_zero3_the_run_quantises_the_base_as_the_merge_does(tiny_model_dir
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from hftrain.modeling import loading_outside_zero3
-    from hftrain.modeling.model import _from_pretrained
+    from hftrain.modeling.model import load_base
 
     cfg = ModelSection(name_or_path=tiny_model_dir, dtype="bfloat16", lora=LoraSection(r=4),
                        quantization=QuantizationSection(bits=4, storage_dtype="bfloat16"))
@@ -113,11 +113,11 @@ def test_under_zero3_the_run_quantises_the_base_as_the_merge_does(tiny_model_dir
         recorded = base_fingerprint(load_model(cfg))
         with loading_outside_zero3(SimpleNamespace(hf_deepspeed_config=zero3)):
             assert not is_deepspeed_zero3_enabled()
-            merged_into = base_fingerprint(_from_pretrained(cfg, quantized=True))
+            merged_into = base_fingerprint(load_base(cfg, quantized=True))
         assert is_deepspeed_zero3_enabled()
     finally:
         unset_hf_deepspeed_config()
     assert recorded == merged_into and len(recorded) == 14
     assert {layer["quantized_from"] for layer in recorded.values()} == {"bfloat16"}
-    from_file_dtype = base_fingerprint(_from_pretrained(dataclasses.replace(cfg, dtype="float32"), quantized=True))
+    from_file_dtype = base_fingerprint(load_base(dataclasses.replace(cfg, dtype="float32"), quantized=True))
     assert all(from_file_dtype[k]["sha256"] != recorded[k]["sha256"] for k in recorded)

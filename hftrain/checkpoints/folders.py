@@ -80,7 +80,7 @@ def newest_complete(run_dir: str, warn=logger.warning) -> str | None:
         return None
     if os.path.isdir(staging_root(run_dir)) and os.listdir(staging_root(run_dir)):
         warn(f"hftrain: ignoring {staging_root(run_dir)}: a save that was interrupted (never resumed from)")
-    for path in _numbered(run_dir):
+    for path in numbered_checkpoints(run_dir):
         problem = checkpoint_problem(path)
         if problem is None or manifest.has_manifest(path):
             return path
@@ -88,7 +88,7 @@ def newest_complete(run_dir: str, warn=logger.warning) -> str | None:
     return None
 
 
-def _numbered(run_dir: str) -> list[str]:
+def numbered_checkpoints(run_dir: str) -> list[str]:
     found = sorted(((int(m.group(1)), n) for n in os.listdir(run_dir) if (m := _RE.match(n))), reverse=True)
     return [os.path.join(run_dir, name) for _, name in found]
 

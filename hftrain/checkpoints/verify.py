@@ -8,8 +8,8 @@ import os
 
 from ..errors import CheckpointError
 from . import manifest
-from .folders import STATE, _numbered, checkpoint_problem, newest_complete
-from .world_size import LAYOUT, UNIVERSAL, _layout_problem, read_layout
+from .folders import STATE, numbered_checkpoints, checkpoint_problem, newest_complete
+from .world_size import LAYOUT, UNIVERSAL, layout_problem, read_layout
 
 logger = logging.getLogger("hftrain")
 
@@ -87,11 +87,11 @@ def _verify(path: str, weights_only: bool, warn) -> None:
     if problems is None:
         warn(f"hftrain: {path} has no {manifest.MANIFEST}: {writer(path)}; its files cannot be verified (only "
              "checked complete and readable)")
-    layout_problem = _layout_problem(path)
+    layout = layout_problem(path)
     problems = [p for p in (checkpoint_problem(path), manifest.state_problem(path, STATE),
-                            *manifest.rng_problems(path), layout_problem) if p]
+                            *manifest.rng_problems(path), layout) if p]
     if not weights_only:
-        fmt = None if layout_problem else (read_layout(path) or {}).get("strategy")
+        fmt = None if layout else (read_layout(path) or {}).get("strategy")
         problems += manifest.missing_optimizer_state(path, fmt in UNIVERSAL if fmt else None)
     if problems:
         raise refuse(problems)
@@ -111,5 +111,5 @@ def writer(path: str) -> str:
 
 def _others(path: str) -> str:
     run_dir, name = os.path.split(os.path.abspath(path))
-    older = [p for p in _numbered(run_dir) if os.path.basename(p) != name and checkpoint_problem(p) is None]
+    older = [p for p in numbered_checkpoints(run_dir) if os.path.basename(p) != name and checkpoint_problem(p) is None]
     return f" (complete, still to be verified: {', '.join(older)})" if older else ""

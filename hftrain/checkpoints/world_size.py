@@ -47,14 +47,14 @@ def read_layout(path: str) -> dict | None:
     f = os.path.join(path, LAYOUT)
     if not os.path.lexists(f):
         return None
-    problem = _layout_problem(path)
+    problem = layout_problem(path)
     if problem:
         raise CheckpointError(f"cannot resume from {path}: {problem}")
     with open(f, encoding="utf-8") as fh:
         return json.load(fh)
 
 
-def _layout_problem(path: str) -> str | None:
+def layout_problem(path: str) -> str | None:
     f = os.path.join(path, LAYOUT)
     if not os.path.lexists(f):
         return None

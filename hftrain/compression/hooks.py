@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from ..patches.accelerate import HookedDDPKwargs
 from .codecs import dequantize_int8, quantize_int8, topk_select, wire_bytes
-from .meter import CommMeter, _timed
+from .meter import CommMeter, timed
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _allreduce_mean(state: HookState, bucket, dtype: torch.dtype | None) -> torc
         return buf
 
     sent = wire_bytes("all_reduce", send.numel() * send.element_size(), state.world)
-    return _timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
+    return timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
 
 
 def _gather_mean(state: HookState, bucket, payload: torch.Tensor, decode) -> torch.futures.Future:
@@ -76,7 +76,7 @@ def _gather_mean(state: HookState, bucket, payload: torch.Tensor, decode) -> tor
         return buf
 
     sent = wire_bytes("all_gather", payload.numel(), state.world)
-    return _timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
+    return timed(state.meter, fut.then(decompress), wire_bytes("all_reduce", _raw(bucket), state.world), sent)
 
 
 def _with_feedback(state: HookState, bucket) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,14 +139,14 @@ def _powersgd_hook(state: HookState, bucket) -> torch.futures.Future:
     elements = ps.total_numel_after_compression - before  # 0 while it still runs vanilla all-reduce
     size = bucket.buffer().element_size()
     sent = elements * size if elements else _raw(bucket)
-    return _timed(state.meter, fut, wire_bytes("all_reduce", _raw(bucket), state.world),
+    return timed(state.meter, fut, wire_bytes("all_reduce", _raw(bucket), state.world),
                   wire_bytes("all_reduce", sent, state.world), start)
 
 
 def _fp16_hook(state: HookState, bucket) -> torch.futures.Future:
     buf = bucket.buffer()
     raw = wire_bytes("all_reduce", _raw(bucket), state.world)
-    return _timed(state.meter, default_hooks.fp16_compress_hook(state.group, bucket), raw,
+    return timed(state.meter, default_hooks.fp16_compress_hook(state.group, bucket), raw,
                   wire_bytes("all_reduce", buf.numel() * 2, state.world))
 
 

@@ -96,7 +96,7 @@ class CommMeter:
                 "seconds": busy, "hidden_share": hidden / busy if busy > 0 else 0.0}
 
 
-def _timed(meter: CommMeter, fut: torch.futures.Future, raw: float, sent: float,
+def timed(meter: CommMeter, fut: torch.futures.Future, raw: float, sent: float,
            start: float | None = None) -> torch.futures.Future:
     interval = meter.record(raw, sent, start)
 

@@ -7,7 +7,7 @@ import os
 
 from ..config import ModelSection
 from ..quantization import checked_merged_model
-from .model import _from_pretrained
+from .model import load_base
 
 
 def saved_shapes(model) -> dict[str, tuple[int, ...]]:
@@ -26,7 +26,7 @@ def _whole(model, output_dir: str, cfg: ModelSection, sharded: bool):
         return model
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(_from_pretrained(cfg, quantized=True), output_dir)
+    return PeftModel.from_pretrained(load_base(cfg, quantized=True), output_dir)
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def save_merged(model, tokenizer, output_dir: str, cfg: ModelSection, sharded: b
     strategy shards the weights (FSDP, ZeRO-3)."""
     if cfg.quantization is not None:
         merged = checked_merged_model(model, _whole(model, output_dir, cfg, sharded),
-                                      _from_pretrained(cfg, quantized=False), output_dir)
+                                      load_base(cfg, quantized=False), output_dir)
     else:
         merged = model.merge_and_unload()
     path = os.path.join(output_dir, "merged")

@@ -62,7 +62,7 @@ def score_pad_token(model, cfg: ModelSection, key: str = "model") -> None:
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def _from_pretrained(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model",
+def load_base(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model",
                      num_labels: int | None = None):
     """The base of `cfg` as transformers loads it by the Auto class of its `head` (safetensors only: a pickle
     checkpoint could run code on load), quantised by bitsandbytes when asked (placed whole on this rank's device, as
@@ -98,7 +98,7 @@ def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_para
     sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered). `key`:
     where `cfg` sits in the recipe (model, or a method's other model: ModelSpec.key), for the messages; `num_labels`:
     a classifier's classes where the method fixes them (a reward model's one score)."""
-    model = _from_pretrained(cfg, quantized=cfg.quantization is not None, head=head, key=key, num_labels=num_labels)
+    model = load_base(cfg, quantized=cfg.quantization is not None, head=head, key=key, num_labels=num_labels)
     if cfg.kernels == "liger":
         raise_if(liger_problem(model.config.model_type))
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):
