@@ -114,7 +114,7 @@ class ProcessRewardTrainer(*RUN_MIXINS, StepMetricsMixin, StepMeanMixin, Trainer
 class ProcessRewardMethod(Method):
     """A process reward model in the run: a token classifier with two labels as the policy."""
 
-    reported = ("eval_step_accuracy", "eval_step_f1", "eval_loss")
+    reported = ("eval_step_accuracy", "eval_step_f1", "eval_loss", "eval_steps")
 
     def models(self, recipe):
         return [ModelSpec(Role.POLICY, HEAD, recipe.model)]
