@@ -55,6 +55,9 @@ def test_the_process_options_are_checked_and_belong_to_their_kind():
     found = problems("reward.kind=process", "reward.margin=m", "reward.step_separator=")
     assert any("reward.margin: applies to kind outcome, not process" in p for p in found), found
     assert any("reward.step_separator: must be non-empty text" in p for p in found), found
+    found = problems("reward.kind=process", "data.sources.0.format=messages")
+    assert any("data.sources.0.format: step rows are read by their columns prompt/completions/labels" in p
+               for p in found), found
 
 
 # -- rows ---------------------------------------------------------------------------------------------------------

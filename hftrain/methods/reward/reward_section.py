@@ -87,8 +87,10 @@ def reward_problems(recipe: Recipe) -> Problems:
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if d is not None and isinstance(getattr(d, group), list) else []):
             if isinstance(s, DataSource) and s.format != "auto":
-                out.append((f"data.{group}.{i}.format", "reward pairs are read by their columns prompt/chosen/"
-                            "rejected (rename yours with columns:): remove format"))
+                rows = ("step rows", "prompt/completions/labels") if recipe.reward.kind == "process" else (
+                    "reward pairs", "prompt/chosen/rejected")
+                out.append((f"data.{group}.{i}.format", f"{rows[0]} are read by their columns {rows[1]} (rename "
+                            "yours with columns:): remove format"))
     if recipe.eval is not None and is_number(recipe.eval.exact_match) and recipe.eval.exact_match > 0:
         out.append(("eval.exact_match", "is not measured by a reward model (it generates nothing; held-out pair "
                     "accuracy and mean margin are): set it to 0"))
