@@ -9,14 +9,14 @@ from .arguments import recipe_arguments
 
 def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
-    m, micro = recipe.model, recipe.training_value("per_device_train_batch_size")
+    m, micro = recipe.model, recipe.typed_training.per_device_train_batch_size
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
                         quantization=m.quantization, head=policy_head(recipe))
     frozen = [model_facts(o.section.name_or_path, None, o.section.trust_remote_code, o.section.dtype,
                           quantization=o.section.quantization, head=o.head) for o in method_of(recipe).others(recipe)]
     sp = recipe.strategy.resolved_sequence_parallel()
     rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
-                bool(recipe.training_value("bf16") or recipe.training_value("fp16")), sp, frozen)
+                bool(recipe.typed_training.bf16 or recipe.typed_training.fp16), sp, frozen)
     active = f" ({facts.active_params / 1e6:.1f}M active per token)" if facts.active_params != facts.params else ""
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"

@@ -27,7 +27,7 @@ def recipe_problems(recipe: Recipe) -> Problems:
     _training_ranges(recipe, out)
     _resume_weights_only(recipe, out)
     has_eval = data_problems(recipe, out)
-    if recipe.training_value("eval_strategy") not in ("no", None) and not has_eval:
+    if recipe.typed_training.eval_strategy not in ("no", None) and not has_eval:
         out.append(("training.eval_strategy", "evaluation needs data: set data.eval_sources or data.eval_fraction"))
     if recipe.eval is not None and _num(recipe.eval.exact_match) and recipe.eval.exact_match < 0:
         out.append(("eval.exact_match", f"must be >= 0 (0: off), got {recipe.eval.exact_match}"))
@@ -57,7 +57,7 @@ def _loss_impl_problems(recipe: Recipe) -> Problems:
     """training.loss_impl chunked or fused against LoRA on lm_head; fused (liger-kernel's fused linear CE) against
     the sequence average it does not compute and against model.kernels: none, which turns liger's kernels off."""
     out: Problems = []
-    impl, m = recipe.training.get("loss_impl"), recipe.model
+    impl, m = recipe.typed_training.loss_impl, recipe.model
     lora = m.lora if m is not None else None
     if isinstance(lora, LoraSection) and impl in ("chunked", "fused"):
         for key in ("target_modules", "modules_to_save"):
@@ -66,7 +66,7 @@ def _loss_impl_problems(recipe: Recipe) -> Problems:
                             "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
     if impl != "fused":
         return out
-    if recipe.training.get("loss_averaging", "token") != "token":
+    if recipe.typed_training.loss_averaging != "token":
         out.append(("training.loss_impl", "fused (liger-kernel's fused linear cross-entropy) sums the token CE, every "
                     "target weighing 1, and cannot compute training.loss_averaging: sequence; set training.loss_impl: "
                     "chunked (the same loss, hftrain's own chunks) or loss_averaging: token"))
@@ -103,9 +103,9 @@ _RANGES = {  # name: (low, low inclusive, high, high inclusive, what)
 def _resume_weights_only(recipe: Recipe, out: Problems) -> None:
     """training.resume_weights_only changes how a resume loads: it means nothing without one, and DeepSpeed restores
     optimizer and weights together (ZeRO's optimizer files hold the weights' partitions)."""
-    if recipe.training.get("resume_weights_only") is not True:
+    if recipe.typed_training.resume_weights_only is not True:
         return
-    if not recipe.training.get("resume_from_checkpoint"):
+    if not recipe.typed_training.resume_from_checkpoint:
         out.append(("training.resume_weights_only", "is set but training.resume_from_checkpoint is not: set "
                     "resume_from_checkpoint (true, or a checkpoint's path) or remove resume_weights_only"))
     name = recipe.strategy.name if isinstance(recipe.strategy, StrategySection) else None

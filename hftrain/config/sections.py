@@ -15,7 +15,7 @@ from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout
 from .fields import option
 from .schema import origin_of
 from .strategy import StrategySection
-from .training import training_value
+from .training import TrainingValues, training_value, typed_values
 
 
 @dataclass
@@ -305,6 +305,11 @@ class Recipe:
     @property
     def resume_from_checkpoint(self) -> str | bool | None:
         return self.training.get("resume_from_checkpoint")
+
+    @property
+    def typed_training(self) -> TrainingValues:
+        """The `training:` values hftrain reads, typed (config.training.TrainingValues)."""
+        return typed_values(self.training)
 
     def training_value(self, name: str):
         """A `training:` value as the run will see it: the recipe's, else TrainingArguments' own default."""

@@ -72,16 +72,16 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
         out.append(("compression.profile", f"times DDP's gradient all-reduce in a communication hook; '{name}' "
                     "reduces inside its own engine, with no hook to time: use strategy ddp, or remove it"))
     if (isinstance(c, CompressionSection) and c.method == "powersgd"
-            and recipe.training.get("ddp_find_unused_parameters") is True):
+            and recipe.typed_training.ddp_find_unused_parameters is True):
         out.append(("training.ddp_find_unused_parameters", "must be false with compression.method powersgd: "
                     "PowerSGD's second all-reduce, issued from a future callback, races DDP's unused-parameter "
                     "all-reduce and hangs or fails on gloo. hftrain sets it false when you leave it unset"))
-    bad = recipe.training.get("max_bad_steps")
+    bad = recipe.typed_training.max_bad_steps
     if name in ZERO_STAGE and _num(bad) and bad > 0:
         out.append(("training.max_bad_steps", f"cannot skip steps under '{name}': DeepSpeed's engine applies the "
                     "update inside backward, before the step can be judged; set it to 0 (a non-finite step then "
                     "stops the run), or use strategy ddp or fsdp"))
-    optim = str(recipe.training_value("optim"))
+    optim = str(recipe.typed_training.optim)
     if name in OFFLOADED and not optim.startswith("adamw"):
         out.append(("training.optim", f"'{optim}' cannot be used with '{name}': the optimizer states live off the "
                     "GPU and DeepSpeed's own AdamW updates them; use an adamw_* optim or zero3"))
@@ -159,8 +159,8 @@ def quantized_strategy_problems(recipe: Recipe, name: str) -> Problems:
         return out + [("model.quantization.bits", f"{name} shards a 4-bit base only (bitsandbytes' 8-bit weights "
                        "are integers with row statistics beside them): set model.quantization.bits: 4, or "
                        "strategy.name: ddp")]
-    want = ("bfloat16" if recipe.training_value("bf16") is True else
-            "float16" if recipe.training_value("fp16") is True else "float32")
+    want = ("bfloat16" if recipe.typed_training.bf16 is True else
+            "float16" if recipe.typed_training.fp16 is True else "float32")
     if q.storage_dtype != want:
         out.append(("model.quantization.storage_dtype", f"is {q.storage_dtype or 'uint8 (the default)'}: under "
                     f"{name} the packed 4-bit weights must be stored in the dtype it computes in, here {want} "

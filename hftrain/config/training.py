@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import functools
 import os
 import re
@@ -117,6 +118,39 @@ def training_value(training: dict, name: str):
         return training[name]
     f = _training_fields()[1][name]
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+@dataclass(frozen=True)
+class TrainingValues:
+    """The `training:` values hftrain's own code reads, typed, as the run will see them (training_value: the recipe's,
+    with hftrain's defaults, else TrainingArguments' own), read by attribute instead of by string key
+    (Recipe.typed_training). Every other key goes to TrainingArguments untouched. A rule that asks what the user
+    wrote (a key present or not) reads recipe.training itself."""
+
+    output_dir: str | None
+    seed: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    dataloader_drop_last: bool
+    eval_strategy: str
+    train_sampling_strategy: str
+    optim: str
+    use_cpu: bool
+    bf16: bool | None
+    fp16: bool
+    resume_from_checkpoint: str | bool | None
+    resume_weights_only: bool
+    overwrite_output_dir: bool
+    loss_averaging: str
+    loss_impl: str
+    max_bad_steps: int
+    include_num_input_tokens_seen: str | bool
+    ddp_find_unused_parameters: bool | None
+
+
+def typed_values(training: dict) -> TrainingValues:
+    """TrainingValues of a recipe's `training:` section."""
+    return TrainingValues(**{f.name: training_value(training, f.name) for f in dataclasses.fields(TrainingValues)})
 
 
 def validate_training(raw: dict, ctx: Ctx) -> dict:

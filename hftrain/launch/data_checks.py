@@ -27,7 +27,7 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
     cache. With data.streaming the training rows are read as training goes: the first rows of each source are
     checked."""
     tokenizer = load_tokenizer(recipe.model, recipe.data.chat_template)
-    seed = recipe.training_value("seed") if seed is None else seed
+    seed = recipe.typed_training.seed if seed is None else seed
     method = method_of(recipe)
     data = method.read(recipe, tokenizer, world_size, seed)
     if method.counts_its_steps:
@@ -36,9 +36,9 @@ def check_data(recipe: Recipe, world_size: int, seed: int | None = None):
         print0("hftrain: training examples streamed" + (f", {len(data.eval)} held out" if data.eval is not None
                                                          else ""))
         return tokenizer, data
-    problem = batch_problem(world_size, recipe.training_value("per_device_train_batch_size"),
-                            recipe.training_value("gradient_accumulation_steps"),
-                            recipe.training_value("dataloader_drop_last"), len(data.train))
+    problem = batch_problem(world_size, recipe.typed_training.per_device_train_batch_size,
+                            recipe.typed_training.gradient_accumulation_steps,
+                            recipe.typed_training.dataloader_drop_last, len(data.train))
     if problem:
         raise LaunchError(problem)
     print0(f"hftrain: {len(data.train)} training {method.unit}"

@@ -276,7 +276,7 @@ def fused_loss_problems(recipe: Recipe) -> list[tuple[str, str]]:
     """training.loss_impl: fused where liger's kernel cannot run: no liger-kernel, no CUDA GPU for the run (or
     training.use_cpu), a head whose logits it does not compute (asked of the model built on the meta device); the
     run's trainer refuses the same of the loaded model (losses.chunked)."""
-    cuda = torch.cuda.is_available() and not recipe.training.get("use_cpu")
+    cuda = torch.cuda.is_available() and not recipe.typed_training.use_cpu
     why = fused_ce.machine_problem("cuda" if cuda else "cpu")
     if why is not None:
         return [("training.loss_impl", fused_ce.refusal(why))]

@@ -36,7 +36,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         out += libraries.lora_problems(recipe)
     if model_ok and m.experts_implementation is not None and "model.experts_implementation" not in skip:
         out += libraries.experts_problems(recipe)
-    if model_ok and recipe.training.get("loss_impl") == "fused" and "training.loss_impl" not in skip:
+    if model_ok and recipe.typed_training.loss_impl == "fused" and "training.loss_impl" not in skip:
         out += libraries.fused_loss_problems(recipe)
     if model_ok and m.kernels == "liger" and "model.kernels" not in skip:
         config = local_config(m)

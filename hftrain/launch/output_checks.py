@@ -62,22 +62,22 @@ def resume_problems(value, output_dir: str, layout: dict | None = None, weights_
 def output_problems(recipe: Recipe, strategy: StrategySection, world: int, skip: set[str], model_ok: bool,
                      warn) -> list[tuple[str, str]]:
     """output_dir: writable, outside the inputs, owned by this run; the checkpoint to resume against this layout."""
-    output_dir = recipe.training.get("output_dir")
+    output_dir = recipe.typed_training.output_dir
     if not (is_of_type(output_dir, str) and output_dir and "training.output_dir" not in skip):
         return []
     where = output_dir_problems(output_dir, protected_folders(recipe) if model_ok else {})
     if not where and "training.overwrite_output_dir" not in skip:
         resume = bool(recipe.resume_from_checkpoint) or restart_count() > 0
-        owned = outdir.ownership_problem(output_dir, resume, bool(recipe.training_value(outdir.OVERWRITE)))
+        owned = outdir.ownership_problem(output_dir, resume, bool(recipe.typed_training.overwrite_output_dir))
         where = [owned] if owned else []
     out = [("training.output_dir", msg) for msg in where]
     if "training.resume_from_checkpoint" not in skip:
         sp = strategy.sequence_parallel if is_of_type(strategy.sequence_parallel, int) else 1
         ep = recipe.moe.expert_parallel_size if recipe.moe and is_of_type(recipe.moe.expert_parallel_size, int) else 1
-        now = checkpoints.layout(world, recipe.training_value("per_device_train_batch_size"),
-                                 recipe.training_value("gradient_accumulation_steps"), strategy.name, sp, ep)
+        now = checkpoints.layout(world, recipe.typed_training.per_device_train_batch_size,
+                                 recipe.typed_training.gradient_accumulation_steps, strategy.name, sp, ep)
         out += [("training.resume_from_checkpoint", msg)
                 for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
-                                           recipe.training_value("resume_weights_only") is True,
+                                           recipe.typed_training.resume_weights_only is True,
                                            recipe if model_ok else None, warn)]
     return out

@@ -174,7 +174,7 @@ def _prepare_fsdp(strategy: StrategySection) -> None:
 def _resume_from(recipe: Recipe) -> str | None:
     """The checkpoint to resume from, resolved once (a restarted worker resumes from the last one)."""
     resume = checkpoints.resolve_resume(recipe.resume_from_checkpoint, recipe.output_dir, restart_count() > 0,
-                                        warn=print0, weights_only=recipe.training_value("resume_weights_only") is True)
+                                        warn=print0, weights_only=recipe.typed_training.resume_weights_only is True)
     if resume and restart_count() > 0 and not recipe.resume_from_checkpoint:
         print0(f"hftrain: {_restarted_by()}: resuming from {resume}")
     return resume
@@ -229,7 +229,7 @@ def claim_output_dir(recipe: Recipe) -> None:
     if is_main_process():
         resumed = bool(recipe.resume_from_checkpoint) or restart_count() > 0
         try:
-            outdir.claim(recipe.output_dir, bool(recipe.training_value(outdir.OVERWRITE)), resumed, say=print0,
+            outdir.claim(recipe.output_dir, bool(recipe.typed_training.overwrite_output_dir), resumed, say=print0,
                          protected=protected_folders(recipe))
         except UserError as e:
             problem = str(e)

@@ -119,7 +119,7 @@ def _header_lines(recipe: Recipe, s: StrategySection, recipe_path: str, launcher
     per_node = s.num_processes // s.num_machines
     out = os.path.abspath(recipe.output_dir)
     logs = os.path.join(out, SLURM_DIR)
-    gpus = not recipe.training_value("use_cpu")
+    gpus = not recipe.typed_training.use_cpu
     what = f"{s.num_machines} node(s) x {per_node} process(es), {'GPUs' if gpus else 'CPUs'}"
     return [
         "#!/bin/bash",

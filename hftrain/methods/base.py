@@ -102,7 +102,7 @@ class Method:
 def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:
     """The first n training rows as the trainer gets them, one JSON object per line (pairs, KTO's examples); `note`
     (on stderr) says what they are."""
-    data = method.read(recipe, tokenizer, 1, recipe.training_value("seed"))
+    data = method.read(recipe, tokenizer, 1, recipe.typed_training.seed)
     if note:
         print(f"hftrain: the first {min(n, len(data.train))} training {note}", file=sys.stderr)
     return "\n".join(json.dumps(data.train[i], ensure_ascii=False) for i in range(min(n, len(data.train))))

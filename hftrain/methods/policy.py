@@ -43,9 +43,9 @@ def sft_only_problems(recipe: Recipe, method: str, rows: str, averaged: str, dat
             out.append((f"data.{key}", f"applies to supervised fine-tuning, not to {rows}: remove it"))
     if isinstance(d, DataSection) and d.streaming is True:
         out.append(("data.streaming", f"applies to supervised fine-tuning, not to {method}: remove it"))
-    if recipe.training.get("loss_averaging") not in ("token", None):
+    if recipe.typed_training.loss_averaging not in ("token", None):
         out.append(("training.loss_averaging", f"applies to the CE of supervised fine-tuning; {averaged}: remove it"))
-    if recipe.training.get("loss_impl") in ("chunked", "fused"):
+    if recipe.typed_training.loss_impl in ("chunked", "fused"):
         out.append(("training.loss_impl", f"applies to supervised fine-tuning (TRL computes {method}'s log-probs "
                     "with its own fused head): remove it"))
     if recipe.moe is not None:

@@ -71,7 +71,7 @@ def grpo_config(recipe: Recipe, **kwargs) -> HFGRPOConfig:
         top_p=g.top_p, scale_rewards=g.scale_rewards, reward_weights=[r.weight for r in g.rewards],
         max_tool_calling_iterations=g.max_tool_calls, use_vllm=g.generation == "vllm", vllm_mode="colocate",
         chat_template_kwargs=recipe.data.chat_template_kwargs,
-        shuffle_dataset=recipe.training_value("train_sampling_strategy") != "sequential", disable_dropout=True,
+        shuffle_dataset=recipe.typed_training.train_sampling_strategy != "sequential", disable_dropout=True,
         remove_unused_columns=False, model_init_kwargs={"revision": m.revision} if m.revision else None)
 
 
@@ -186,8 +186,9 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     policy = Policy(tokenizer, recipe.data.chat_template_kwargs, data.conversational, recipe.model)
     dry_run(load_rewards(g, policy=policy), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer,
             load_environment(g))
-    per_step = world_size * recipe.training_value("per_device_train_batch_size") * recipe.training_value(
-        "gradient_accumulation_steps") // g.num_generations
+    values = recipe.typed_training
+    per_step = (world_size * values.per_device_train_batch_size * values.gradient_accumulation_steps
+                // g.num_generations)
     if len(data.train) < per_step:
         raise LaunchError(f"one optimizer step samples grpo.num_generations {g.num_generations} completions of each "
                           f"of {per_step} prompts and the data has {len(data.train)}: lower the batch or add prompts")

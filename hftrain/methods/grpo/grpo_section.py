@@ -186,16 +186,16 @@ def _other_section_problems(recipe: Recipe) -> Problems:
         out.append(("eval.exact_match", "held-out answers with grpo.environment need each row's environment, which "
                     "the evaluation does not run: set eval.exact_match: 0 (the environment's reward is logged per "
                     "step as rewards/<Class>/mean)"))
-    if recipe.training_value("eval_strategy") not in ("no", None):
+    if recipe.typed_training.eval_strategy not in ("no", None):
         out.append(("training.eval_strategy", "GRPO is judged by eval.exact_match on held-out prompts before and "
                     "after training (greedy answers); remove eval_strategy"))
     if "include_num_input_tokens_seen" in recipe.training:
         out.append(("training.include_num_input_tokens_seen", "GRPO's batches are prompts the Trainer cannot count: "
                     "TRL counts prompt and completion tokens itself (num_tokens in the logs); remove it"))
-    if recipe.training_value("train_sampling_strategy") not in ("random", "sequential"):
+    if recipe.typed_training.train_sampling_strategy not in ("random", "sequential"):
         out.append(("training.train_sampling_strategy", "GRPO samples prompts in groups (TRL's RepeatSampler): "
                     "random (shuffled) or sequential, not "
-                    f"{recipe.training_value('train_sampling_strategy')!r}"))
+                    f"{recipe.typed_training.train_sampling_strategy!r}"))
     lora = recipe.model.lora if recipe.model is not None else None
     if isinstance(lora, LoraSection) and any(isinstance(v, list) and "lm_head" in v
                                              for v in (lora.target_modules, lora.modules_to_save)):
@@ -239,8 +239,8 @@ def grpo_batch_problem(recipe: Recipe, world: int) -> tuple[str, str] | None:
     """GRPO samples grpo.num_generations completions of each prompt within one optimizer step's global batch:
     the group size must divide processes x per_device_train_batch_size x gradient_accumulation_steps."""
     g = recipe.grpo
-    per_device, accumulation = (recipe.training_value(k) for k in ("per_device_train_batch_size",
-                                                                    "gradient_accumulation_steps"))
+    values = recipe.typed_training
+    per_device, accumulation = values.per_device_train_batch_size, values.gradient_accumulation_steps
     if not (isinstance(g, GrpoSection) and all(_num(v) and v > 0 for v in (g.num_generations, per_device,
                                                                            accumulation))):
         return None

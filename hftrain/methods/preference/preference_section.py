@@ -68,7 +68,7 @@ def preference_problems(recipe: Recipe) -> Problems:
     if _num(p.label_smoothing) and p.label_smoothing > 0 and p.loss_type in ("orpo", "kto"):
         out.append(("preference.label_smoothing", f"does not apply to loss_type {p.loss_type} (TRL's {p.loss_type} "
                     "loss has no label noise): remove it, or use loss_type sigmoid or simpo"))
-    if p.loss_type == "orpo" and recipe.training.get("include_num_input_tokens_seen") not in (None, False, "no"):
+    if p.loss_type == "orpo" and recipe.typed_training.include_num_input_tokens_seen not in (None, False, "no"):
         out.append(("training.include_num_input_tokens_seen", "cannot count ORPO's tokens (TRL's ORPO batches hold "
                     "chosen_/rejected_input_ids, not the input_ids the Trainer counts): remove it"))
     _unpaired_problems(recipe, out)
@@ -106,7 +106,7 @@ def _unpaired_problems(recipe: Recipe, out: Problems) -> None:
             out.append((f"preference.{key}", f"must be a finite number > 0, got {value}"))
     if p.loss_type not in UNPAIRED:
         return
-    batch = recipe.training_value("per_device_train_batch_size")
+    batch = recipe.typed_training.per_device_train_batch_size
     if _num(batch) and batch < 2:
         out.append(("training.per_device_train_batch_size", f"kto needs at least 2 examples per micro-batch, got "
                     f"{batch}: its KL reference point scores each prompt with another example's completion of the "
