@@ -4,6 +4,7 @@ vocabulary is the student's plus padding rows aligned and said; held-out metrics
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -77,17 +78,23 @@ def test_check_and_the_run_refuse_every_problem_at_once(tmp_path, models):
             assert needed in r.stderr, (needed, cmd, r.stderr[-3000:])
 
 
-def test_a_strategy_other_than_ddp_a_missing_teacher_and_the_other_modes_options_are_refused(tmp_path, models):
+def test_untested_strategies_a_missing_teacher_and_the_other_modes_options_are_refused(tmp_path, models):
     from hftrain.launch.preflight import check_recipe
     from hftrain.config import RecipeError
 
     data = write_rows(tmp_path / "rows.jsonl", 8)
-    rec = write_recipe(tmp_path, "fsdp", models["student"], models["teacher"], data,
+    rec = write_recipe(tmp_path, "zero2", models["student"], models["teacher"], data,
                        {"mode": "on_policy", "ce_weight": 0.5}, per_device_train_batch_size=2)
     with pytest.raises(RecipeError) as e:
-        check_recipe(str(rec), ["strategy.name=fsdp"])
+        check_recipe(str(rec), ["strategy.name=zero2"])
     text = str(e.value)
-    assert "distillation runs under ddp only, not 'fsdp'" in text and "distill.ce_weight: applies to" in text
+    assert "distillation runs under ddp, fsdp, zero3" in text and "not 'zero2'" in text, text
+    assert "the teacher would be whole on each rank" in text and "distill.ce_weight: applies to" in text
+    for strategy, why in (("zero3_offload", "keeps offload_param"), ("zero_infinity", "keeps offload_param")):
+        with pytest.raises(RecipeError, match=why):
+            check_recipe(str(rec), [f"strategy.name={strategy}"])
+    with pytest.raises(RecipeError, match="strategy.fsdp_offload_params: distillation under fsdp"):
+        check_recipe(str(rec), ["strategy.name=fsdp", "strategy.fsdp_offload_params=true"])
     missing = write_recipe(tmp_path, "missing", models["student"], tmp_path / "no_teacher", data)
     with pytest.raises(RecipeError, match="distill.teacher.name_or_path"):
         check_recipe(str(missing))
@@ -107,11 +114,12 @@ def variant(folder, name, models, data, bs, ga, module="hftrain.recipes.distill"
     return module, [str(rec)]
 
 
-def outcome(variants, folder, name, world=1):
-    """(losses per step, final weights) of a variant, after checking it ran with `world` processes."""
+def outcome(variants, folder, name, world=1, strategy="ddp"):
+    """(losses per step, final weights) of a variant, after checking it ran with `world` processes under `strategy`."""
     variants[name].check()
     out = folder / name
-    assert json.load(open(out / "run_info.json"))["world_size"] == world
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == world and info["strategy"] == strategy
     history = json.load(open(out / "trainer_state.json"))["log_history"]
     return [h["loss"] for h in history if "loss" in h], load_file(str(out / "model.safetensors"))
 
@@ -142,6 +150,48 @@ def two_ranks(tmp_path_factory, models, one_rank):
     tmp = tmp_path_factory.mktemp("distill_two_ranks")
     variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2)}
     return tmp, run_matrix(launch_prefix(2), variants, tmp / "matrix", ranks=2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sharded(request, tmp_path_factory, models, one_rank):
+    """2 ranks x GA2 and its per-micro-batch control under a sharding strategy: one launch per strategy."""
+    launches = {}
+
+    def get(strategy):
+        if strategy not in launches:
+            if strategy.startswith("zero"):
+                request.getfixturevalue("deepspeed_ops")
+            tmp = tmp_path_factory.mktemp(f"distill_{strategy}")
+            variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2),
+                        "naive_2x_ga2": variant(tmp, "naive_2x_ga2", models, one_rank[2], 2, 2,
+                                                module="tests.distill_naive")}
+            launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
+                                                 timeout=900)
+        return launches[strategy]
+
+    return get
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_sharded_teacher_two_ranks_ga2_equal_one_rank_ga4(one_rank, sharded, strategy):
+    """Under FSDP2 and ZeRO-3 the teacher is sharded over the ranks as the student (rank 0 holds about half of its
+    parameters: trl's prepare_fsdp / prepare_deepspeed), and 2 ranks x GA2 give 1 rank x GA4's losses and weights
+    (fp32, rel 1e-5); the per-micro-batch mean does not."""
+    tmp1, variants1, _ = one_rank
+    ref_loss, ref = outcome(variants1, tmp1, "1x_ga4")
+    tmp, variants = sharded(strategy)
+    losses, final = outcome(variants, tmp, "2x_ga2", 2, strategy)
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)
+    placed = re.search(r"distill.teacher: placed by .*: rank 0 holds ([\d,]+) of its ([\d,]+) parameters",
+                       variants["2x_ga2"].stdout + variants["2x_ga2"].stderr)
+    held, total = (int(g.replace(",", "")) for g in placed.groups())
+    assert held <= 0.6 * total, (held, total)
+    naive_loss, naive = outcome(variants, tmp, "naive_2x_ga2", 2, strategy)
+    assert naive_loss[0] != pytest.approx(ref_loss[0], rel=1e-3)
+    with pytest.raises(AssertionError):
+        assert_close_rel(naive, ref, rel=1e-4)
 
 
 @pytest.mark.launches

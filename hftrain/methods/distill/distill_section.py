@@ -18,6 +18,14 @@ Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 # Options that apply to one mode only: key -> the mode.
 MODE_ONLY = {"ce_weight": "logits", "lmbda": "on_policy", "max_new_tokens": "on_policy"}
 DEFAULTS = {"ce_weight": 0.0, "lmbda": 1.0, "max_new_tokens": 64, "beta": 0.5}
+# Where the teacher is placed as the student (trainer.DistillTrainer._placed) and the loss is tested exact; why not the
+# others.
+STRATEGIES = ("ddp", "fsdp", "zero3")
+_WHOLE = ("the teacher would be whole on each rank (trl's prepare_deepspeed shards it under ZeRO-3 only) beside a "
+          "student whose optimizer state is sharded, which is not tested: use zero3 (teacher sharded) or ddp")
+_OFFLOAD = ("the teacher's DeepSpeed engine would offload its parameters as the student's (trl's prepare_deepspeed "
+            "keeps offload_param), which is not tested: use zero3")
+NOT_UNDER = {"zero1": _WHOLE, "zero2": _WHOLE, "zero3_offload": _OFFLOAD, "zero_infinity": _OFFLOAD}
 
 
 @dataclass
@@ -62,10 +70,14 @@ class DistillSection(MethodSection):
 
     def strategy_problems(self, recipe: Recipe, strategy: str) -> Problems:
         out: Problems = []
-        if strategy != "ddp":
-            out.append(("strategy.name", f"distillation runs under ddp only, not '{strategy}' (the teacher is loaded "
-                        "whole on each rank; sharding it under fsdp or ZeRO is not built): launch with "
-                        "accelerate_configs/ddp.yaml"))
+        if strategy not in STRATEGIES:
+            out.append(("strategy.name", f"distillation runs under {', '.join(STRATEGIES)} (where the teacher is "
+                        f"placed as the student and the loss is tested exact), not '{strategy}': "
+                        + NOT_UNDER.get(strategy, "launch with one of those accelerate_configs")))
+        if strategy == "fsdp" and recipe.strategy.fsdp_offload_params is True:
+            out.append(("strategy.fsdp_offload_params", "distillation under fsdp keeps parameters on the device: "
+                        "the teacher would be offloaded too (trl's prepare_fsdp passes the offload policy on), which "
+                        "is not tested: remove it, or use zero3"))
         sp = recipe.strategy.sequence_parallel
         if is_number(sp) and sp > 1:
             out.append(("strategy.sequence_parallel", "distillation does not run under sequence parallelism (the "

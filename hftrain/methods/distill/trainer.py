@@ -7,13 +7,18 @@ rank x GA4.
 on_policy: before the step's tokens are counted, the micro-batches GKD's lambda picks (the same on every rank: a coin
 seeded by the run's seed, the step and the micro-batch) are replaced by the student's own samples for their prompts
 (each row's tokens before its first completion token), so the count is of the sampled tokens. The teacher is frozen
-(Method.load_frozen), on the student's device, never in the optimizer."""
+(Method.load_frozen), never in the optimizer, and placed as the student's strategy places a frozen model, by TRL's own
+functions for its reference and teacher models (`_placed`): under ZeRO-3 a DeepSpeed inference engine sharding it
+across the ranks (trl.models.prepare_deepspeed, as TRL's GKDTrainer does), under FSDP2 fully_shard over the ranks
+(trl.models.prepare_fsdp, as TRL's GRPOTrainer does for its reference model: sharded at rest, gathered whole for its
+forward and resharded after it), under DDP whole on each rank."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+from trl.models import prepare_deepspeed, prepare_fsdp
 
 from ...constants import IGNORE_INDEX
 from ...distributed import print0
@@ -25,6 +30,19 @@ from .sampling import sample_completions
 from .teacher_checks import shared_vocab
 
 
+def held_parameters(model) -> tuple[int, int]:
+    """(parameters this rank stores, parameters of the model): a DTensor's local shard (FSDP2), a ZeRO-3 parameter's
+    partition (ds_tensor; ds_numel its full size), else the whole tensor."""
+    held = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
+        else:
+            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            total += p.numel()
+    return held, total
+
+
 class DistillTrainer(SFTTrainer):
     def __init__(self, *args, teacher, section: DistillSection, **kwargs):
         self.teacher, self.section = teacher, section
@@ -33,6 +51,19 @@ class DistillTrainer(SFTTrainer):
         self.ce_weight = section.value("ce_weight") if section.mode == "logits" else 0.0
         super().__init__(*args, **kwargs)
         self.vocab = self._compared_vocab()
+        self.teacher = self._placed(teacher)
+
+    def _placed(self, teacher):
+        """The teacher sharded as the student will be (the module docstring); frozen, so no optimizer is passed."""
+        if self.is_deepspeed_enabled:
+            teacher, how = prepare_deepspeed(teacher, self.accelerator), "a DeepSpeed inference engine"
+        elif self.is_fsdp_enabled:
+            teacher, how = prepare_fsdp(teacher, self.accelerator), "fully_shard (FSDP2)"
+        else:
+            how = "whole on each rank"
+        held, total = held_parameters(teacher)
+        print0(f"hftrain: distill.teacher: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters")
+        return teacher
 
     def _chunked_head(self, loss_impl: str):
         """No chunked CE head: the divergence reads the student's logits (and is chunked over tokens itself)."""
