@@ -79,7 +79,28 @@ def test_the_same_tokenizer_scores_the_policys_own_tokens(rm, tokenizer):
         PROMPT + [{"role": "assistant", "content": "c b a"}], tokenize=False), add_special_tokens=False)["input_ids"]]
     own = [tokenizer("reverse: a b")["input_ids"], tokenizer("a b c")["input_ids"]]
     s.rollout_ids = own  # as GroupTrainer hands them over: the prompts' text is then not read
-    assert s([PROMPT, PROMPT], ["x", "y"]) == pytest.approx(direct(rm, own), rel=1e-5, abs=1e-6)
+    end = tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]  # cut short: the template's turn end added
+    assert s([PROMPT, PROMPT], ["x", "y"]) == pytest.approx(direct(rm, [r + end for r in own]), rel=1e-5, abs=1e-6)
+
+
+def test_a_rollout_is_scored_as_the_reward_model_read_the_conversation_in_training(rm, tokenizer):
+    """A reward model trained on conversations (TRL renders prompt + answer with the chat template: `...<|im_end|>`
+    then `\\n`) reads its score at the template's end of the turn; the policy's rollout ends at its EOS, or earlier
+    when cut at max_completion_length. Both are scored as the whole conversation rendered (without the completion of
+    the turn end, the score is read at the EOS: another number)."""
+    s = scorer(rm, tokenizer)
+    prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answers = ["c b a", "c b"]
+    rendered = [tokenizer(tokenizer.apply_chat_template(PROMPT + [{"role": "assistant", "content": a}], tokenize=False),
+                          add_special_tokens=False)["input_ids"] for a in answers]
+    ended = prompt_ids + tokenizer(answers[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    cut = prompt_ids + tokenizer(answers[1], add_special_tokens=False)["input_ids"]
+    assert rendered[0][:len(ended)] == ended and rendered[1][:len(cut)] == cut  # the same tokens, up to the EOS
+    s.rollout_ids = [ended, cut]
+    expected = direct(rm, rendered)
+    assert s([PROMPT, PROMPT], answers) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert direct(rm, [ended])[0] != pytest.approx(expected[0], rel=1e-3)  # the EOS position: another score
 
 
 def test_another_tokenizer_renders_the_conversation_with_its_own_template(tmp_path, tokenizer, capsys):
