@@ -81,7 +81,7 @@ def read_reward_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int) -> 
 
 def show_pairs(recipe: Recipe, tokenizer, n: int) -> str:
     """The first n training pairs as `hftrain data` shows them: the texts and each side's length in tokens."""
-    data = read_reward_pairs(recipe, tokenizer, 1, recipe.training_value("seed"))
+    data = read_reward_pairs(recipe, tokenizer, 1, recipe.typed_training.seed)
     rows = data.train.select(range(min(n, len(data.train))))
     print(f"hftrain: the first {len(rows)} training pairs (each side as the reward model scores it, in tokens)",
           file=sys.stderr)

@@ -235,7 +235,7 @@ def read_step_rows(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Ste
 def show_steps(recipe: Recipe, tokenizer, n: int) -> str:
     """The first n training rows as `hftrain data` shows them: the prompt, each step (with its separator) and its
     label and length in tokens, one JSON object per row."""
-    data = build_step_data(recipe, tokenizer, recipe.training_value("seed"))
+    data = build_step_data(recipe, tokenizer, recipe.typed_training.seed)
     rows = data.train.select(range(min(n, len(data.train))))
     print(f"hftrain: the first {len(rows)} training step rows (each step with its separator, whose token carries "
           "the label)", file=sys.stderr)
