@@ -98,6 +98,7 @@ def pair(prompt="reverse: a b", chosen="b a", rejected="a b"):
     (pair(rejected=" "), "rejected is empty"),
     ({"prompt": "x", "chosen": "y", "rejected": ""}, "rejected is empty"),
     ({"prompt": "x", "chosen": "y"}, "no 'rejected' column"),
+    ({"prompt": "x", "chosen": "y", "rejected": None}, "'rejected' is null: a pair needs an answer on both sides"),
     ({"prompt": "x", "chosen": [{"role": "assistant", "content": "y"}], "rejected": "z"}, "mixes text and message"),
     ({**pair(), "chosen": [{"role": "bot", "content": "b a"}]}, "unknown role 'bot'"),
     ({"prompt": "x", "chosen": "y", "rejected": "z"}, "is text but"),

@@ -59,10 +59,14 @@ def is_empty(side) -> bool:
 
 def pair_of_row(row: dict, roles: dict[str, str]) -> dict:
     """The canonical pair of one row ({prompt, chosen, rejected}); a DataError says what is wrong and the fix."""
-    missing = [c for c in PAIR if c not in row or row[c] is None]
+    missing = [c for c in PAIR if c not in row]
     if missing:
         raise DataError(f"no {' or '.join(repr(c) for c in missing)} column (the row has {list(row)}); a preference "
                         "row needs prompt, chosen and rejected (map yours with columns:, e.g. {chosen: good})")
+    empty = [c for c in PAIR if row[c] is None]
+    if empty:
+        raise DataError(f"{' and '.join(repr(c) for c in empty)} is null: a pair needs an answer on both sides; fix "
+                        "or remove the row")
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     text = [isinstance(v, str) for v in (chosen, rejected)] + ([isinstance(prompt, str)] if prompt is not None else [])
     if all(text):
