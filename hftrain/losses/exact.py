@@ -100,9 +100,14 @@ class ExactLossMixin(GlobalBatchMixin):
         """Eval batches are padded, never packed: `prediction_step` needs one row per example in the sampler's order
         (packing reorders examples and adds padding sequences), so that the sampler's repeats are dropped by
         position and every rank gathers as many rows. Per-example losses are the same either way (tested)."""
-        if not isinstance(self.data_collator, PackedRows):
+        packed = self.data_collator
+        if isinstance(packed, PackedRows):
+            padded = make_collator(self.processing_class, packing=False)
+        else:  # another packing collator names its padded twin (vision.packing.PackedImageRows)
+            padded = getattr(packed, "padded", None)
+        if padded is None:
             return super().get_eval_dataloader(eval_dataset)
-        packed, self.data_collator = self.data_collator, make_collator(self.processing_class, packing=False)
+        self.data_collator = padded
         try:
             return super().get_eval_dataloader(eval_dataset)
         finally:

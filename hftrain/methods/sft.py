@@ -22,6 +22,7 @@ from ..heads import Head, Role
 from ..trainer import RUN_MIXINS
 from ..vision.families import head_of
 from ..vision.image_datasets import build_image_datasets
+from ..vision.packing import pack_image_rows
 from ..vision.processor import arguments_for, processor_of
 from . import registry
 from .base import Method, ModelSpec
@@ -60,8 +61,11 @@ class SFT(Method):
 
     def model(self, run):
         policy = self.policy(run.recipe)
-        return load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
-                          sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
+        model = load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
+                           sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
+        if run.recipe.data.packing and policy.head is Head.IMAGE_TEXT_TO_TEXT:
+            pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
+        return model
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,

@@ -23,10 +23,14 @@ class ImageRows:
         self.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
         self.token_types = "mm_token_type_ids" in processor.model_input_names
 
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def check(features: list[dict]) -> None:
         if any("images" not in f for f in features):
             raise DataError("the image rows reached the collator without their images column: "
                             "training.remove_unused_columns: true drops it; remove that setting")
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        self.check(features)
         width = max(len(f["input_ids"]) for f in features)
         input_ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)

@@ -1,7 +1,8 @@
 """The datasets of a recipe whose model is an image-text-to-text model: every row of every source read, its images
 opened and checked (image_rows.py, images.py), rendered by the processor and labelled (labels.py), before the model
 loads; held-out rows split as the text pipeline splits them (data/split.py). Rows are kept in memory, not in the
-datasets cache, and neither packing nor streaming is done for them yet (refused by name)."""
+datasets cache; batches padded (image_batches.py) or packed (packing.py); streaming is not done for them yet
+(refused by name)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..data.split import split_rows
 from ..distributed import print0
 from ..errors import DataError
 from .image_batches import ImageRows
+from .packing import PackedImageRows
 from .labels import image_example
 from .image_rows import base_folder, canonical_image_row
 
@@ -29,9 +31,6 @@ class ImageDatasets(Datasets):
 
 def not_yet_problems(cfg: DataSection) -> list[str]:
     out = []
-    if cfg.packing:
-        out.append("data.packing: packing image rows is not done yet (Qwen-VL's position ids need a row per "
-                   "segment); set data.packing: false")
     if cfg.streaming:
         out.append("data.streaming: streaming image rows is not done yet; set data.streaming: false")
     return out
@@ -84,5 +83,5 @@ def build_image_datasets(cfg: DataSection, processor, seed: int) -> ImageDataset
         train += examples
     for i, src in enumerate(cfg.eval_sources):
         held += source_examples(src, f"data.eval_sources.{i}", processor, cfg)[0]
-    return ImageDatasets(_dataset(train), _dataset(held) if held else None, ImageRows(processor),
-                         [], processor=processor)
+    collator = PackedImageRows(processor) if cfg.packing else ImageRows(processor)
+    return ImageDatasets(_dataset(train), _dataset(held) if held else None, collator, [], processor=processor)
