@@ -15,7 +15,7 @@ from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe, 
 from ...config.fields import is_number as _num
 from ...distributed import accelerator_available
 from ..policy import policy_strategy_problems, sft_only_problems
-from .reward_model import reward_model_problems
+from .reward_model import ProcessOptions, reward_model_problems
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")
@@ -32,6 +32,13 @@ class RewardSpec:
         None, "A trained reward model instead of a function: the folder (or Hub id) of a sequence classifier with one "
         "label (what AutoModelForSequenceClassification saves, e.g. an outcome reward model), scoring prompt + "
         "completion, loaded once per rank without gradients (docs/grpo.md: the text it reads, its pad token).")
+    aggregate: Literal["min", "last"] | None = option(
+        None, "A process reward model (`model` a token classifier with two labels, as hftrain reward with kind "
+        "process trains it) scores each step; the completion's reward is min (its weakest step) or last (its last "
+        "step's score). Required for such a model, refused for any other.")
+    step_separator: str | None = option(
+        None, "A process reward model: the text that ends each step, as it was trained; default: reward."
+        "step_separator of the recipe.yaml its training run wrote beside the weights.")
     weight: float = option(1.0, "Weight of this reward in the sum that scores each completion.")
     pattern: str | None = option(
         None, "regex: the pattern the whole completion must match (Python re.fullmatch, DOTALL).")
@@ -226,6 +233,11 @@ def _reward_problems(r: RewardSpec, key: str) -> Problems:
             re.compile(r.pattern)
         except re.error as e:
             out.append((f"{key}.pattern", f"is not a regular expression: {e}"))
+    for option_name in ("aggregate", "step_separator"):
+        if getattr(r, option_name) is not None and r.model is None:
+            out.append((f"{key}.{option_name}", f"applies to a process reward model (`model`), not {what}: remove it"))
+    if r.step_separator is not None and (not isinstance(r.step_separator, str) or not r.step_separator):
+        out.append((f"{key}.step_separator", f"must be non-empty text, got {r.step_separator!r}"))
     if r.limit is not None and fn != "length_penalty":
         out.append((f"{key}.limit", f"applies to function length_penalty, not {what}: remove it"))
     if _num(r.limit) and r.limit < 0:
@@ -257,7 +269,8 @@ def grpo_batch_problem(recipe: Recipe, world: int) -> tuple[str, str] | None:
 def launch_problems(recipe: Recipe, world: int, environment: bool) -> Problems:
     """What the launch decides: the group size against the global batch of `world` processes (unless a training:
     value it needs is already wrong), and, on the machine that runs, whether vLLM can generate and whether each
-    reward model is a sequence classifier with one label (its config.json: reward_model.reward_model_problems)."""
+    reward model is a sequence classifier with one label, or a process reward model with aggregate and its separator
+    (its config.json and recipe.yaml: reward_model.reward_model_problems)."""
     out: Problems = []
     batch = None if any(k.startswith("training.") for k in recipe.invalid) else grpo_batch_problem(recipe, world)
     if batch:
@@ -266,7 +279,8 @@ def launch_problems(recipe: Recipe, world: int, environment: bool) -> Problems:
         out += [("grpo.generation", msg) for msg in vllm_problems()]
     for i, r in enumerate(recipe.grpo.rewards if environment and isinstance(recipe.grpo.rewards, list) else []):
         if isinstance(r, RewardSpec) and isinstance(r.model, str) and f"grpo.rewards.{i}.model" not in recipe.invalid:
-            out += reward_model_problems(r.model, f"grpo.rewards.{i}.model")
+            out += reward_model_problems(r.model, f"grpo.rewards.{i}.model",
+                                         ProcessOptions(r.aggregate, r.step_separator))
     return out
 
 

@@ -3,8 +3,10 @@
 
 - Checked before anything loads (`reward_model_problems`, from `hftrain check` and the run alike): its config.json
   only, never the weights: a local folder that is not there, pickle-only weights, a model that is not a sequence
-  classifier with one label. A token-classification (process) reward model is refused: a score per step is not
-  aggregated here yet.
+  classifier with one label. A token classifier with two labels (a process reward model, `hftrain reward` with
+  kind process) is taken with `aggregate` (min or last) and its step separator (`step_separator`, else the
+  `reward.step_separator` of the recipe.yaml its run wrote beside the weights): process_reward_model.py scores it;
+  `aggregate` or `step_separator` on any other model is refused, as a token classifier without `aggregate` is.
 - Loaded once per rank (`RewardModel.load`) through hftrain's own loader (modeling.load_model: safetensors only,
   remote code only with model.trust_remote_code, said first), whole on each rank (outside ZeRO-3's partitioning),
   in eval mode, without gradients, on the policy's device.
@@ -31,12 +33,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
+import yaml
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer
 
 from ...config import ModelSection, Problems
+from ...constants import RECIPE_FILE
 from ...distributed import print0
 from ...errors import DataError, ModelError, RewardError
 from ...heads import Head
@@ -51,9 +56,18 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
-def reward_model_problems(name: str, key: str) -> Problems:
-    """(key, message) for a reward model that cannot score: read from its config.json alone (no weights loaded). A Hub
-    id is checked when its config is in the local cache (else where it loads)."""
+@dataclass(frozen=True)
+class ProcessOptions:
+    """What a recipe says of a process reward model (grpo.rewards.N): aggregate and step_separator, None: unset."""
+
+    aggregate: str | None = None
+    step_separator: str | None = None
+
+
+def reward_model_problems(name: str, key: str, process: ProcessOptions = ProcessOptions()) -> Problems:
+    """(key, message) for a reward model that cannot score: read from its config.json (and, for a process reward
+    model, its recipe.yaml) alone (no weights loaded). A Hub id is checked when its config is in the local cache
+    (else where it loads)."""
     folder = os.path.expanduser(name)
     if not os.path.isdir(folder):
         if _looks_local(name) or os.path.exists(folder):
@@ -63,10 +77,10 @@ def reward_model_problems(name: str, key: str) -> Problems:
         if not isinstance(cached, str):  # not in the local cache: the loader downloads it and says what is wrong
             return []
         folder = os.path.dirname(cached)
-    return _folder_problems(folder, name, key)
+    return _folder_problems(folder, name, key, process)
 
 
-def _folder_problems(folder: str, name: str, key: str) -> Problems:
+def _folder_problems(folder: str, name: str, key: str, process: ProcessOptions) -> Problems:
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
             config = json.load(fh)
@@ -81,10 +95,14 @@ def _folder_problems(folder: str, name: str, key: str) -> Problems:
         return [(key, f"{name} holds pickle weights only; hftrain loads safetensors only (unpickling can run code): "
                  "load it with AutoModelForSequenceClassification and save_pretrained it once")]
     architectures = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+    spec = key.removesuffix(".model")  # grpo.rewards.N: the spec's other keys are named from it
     if any(a.endswith("ForTokenClassification") for a in architectures):
-        return [(key, f"{name} is a token-classification (process) reward model ({', '.join(architectures)}): "
-                 "GRPO scores a completion with a sequence classifier with one label only (a score per step is not "
-                 "aggregated yet); use an outcome reward model")]
+        return _process_problems(config, folder, name, key, process)
+    out = [(f"{spec}.{option}", f"applies to a token-classification (process) reward model; {name} is not one "
+            f"(architectures: {architectures or 'none'}): remove it") for option, value in
+           (("aggregate", process.aggregate), ("step_separator", process.step_separator)) if value is not None]
+    if out:
+        return out
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         return [(key, f"{name} is not a sequence classifier (architectures: {architectures or 'none'}); a reward "
                  "model is a ...ForSequenceClassification with one label")]
@@ -92,6 +110,50 @@ def _folder_problems(folder: str, name: str, key: str) -> Problems:
     if labels != 1:
         return [(key, f"{name} has {labels} labels; a reward model scores with one (num_labels: 1)")]
     return []
+
+
+def trained_separator(folder: str) -> str | None:
+    """The step separator a process reward model was trained at: reward.step_separator of the resolved recipe.yaml
+    that `hftrain reward` (kind process) writes beside the weights; None without one (e.g. a model from elsewhere)."""
+    try:
+        with open(os.path.join(folder, RECIPE_FILE), encoding="utf-8") as fh:
+            reward = (yaml.safe_load(fh) or {}).get("reward")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if isinstance(reward, dict) and reward.get("kind") == "process" and isinstance(reward.get("step_separator"), str):
+        return reward["step_separator"]
+    return None
+
+
+def model_folder(name: str) -> str | None:
+    """The local folder of a reward model: its path, or a Hub id's folder in the local cache; None when not here."""
+    folder = os.path.expanduser(name)
+    if os.path.isdir(folder):
+        return folder
+    cached = None if _looks_local(name) else try_to_load_from_cache(name, "config.json")
+    return os.path.dirname(cached) if isinstance(cached, str) else None
+
+
+def _process_problems(config: dict, folder: str, name: str, key: str, process: ProcessOptions) -> Problems:
+    """A token classifier as a process reward model: two labels (0 incorrect step, 1 correct step), `aggregate` set,
+    and a step separator: the recipe's, else its training run's (recipe.yaml), the two alike when both are given."""
+    spec, out = key.removesuffix(".model"), []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    if labels != 2:
+        out.append((key, f"{name} is a token classifier with {labels} labels; a process reward model has two "
+                    "(0: incorrect step, 1: correct step), as hftrain reward with kind process trains it"))
+    if process.aggregate is None:
+        out.append((key, f"{name} is a token-classification (process) reward model: it scores each step, so say how "
+                    f"the steps make a completion's reward: set {spec}.aggregate to min (its weakest step) or last "
+                    "(its last step)"))
+    trained = trained_separator(folder)
+    if process.step_separator is None and trained is None:
+        out.append((f"{spec}.step_separator", f"{name} has no {RECIPE_FILE} of a process reward run (hftrain reward, "
+                    "kind process) naming the separator it was trained at: set step_separator to it (e.g. '\\n')"))
+    elif process.step_separator is not None and trained is not None and process.step_separator != trained:
+        out.append((f"{spec}.step_separator", f"{process.step_separator!r}, but {name} was trained at {trained!r} "
+                    f"(reward.step_separator of its {RECIPE_FILE}): remove step_separator or set it to {trained!r}"))
+    return out
 
 
 def same_tokenizer(a, b) -> bool:
@@ -135,6 +197,15 @@ def completed(rollout: list[int], end: list[int]) -> list[int]:
     return list(rollout) + end[have:]
 
 
+def text_of(completion) -> str:
+    """The text of a completion: itself, or the content of its last assistant message (a tool-using rollout is the
+    assistant's turns with the tools' answers between them: the answer is the final turn, never a tool's output)."""
+    if isinstance(completion, str):
+        return completion
+    said = [m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant"]
+    return said[-1] if said else ""
+
+
 _said: set[str] = set()
 
 
@@ -144,6 +215,8 @@ class RewardModel:
     called (GroupTrainer, once per rank), or on the first call. `rollout_ids`: the tokens the policy generated from,
     prompt + completion, handed over by the trainer for the call about to be made (used when the tokenizers are the
     same); without them each conversation is rendered with the reward model's tokenizer."""
+
+    HEAD = Head.SEQUENCE_CLASSIFICATION  # what load() loads
 
     def __init__(self, name: str, key: str, policy_tokenizer, chat_template_kwargs: dict | None,
                  conversational: bool, cfg: ModelSection):
@@ -161,11 +234,15 @@ class RewardModel:
                               "tokenizer with its chat template, or train it with the policy's tokenizer")
         self.template_kwargs = chat_template_kwargs or {}
         self.turn_end = turn_end(self.tokenizer, self.template_kwargs) if self.same and conversational else []
-        self.pad_token_id = _pad_token_id(name, key, self.tokenizer, cfg.trust_remote_code)
+        self.pad_token_id = self.padding_id()
         if not self.same and key not in _said:
             _said.add(key)
             print0(f"hftrain: {key}: {name}'s tokenizer differs from the policy's (vocabulary or chat template): "
                    "each completion is rendered again with its own tokenizer and chat template for it to score")
+
+    def padding_id(self) -> int:
+        """The id batches are padded with: the one the sequence classifier finds the last real token from."""
+        return _pad_token_id(self.name, self.key, self.tokenizer, self.cfg.trust_remote_code)
 
     def load(self, device, args=None) -> None:
         """The weights, through modeling.load_model (safetensors, remote code only when model.trust_remote_code),
@@ -174,7 +251,7 @@ class RewardModel:
                                trust_remote_code=self.cfg.trust_remote_code)
         try:
             with loading_outside_zero3(args):
-                model = load_model(section, head=Head.SEQUENCE_CLASSIFICATION)
+                model = load_model(section, head=self.HEAD)
         except ModelError as e:
             raise RewardError(str(e).replace("model.name_or_path", self.key)) from None
         model.config.pad_token_id = self.pad_token_id  # where transformers' classifier reads the score

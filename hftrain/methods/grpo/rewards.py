@@ -30,17 +30,9 @@ from dataclasses import dataclass
 from ...config import ModelSection
 from .grpo_section import GrpoSection, RewardSpec
 from ...errors import RewardError
-from .reward_model import RewardModel
+from .process_reward_model import ProcessRewardModel
+from .reward_model import RewardModel, model_folder, text_of, trained_separator
 from .sandbox import UserCodeFailure, call_user_code, import_function, limit_of
-
-
-def text_of(completion) -> str:
-    """The text of a completion: itself, or the content of its last assistant message (a tool-using rollout is the
-    assistant's turns with the tools' answers between them: the answer is the final turn, never a tool's output)."""
-    if isinstance(completion, str):
-        return completion
-    said = [m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant"]
-    return said[-1] if said else ""
 
 
 def exact_match(prompts, completions, reference, **_):
@@ -149,8 +141,10 @@ def load_rewards(g: GrpoSection, defer: bool = False, policy: Policy | None = No
         if spec.model is not None:
             if policy is None:
                 raise RewardError(f"{key}.model: a reward model is scored against the policy's tokenizer, not given")
-            fn = RewardModel(spec.model, f"{key}.model", policy.tokenizer, policy.chat_template_kwargs,
-                             policy.conversational, policy.model)
+            args = (spec.model, f"{key}.model", policy.tokenizer, policy.chat_template_kwargs, policy.conversational,
+                    policy.model)
+            fn = RewardModel(*args) if spec.aggregate is None else ProcessRewardModel(
+                *args, spec.aggregate, _separator(spec, key))
             name, kind = f"model:{os.path.basename(os.path.normpath(spec.model))}", ModelReward
         else:
             fn = _builtin(spec, g.max_completion_length) or import_function(spec.function, f"{key}.function")
@@ -159,6 +153,16 @@ def load_rewards(g: GrpoSection, defer: bool = False, policy: Policy | None = No
         seen[name] = seen.get(name, 0) + 1
         out.append(kind(fn, name if seen[name] == 1 else f"{name}_{seen[name]}", key, defer, g.reward_timeout))
     return out
+
+
+def _separator(spec: RewardSpec, key: str) -> str:
+    """A process reward model's step separator: the recipe's, else the one its training run wrote (recipe.yaml)."""
+    folder = model_folder(spec.model)
+    separator = spec.step_separator if spec.step_separator is not None else folder and trained_separator(folder)
+    if not separator:  # reward_model_problems refuses this before the run; a Hub model not yet downloaded lands here
+        raise RewardError(f"{key}.step_separator: {spec.model} does not say the separator it was trained at (no "
+                          "recipe.yaml of a process reward run beside it): set step_separator")
+    return separator
 
 
 def _builtin(spec: RewardSpec, max_completion_length: int):
