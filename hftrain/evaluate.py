@@ -7,6 +7,7 @@ import torch
 from . import distributed
 from .data.forms import template_messages
 from .data.templates import template_kwargs
+from .vision.image_answers import image_prompt_inputs
 
 
 def prompt_ids(tokenizer, example: dict, chat_template_kwargs: dict | None = None, tools: list | None = None
@@ -49,13 +50,17 @@ def greedy_settings(max_new_tokens: int, eos_token_id=None, pad_token_id=None) -
 
 
 @torch.no_grad()
-def greedy_continuation(model, tokenizer, ids: list[int], max_new_tokens: int, synced: bool = False) -> list[int]:
-    """The ids the model generates greedily after `ids`."""
-    inp = torch.tensor([ids], device=next(model.parameters()).device)
+def greedy_continuation(model, tokenizer, ids: list[int], max_new_tokens: int, synced: bool = False,
+                        inputs: dict | None = None) -> list[int]:
+    """The ids the model generates greedily after `ids`; `inputs`: the model's other inputs for that prompt (an
+    image row's pixel values and grids, as its processor returns them: vision/image_answers.py)."""
+    device = next(model.parameters()).device
+    inp = torch.tensor([ids], device=device)
     out = model.generate(
         input_ids=inp,
         attention_mask=torch.ones_like(inp),
         synced_gpus=synced,
+        **{k: v.to(device) for k, v in (inputs or {}).items()},
         **greedy_settings(max_new_tokens, _generation_eos_ids(model, tokenizer), tokenizer.pad_token_id),
     )
     return out[0, inp.shape[1]:].tolist()
@@ -63,9 +68,16 @@ def greedy_continuation(model, tokenizer, ids: list[int], max_new_tokens: int, s
 
 def greedy_answer(model, tokenizer, example: dict, max_new_tokens: int, synced: bool = False,
                   chat_template_kwargs: dict | None = None) -> str:
-    """The model's greedy answer to a held-out example's prompt (prompt_ids), decoded without special tokens."""
-    ids = prompt_ids(tokenizer, example, chat_template_kwargs)
-    return tokenizer.decode(greedy_continuation(model, tokenizer, ids, max_new_tokens, synced),
+    """The model's greedy answer to a held-out example's prompt (prompt_ids), decoded without special tokens. An
+    example that carries images (vision.image_answers) is answered from its processor's inputs (`tokenizer` is then
+    the run's processor: its text with the images' tokens, pixel values and grids)."""
+    inputs = None
+    if "images" in example:
+        inputs = image_prompt_inputs(tokenizer, example, chat_template_kwargs)
+        ids, tokenizer = inputs.pop("input_ids")[0].tolist(), tokenizer.tokenizer
+    else:
+        ids = prompt_ids(tokenizer, example, chat_template_kwargs)
+    return tokenizer.decode(greedy_continuation(model, tokenizer, ids, max_new_tokens, synced, inputs),
                             skip_special_tokens=True)
 
 

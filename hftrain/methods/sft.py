@@ -22,6 +22,7 @@ from ..heads import Head, Role
 from ..trainer import RUN_MIXINS
 from ..vision.families import head_of
 from ..vision.image_datasets import build_image_datasets
+from ..vision.image_preview import image_preview
 from ..vision.packing import pack_image_rows
 from ..vision.processor import arguments_for, processor_of
 from . import registry
@@ -36,7 +37,7 @@ class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMix
 
 def read(recipe: Recipe, tokenizer, world_size: int, seed: int):
     if head_of(recipe.model) is Head.IMAGE_TEXT_TO_TEXT:  # image rows, rendered by the model's processor (vision/)
-        return build_image_datasets(recipe.data, processor_of(recipe.model), seed)
+        return build_image_datasets(recipe.data, processor_of(recipe.model), seed, recipe.eval.exact_match)
     return build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
 
 
@@ -80,7 +81,13 @@ class SFT(Method):
         return "supervised fine-tuning"
 
 
-METHOD = SFT(entry=registry.SFT, read=read,
-             show=lambda recipe, tokenizer, n: preview(recipe.data, tokenizer, n),
+def show(recipe: Recipe, tokenizer, n: int) -> str:
+    """What `hftrain data` prints: the rows as they train, image rows with their images as placeholders."""
+    if head_of(recipe.model) is Head.IMAGE_TEXT_TO_TEXT:
+        return image_preview(recipe.data, processor_of(recipe.model), n)
+    return preview(recipe.data, tokenizer, n)
+
+
+METHOD = SFT(entry=registry.SFT, read=read, show=show,
              arguments=lambda recipe, **kwargs: HFTrainingArguments(**arguments_for(head_of(recipe.model), kwargs)),
              trainer_class=SFTTrainer)

@@ -18,6 +18,7 @@ from ..data.render import trainable_tokens
 from ..data.split import split_rows
 from ..distributed import print0
 from ..errors import DataError
+from .image_answers import image_eval_examples
 from .image_batches import ImageRows
 from .packing import PackedImageRows
 from .labels import image_example
@@ -43,8 +44,8 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     base, out = base_folder(src.path), []
     for index, (where, row) in enumerate(rows.iterate()):
         at = f"{key} ({where})"
-        example = image_example(canonical_image_row(row, at, base), processor, not cfg.assistant_only_loss,
-                                cfg.chat_template_kwargs, at)
+        canon = canonical_image_row(row, at, base)
+        example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at)
         if len(example["input_ids"]) > cfg.max_length:
             if cfg.truncation == "drop":
                 continue
@@ -56,7 +57,7 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
                 continue
             raise DataError(f"{at}: the row has no trainable token (no assistant turn); fix it or set "
                             "data.skip_untrainable: true")
-        out.append(dict(example, row=index))
+        out.append(dict(example, row=index, messages=canon["messages"]))  # messages: held-out answers
     if not out:
         raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
     print0(f"hftrain: {key} ({src.path}): image rows, {rows.count} rows", file=sys.stderr)
@@ -67,7 +68,9 @@ def _dataset(examples: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_list([{k: e[k] for k in ("input_ids", "labels", "images")} for e in examples])
 
 
-def build_image_datasets(cfg: DataSection, processor, seed: int) -> ImageDatasets:
+def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: int = 0) -> ImageDatasets:
+    """Train and held-out image rows; the first `exact_match` held-out rows also as examples whose answers
+    eval.exact_match generates (image_answers.py: the prompt with its images, the reference)."""
     problems = not_yet_problems(cfg)
     if problems:
         raise DataError(problems[0] if len(problems) == 1 else "; ".join(problems))
@@ -84,4 +87,5 @@ def build_image_datasets(cfg: DataSection, processor, seed: int) -> ImageDataset
     for i, src in enumerate(cfg.eval_sources):
         held += source_examples(src, f"data.eval_sources.{i}", processor, cfg)[0]
     collator = PackedImageRows(processor) if cfg.packing else ImageRows(processor)
-    return ImageDatasets(_dataset(train), _dataset(held) if held else None, collator, [], processor=processor)
+    return ImageDatasets(_dataset(train), _dataset(held) if held else None, collator,
+                         image_eval_examples(held, exact_match), processor=processor)

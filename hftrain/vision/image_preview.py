@@ -1,0 +1,74 @@
+"""What an image recipe trains on, shown (`hftrain data RECIPE` when the model is image-text-to-text): every row of
+every source read and checked as the run reads it (image_datasets.source_examples: each image opened, each row
+rendered by the processor and labelled), per-source statistics with the image tokens counted, and the first examples
+as the model sees them: trained tokens between [[ and ]] as for text (data/preview.py), each image's run of tokens
+shown as one placeholder naming the image, its size and its token count (never trained)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from PIL import Image
+
+from ..config import DataSection
+from ..constants import IGNORE_INDEX
+from ..data.preview import CLOSE, OPEN, marked
+from .image_datasets import source_examples
+
+
+def image_runs(input_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of image tokens, in order: one run per image."""
+    runs, start = [], None
+    for k, tok in enumerate([*input_ids, None]):
+        if tok == image_token_id and start is None:
+            start = k
+        elif tok != image_token_id and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
+def shown_with_images(tokenizer, example: dict, image_token_id: int) -> str:
+    """The example's text with trained tokens marked and each image's tokens as `<image K: FILE WxH, N tokens>`."""
+    ids, labels = example["input_ids"], example["labels"]
+    parts, at = [], 0
+    for k, (start, end) in enumerate(image_runs(ids, image_token_id)):
+        parts.append(marked(tokenizer, ids[at:start], labels[at:start]))
+        path = example["images"][k] if k < len(example["images"]) else "?"
+        with Image.open(path) as image:
+            width, height = image.size
+        parts.append(f"<image {k}: {os.path.basename(path)} {width}x{height}, {end - start} tokens>")
+        at = end
+    parts.append(marked(tokenizer, ids[at:], labels[at:]))
+    return "".join(parts)
+
+
+def image_source_report(key: str, src, processor, cfg: DataSection, shown: int) -> list[str]:
+    """Lines about one image source: rows, images, tokens (image tokens counted apart), the first examples."""
+    examples, rows = source_examples(src, key, processor, cfg)
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    lengths = np.array([len(e["input_ids"]) for e in examples])
+    image_tokens = np.array([sum(t == image_id for t in e["input_ids"]) for e in examples])
+    trained = np.array([sum(lab != IGNORE_INDEX for lab in e["labels"]) for e in examples])
+    images = sum(len(e["images"]) for e in examples)
+    lines = [f"{key} ({src.path}): image rows, {rows} rows -> {len(examples)} examples, {images} images",
+             f"  tokens per example (image tokens included): min {lengths.min()}, median {np.median(lengths):g}, "
+             f"max {lengths.max()}; image tokens: total {int(image_tokens.sum())}, per example min "
+             f"{image_tokens.min()}, max {image_tokens.max()} (never trained)",
+             f"  trained tokens per example: mean {trained.mean():.1f}, total {int(trained.sum())}; rows left out: "
+             f"{rows - len(examples)} (longer than data.max_length={cfg.max_length} with data.truncation: drop, or "
+             "untrainable with data.skip_untrainable; image rows are never cut)"]
+    for e in examples[:shown]:
+        lines += [f"  --- row {e['row']}: {len(e['input_ids'])} tokens ({sum(t == image_id for t in e['input_ids'])} "
+                  f"image tokens), {sum(lab != IGNORE_INDEX for lab in e['labels'])} trained ({OPEN}trained{CLOSE})",
+                  shown_with_images(processor.tokenizer, e, image_id)]
+    return lines
+
+
+def image_preview(cfg: DataSection, processor, examples: int = 2) -> str:
+    """The report of every training and eval source of an image recipe's data section."""
+    sources = [(f"data.sources.{i}", s) for i, s in enumerate(cfg.sources)]
+    sources += [(f"data.eval_sources.{i}", s) for i, s in enumerate(cfg.eval_sources)]
+    return "\n".join(line for key, src in sources
+                     for line in image_source_report(key, src, processor, cfg, examples))
