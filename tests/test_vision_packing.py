@@ -107,3 +107,20 @@ def shifted_mrope(model, packed) -> torch.Tensor:
     return _sums(model, {**packed, "position_ids": torch.cat([text[None], whole])}, text, use_cache=False)
 
 
+
+
+@pytest.mark.parametrize("feature_layer", [-1, -2])
+def test_the_llava_parameters_frozen_are_those_without_a_gradient(vlm_dirs, image_dir, feature_layer):  # noqa: F811
+    """hftrain freezes LLaVA's vision tower parameters above its feature layer (DDP would wait for their gradients):
+    exactly those that get no gradient from a backward; none of Qwen2.5-VL's."""
+    from hftrain.vision.unreached import freeze_unreached, unreached_vision_parameters
+
+    processor, rows = _rows(vlm_dirs["llava"], "llava", image_dir)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dirs["llava"], vision_feature_layer=feature_layer)
+    batch = ImageRows(processor)(rows[:3])
+    model(**batch).loss.backward()
+    without = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    assert without and without == unreached_vision_parameters(model)
+    assert freeze_unreached(model) == without and not any(p.requires_grad for n, p in model.named_parameters()
+                                                          if n in without)
+    assert unreached_vision_parameters(_model(vlm_dirs["qwen2_5_vl"])) == []

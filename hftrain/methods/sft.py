@@ -24,6 +24,7 @@ from ..vision.families import head_of
 from ..vision.image_datasets import build_image_datasets
 from ..vision.image_preview import image_preview
 from ..vision.packing import pack_image_rows
+from ..vision.unreached import freeze_unreached
 from ..vision.processor import arguments_for, processor_of
 from . import registry
 from .base import Method, ModelSpec
@@ -64,8 +65,10 @@ class SFT(Method):
         policy = self.policy(run.recipe)
         model = load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
                            sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
-        if run.recipe.data.packing and policy.head is Head.IMAGE_TEXT_TO_TEXT:
-            pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
+        if policy.head is Head.IMAGE_TEXT_TO_TEXT:
+            freeze_unreached(model)  # LLaVA's vision tower above its feature layer: no gradient (DDP waits for it)
+            if run.recipe.data.packing:
+                pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
         return model
 
     def trainer(self, run, model, tokenizer, data, callbacks):

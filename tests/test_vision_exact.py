@@ -1,0 +1,169 @@
+"""Image rows exact across ranks, accumulation and packing (issue 58, items 4 and 5): SFT of a tiny Qwen2.5-VL and a
+tiny LLaVA on images of four sizes (each micro-batch mixes sizes) and answers of one to four words; 2 ranks x GA2,
+1 rank x GA4 and packed batches give the same losses per step and the same weights (fp32, rel 1e-5) under DDP, FSDP2
+and ZeRO-3; each micro-batch's own mean averaged (tests/vision_mean_of_means.py) does not. One launch per strategy,
+both families in each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file
+
+from hftrain.tiny import build_tiny_vision_model
+
+from .conftest import assert_close_rel, launch_prefix, run_matrix
+
+FAMILIES = ["qwen2_5_vl", "llava"]
+COLOURS = ["red", "blue", "green", "yellow"]
+SIZES = [(56, 56), (84, 56), (60, 100), (112, 84)]
+EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+             train_sampling_strategy="sequential", max_steps=2)
+
+
+def _square(folder, i: int) -> str:
+    (w, h), colour = SIZES[i % 4], COLOURS[(i // 4) % 4]
+    image = Image.new("RGB", (w, h), "white")
+    ImageDraw.Draw(image).rectangle([w // 4, h // 4, 3 * w // 4, 3 * h // 4], fill=colour)
+    image.save(folder / f"square{i}.png")
+    return f"square{i}.png"
+
+
+def write_rows(folder, n: int, first: int = 0) -> str:
+    """Rows of one square (answers of 1 to 4 words), every third row two turns with two images (twice as long)."""
+    rows = []
+    for i in range(first, first + n):
+        colour = COLOURS[(i // 4) % 4]
+        turns = [{"role": "user", "content": [{"type": "image", "image": _square(folder, i)},
+                                              {"type": "text", "text": "what colour is the square"}]},
+                 {"role": "assistant", "content": " ".join([colour] * (1 + i % 4))}]
+        if i % 3 == 0:
+            turns += [{"role": "user", "content": [{"type": "image", "image": _square(folder, i + 1)},
+                                                   {"type": "text", "text": "and this"}]},
+                      {"role": "assistant", "content": COLOURS[((i + 1) // 4) % 4]}]
+        rows.append({"messages": turns})
+    path = folder / f"rows{first}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(tiny models by family, training rows, held-out rows)."""
+    root = tmp_path_factory.mktemp("vision_exact")
+    words = COLOURS + ["what colour is the square", "and this"]
+    models = {f: build_tiny_vision_model(str(root / f), words * 20, f, vocab_size=320) for f in FAMILIES}
+    return root, models, write_rows(root, 16), write_rows(root, 4, first=16)
+
+
+def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False):
+    _, models, rows, held = setup
+    tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa"},
+            "data": {"sources": [{"path": rows}], "eval_sources": [{"path": held}], "max_length": 256,
+                     "packing": packing},
+            "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
+                         "logging_steps": 1, "save_strategy": "no", "per_device_train_batch_size": bs,
+                         "per_device_eval_batch_size": 2, "gradient_accumulation_steps": ga, **EXACT}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return module, [str(path)]
+
+
+def outcome(variants, folder, name, world=1, strategy="ddp"):
+    """(losses per step, final weights, final eval loss) of a variant, checked to have run as said."""
+    variants[name].check()
+    out = folder / name
+    info = json.load(open(out / "run_info.json"))
+    assert info["world_size"] == world and info["strategy"] == strategy
+    history = json.load(open(out / "trainer_state.json"))["log_history"]
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert len(losses) == EXACT["max_steps"]
+    return losses, load_file(str(out / "model.safetensors")), info["metrics"]["final_eval_loss"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, setup):
+    tmp = tmp_path_factory.mktemp("vision_one_rank")
+    variants = {}
+    for f in FAMILIES:
+        variants[f"{f}_1x_ga4"] = variant(tmp, f"{f}_1x_ga4", setup, f, 2, 4)
+        variants[f"{f}_1x_bs8_packed"] = variant(tmp, f"{f}_1x_bs8_packed", setup, f, 8, 1, packing=True)
+        variants[f"{f}_naive_1x_ga4"] = variant(tmp, f"{f}_naive_1x_ga4", setup, f, 2, 4,
+                                                module="tests.vision_mean_of_means")
+    return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory, setup):
+    """2 ranks x GA2 and its per-micro-batch control (and, under DDP, packed batches) per strategy: one launch per
+    strategy, both families."""
+    launches = {}
+
+    def get(strategy):
+        if strategy not in launches:
+            if strategy.startswith("zero"):
+                request.getfixturevalue("deepspeed_ops")
+            tmp = tmp_path_factory.mktemp(f"vision_{strategy}")
+            variants = {}
+            for f in FAMILIES:
+                variants[f"{f}_2x_ga2"] = variant(tmp, f"{f}_2x_ga2", setup, f, 2, 2)
+                variants[f"{f}_naive_2x_ga2"] = variant(tmp, f"{f}_naive_2x_ga2", setup, f, 2, 2,
+                                                        module="tests.vision_mean_of_means")
+                if strategy == "ddp":
+                    variants[f"{f}_2x_bs4_packed"] = variant(tmp, f"{f}_2x_bs4_packed", setup, f, 4, 1, packing=True)
+            launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
+                                                 timeout=900)
+        return launches[strategy]
+
+    return get
+
+
+def same_weights(final: dict, ref: dict, rel=1e-5) -> None:
+    """assert_close_rel, but for LLaVA's vision tower key biases (no rotary positions there): their gradient is zero
+    (softmax does not change when all of a query's scores move by q.b), so they stay at 0 up to rounding (~1e-11)
+    and are compared absolutely."""
+    keys = [k for k in ref if k.startswith("vision_tower.") and k.endswith("k_proj.bias")]
+    for k in keys:
+        assert (final[k] - ref[k]).abs().max() < 1e-9 and ref[k].abs().max() < 1e-9, k
+    assert_close_rel({k: v for k, v in final.items() if k not in keys}, {k: v for k, v in ref.items() if k not in keys},
+                     rel)
+
+
+def _differs(naive, ref_loss, ref):
+    naive_loss, naive_weights, _ = naive
+    assert naive_loss[0] != pytest.approx(ref_loss[0], rel=1e-4)
+    with pytest.raises(AssertionError):
+        same_weights(naive_weights, ref, rel=1e-4)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_and_accumulated_equal_one_rank_ga4(one_rank, family):
+    """Packed micro-batches of 8 rows (examples with their images in shared rows) give 1 rank x GA4's padded losses,
+    weights and held-out loss (evaluated padded); the per-micro-batch mean differs."""
+    tmp, variants = one_rank
+    ref_loss, ref, ref_eval = outcome(variants, tmp, f"{family}_1x_ga4")
+    losses, final, evaluated = outcome(variants, tmp, f"{family}_1x_bs8_packed")
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    same_weights(final, ref)
+    assert evaluated == pytest.approx(ref_eval, rel=1e-5)
+    _differs(outcome(variants, tmp, f"{family}_naive_1x_ga4"), ref_loss, ref)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy):
+    tmp1, variants1 = one_rank
+    tmp, variants = two_ranks(strategy)
+    for family in FAMILIES:
+        ref_loss, ref, ref_eval = outcome(variants1, tmp1, f"{family}_1x_ga4")
+        names = [f"{family}_2x_ga2"] + ([f"{family}_2x_bs4_packed"] if strategy == "ddp" else [])
+        for name in names:
+            losses, final, evaluated = outcome(variants, tmp, name, 2, strategy)
+            assert losses == pytest.approx(ref_loss, rel=1e-5), name
+            same_weights(final, ref)
+            assert evaluated == pytest.approx(ref_eval, rel=1e-5), name
+        _differs(outcome(variants, tmp, f"{family}_naive_2x_ga2", 2, strategy), ref_loss, ref)
