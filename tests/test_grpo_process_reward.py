@@ -10,32 +10,14 @@ from transformers import AutoModelForTokenClassification
 
 from hftrain.config import ModelSection
 from hftrain.errors import RewardError, exit_on_user_error
-from hftrain.heads import Head
-from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
+from hftrain.methods import GrpoSection, RewardSpec
 from hftrain.methods.grpo.process_reward_model import ProcessRewardModel
 from hftrain.methods.grpo.rewards import Policy, load_rewards
 from hftrain.methods.reward.step_rows import tokenised_steps
 
-from .test_grpo_reward_model import PROMPT, grpo_recipe, save_classifier
+from .test_grpo_reward_model import PROMPT, grpo_recipe, save_classifier, save_prm
 
 KEY = "grpo.rewards.0.model"
-
-
-def save_prm(path, tokenizer, separator="\n", labels=2, seed=3):
-    """A tiny token classifier with two labels and random weights (its head scaled up, so that steps score apart),
-    with the recipe.yaml a process reward run writes beside it (`separator`: its reward.step_separator; None: none)."""
-    save_classifier(path, tokenizer, labels=labels, head=Head.TOKEN_CLASSIFICATION, seed=seed)
-    model = AutoModelForTokenClassification.from_pretrained(str(path))
-    with torch.no_grad():
-        model.score.weight.mul_(4)
-    model.save_pretrained(str(path), safe_serialization=True)
-    if separator is not None:
-        recipe, found = parse_recipe(None, [], raw={
-            "model": {"name_or_path": "base"}, "reward": {"kind": "process", "step_separator": separator},
-            "data": {"sources": [{"path": "steps.jsonl"}]}, "training": {"output_dir": str(path)}})
-        assert found == []
-        (path / "recipe.yaml").write_text(recipe.to_yaml())  # as artifacts.write_recipe writes it
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +95,9 @@ def test_check_and_the_run_refuse_a_process_model_without_aggregate_and_options_
     from hftrain.cli import main as cli_main
     from hftrain.recipes import grpo
 
-    from .test_grpo_reward_model import save_classifier as save_outcome
-
     bare = save_prm(tmp_path / "bare", tokenizer, separator=None)
     one = save_prm(tmp_path / "one", tokenizer, labels=1)
-    outcome = save_outcome(tmp_path / "rm", tokenizer)
+    outcome = save_classifier(tmp_path / "rm", tokenizer)
     rec = grpo_recipe(tmp_path, tiny_model_dir, [
         {"model": bare}, {"model": outcome, "aggregate": "min", "step_separator": "\n"},
         {"function": "exact_match", "aggregate": "last"}, {"model": prm, "aggregate": "min", "step_separator": ";"},

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig
+from transformers import AutoModelForTokenClassification, LlamaConfig
 
 from hftrain.config import ModelSection
 from hftrain.errors import RewardError, exit_on_user_error
 from hftrain.heads import Head
-from hftrain.methods import GrpoSection, RewardSpec
+from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.methods.grpo.reward_model import RewardModel
 from hftrain.methods.grpo.rewards import ModelReward, Policy, load_rewards
 from hftrain.tiny import train_tokenizer
@@ -34,6 +34,23 @@ def save_classifier(path, tokenizer, pad_in_config=False, labels=1, head=Head.SE
     model = head.auto_class.from_config(cfg)
     model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def save_prm(path, tokenizer, separator="\n", labels=2, seed=3):
+    """A tiny token classifier with two labels and random weights (its head scaled up, so that steps score apart),
+    with the recipe.yaml a process reward run writes beside it (`separator`: its reward.step_separator; None: none)."""
+    save_classifier(path, tokenizer, labels=labels, head=Head.TOKEN_CLASSIFICATION, seed=seed)
+    model = AutoModelForTokenClassification.from_pretrained(str(path))
+    with torch.no_grad():
+        model.score.weight.mul_(4)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if separator is not None:
+        recipe, found = parse_recipe(None, [], raw={
+            "model": {"name_or_path": "base"}, "reward": {"kind": "process", "step_separator": separator},
+            "data": {"sources": [{"path": "steps.jsonl"}]}, "training": {"output_dir": str(path)}})
+        assert found == []
+        (path / "recipe.yaml").write_text(recipe.to_yaml())  # as artifacts.write_recipe writes it
     return str(path)
 
 
@@ -199,16 +216,19 @@ def test_check_and_the_run_refuse_what_cannot_score(tmp_path, misfits, rm, tiny_
 
 # -- a run ---------------------------------------------------------------------------------------------------------
 @pytest.mark.launches
-def test_a_grpo_run_with_the_reward_model_as_its_only_reward(tmp_path, rm, tiny_model_dir):
-    """Two steps of 2 prompts x 2 completions, rewarded by the reward model alone (weight 2): its metric is logged
-    per step as rewards/model:rm/mean and the step's reward is twice it (TRL's weighted sum)."""
-    rec = grpo_recipe(tmp_path, tiny_model_dir, [{"model": rm, "weight": 2.0}], max_steps=2,
-                      per_device_train_batch_size=4, save_strategy="no")
+def test_a_grpo_run_with_reward_models_as_its_rewards(tmp_path, rm, tiny_model_dir, tokenizer):
+    """Two steps of 2 prompts x 2 completions, rewarded by the reward models alone: the outcome one (weight 2) and a
+    process one (aggregate min, its separator read from the recipe.yaml of its training run): each metric is logged
+    per step as rewards/model:<name>/mean and the step's reward is their weighted sum (TRL's)."""
+    prm = save_prm(tmp_path / "prm", tokenizer)
+    rec = grpo_recipe(tmp_path, tiny_model_dir, [{"model": rm, "weight": 2.0}, {"model": prm, "aggregate": "min"}],
+                      max_steps=2, per_device_train_batch_size=4, save_strategy="no")
     r = run([PY, "recipes/grpo.py", rec], timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "differs from the policy's" not in r.stdout  # the same tokenizer: the policy's own tokens are scored
     logged = [h for h in json.load(open(tmp_path / "out" / "trainer_state.json"))["log_history"] if "loss" in h]
     assert len(logged) == 2, logged
     for h in logged:
-        assert h["rewards/model:rm/mean"] != 0 and h["reward"] == pytest.approx(2 * h["rewards/model:rm/mean"]), h
-        assert "rewards/model:rm/std" in h
+        outcome, process = h["rewards/model:rm/mean"], h["rewards/model:prm/mean"]
+        assert outcome != 0 and 0 < process < 1 and h["reward"] == pytest.approx(2 * outcome + process), h
+        assert "rewards/model:rm/std" in h and "rewards/model:prm/std" in h
