@@ -63,6 +63,10 @@ class ModelSection:
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm"] | None = option(
         None, "MoE models: how transformers runs the experts (eager: a loop over the experts hit; batched_mm; "
         "grouped_mm); default: transformers' choice (grouped_mm where torch has it). bench/moe.py impl times them.")
+    freeze: list[str] = option(
+        help="Image-text-to-text models: parts left untrained, e.g. [vision_tower, projector] (LLaMA-Factory's "
+        "freeze_vision_tower / freeze_multi_modal_projector); a name the family has no part for is refused.",
+        factory=list)
 
 
 @dataclass

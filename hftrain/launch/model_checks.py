@@ -11,6 +11,7 @@ from ..methods import method_of
 from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
 from ..vision.families import family_problem, model_type_of
+from ..vision.freezing import freeze_problems
 from . import libraries
 
 
@@ -24,6 +25,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         family = family_problem(model_type_of(m.name_or_path))  # an image-text-to-text family not checked
         if family:
             out.append(("model.name_or_path", family))
+        out += freeze_problems(m)  # model.freeze: parts the family has
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):

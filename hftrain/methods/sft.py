@@ -21,6 +21,7 @@ from ..sequence_parallel import SequenceParallelMixin
 from ..heads import Head, Role
 from ..trainer import RUN_MIXINS
 from ..vision.families import head_of
+from ..vision.freezing import freeze_section_parts
 from ..vision.image_datasets import build_image_datasets
 from ..vision.image_preview import image_preview
 from ..vision.packing import pack_image_rows
@@ -65,6 +66,7 @@ class SFT(Method):
         policy = self.policy(run.recipe)
         model = load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
                            sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
+        freeze_section_parts(model, policy.section)  # model.freeze: vision tower, projector
         if policy.head is Head.IMAGE_TEXT_TO_TEXT:
             freeze_unreached(model)  # LLaVA's vision tower above its feature layer: no gradient (DDP waits for it)
             if run.recipe.data.packing:

@@ -1,0 +1,70 @@
+"""`model.freeze`: parts of an image-text-to-text model left untrained, named as LLaMA-Factory's
+freeze_vision_tower / freeze_multi_modal_projector (ms-swift: freeze_vit / freeze_aligner) name them:
+
+- `vision_tower`: the image encoder (Qwen2.5-VL: model.visual without its merger; LLaVA: model.vision_tower);
+- `projector`: what maps image features into the language model (Qwen2.5-VL: model.visual.merger, the patch merger;
+  LLaVA: model.multi_modal_projector).
+
+A frozen part's parameters (LoRA adapters inside it included) get requires_grad false after the model loads, so the
+optimizer never sees them. A name the family has no part for, or the key on a model that is not image-text-to-text,
+is refused by `hftrain check` and the run (freeze_problems); nothing is frozen silently by another name."""
+
+from __future__ import annotations
+
+import sys
+
+from ..distributed import print0
+from .families import CHECKED, model_type_of
+
+# family -> part -> (module path in the model, module paths inside it left out of the part)
+PARTS = {
+    "qwen2_5_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),
+                   "projector": ("model.visual.merger", ())},
+    "llava": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
+}
+
+
+def freeze_problems(section) -> list[tuple[str, str]]:
+    """(key, problem) for model.freeze: names not a part of the model's family, or a model without parts."""
+    names = getattr(section, "freeze", None) or []
+    if not names:
+        return []
+    family = model_type_of(section.name_or_path) if isinstance(section.name_or_path, str) else None
+    if family not in CHECKED:
+        return [("model.freeze", "freezes parts of an image-text-to-text model (vision_tower, projector); this model "
+                 f"is not one of the families hftrain has checked ({', '.join(sorted(CHECKED))}); remove model.freeze")]
+    parts = PARTS[family]
+    return [(f"model.freeze.{i}", f"{name!r} is not a part of a {family} model; its parts: {', '.join(sorted(parts))}")
+            for i, name in enumerate(names) if name not in parts]
+
+
+def _base(model):
+    """The transformers model under a peft wrapper (its module paths are the family's own)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def frozen_parameters(model, family: str, names: list[str]) -> list[str]:
+    """Names (in `model`) of the parameters of the parts `names` of a `family` model."""
+    base, ids = _base(model), set()
+    for name in names:
+        path, left_out = PARTS[family][name]
+        skipped = {id(p) for inner in left_out for p in base.get_submodule(inner).parameters()}
+        ids |= {id(p) for p in base.get_submodule(path).parameters() if id(p) not in skipped}
+    return sorted(n for n, p in model.named_parameters() if id(p) in ids)
+
+
+def freeze_parts(model, family: str, names: list[str]) -> list[str]:
+    """Freeze the parts `names` (model.freeze) of a `family` model; the parameters frozen, by name."""
+    frozen = frozen_parameters(model, family, names)
+    params = dict(model.named_parameters())
+    for name in frozen:
+        params[name].requires_grad_(False)
+    return frozen
+
+
+def freeze_section_parts(model, section) -> None:
+    """model.freeze of a loaded model (its names checked by freeze_problems before the run), said once."""
+    if getattr(section, "freeze", None):
+        frozen = freeze_parts(model, model_type_of(section.name_or_path), section.freeze)
+        print0(f"hftrain: model.freeze: {', '.join(section.freeze)} frozen ({len(frozen)} parameter tensors, "
+               f"{sum(p.numel() for n, p in model.named_parameters() if n in set(frozen))} weights)", file=sys.stderr)
