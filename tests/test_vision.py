@@ -295,3 +295,16 @@ def test_an_image_text_to_text_family_not_checked_is_refused(vlm_dirs, tmp_path,
     assert code == 2
     assert ("model.name_or_path: the model is an image-text-to-text model of family 'idefics3', which hftrain has "
             "not checked") in err and "the families checked: llava, qwen2_5_vl" in err
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3", "zero3_offload"])
+def test_a_sharded_strategy_not_proven_for_image_models_is_refused(vlm_dirs, tmp_path, capsys, strategy):
+    """FSDP2 cannot wrap LLaVA's vision tower and ZeRO-3 saves image models under names that do not load back
+    (tests/test_vision_exact.py found both): refused by check (and the run: the same preflight) until proven."""
+    from .test_bad_input import run_check
+
+    recipe = _recipe(tmp_path, vlm_dirs["llava"], _square_rows(tmp_path, 4), str(tmp_path / "o"))
+    code, err = run_check([recipe, f"strategy.name={strategy}"], capsys)
+    assert code == 2 and f"strategy.name: strategy '{strategy}' is not proven for image-text-to-text models" in err
+    code, err = run_check([recipe, "strategy.name=ddp"], capsys)
+    assert "not proven" not in err, err
