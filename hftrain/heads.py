@@ -22,6 +22,13 @@ _PROMPTS = {
                  "print(tokenizer.decode(out[0][inputs[\"input_ids\"].shape[1]:]))\n"),
     "score": ('inputs = tokenizer("Hello", return_tensors="pt")\n'
               "print(model(**inputs).logits)\n"),
+    # An image-text-to-text model reads its prompt through its processor (image processor + tokenizer + template).
+    "image": ('messages = [{"role": "user", "content": [{"type": "image", "image": Image.open("image.png")},\n'
+              '                                          {"type": "text", "text": "What is in the image?"}]}]\n'
+              "inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, "
+              "return_dict=True, return_tensors=\"pt\")\n"
+              "out = model.generate(**inputs, max_new_tokens=64)\n"
+              "print(processor.decode(out[0][inputs[\"input_ids\"].shape[1]:]))\n"),
 }
 
 
@@ -80,6 +87,8 @@ class Head(str, Enum):
     def usage(self, ident: str, adapter: bool) -> str:
         """The card's Python snippet: load `ident` (a LoRA adapter through peft) and prompt it once."""
         name = json.dumps(ident)
+        if self is Head.IMAGE_TEXT_TO_TEXT:
+            return self._image_usage(name, adapter)
         if adapter:
             load = (f"from peft import {self.peft_auto_class_name}\nfrom transformers import AutoTokenizer\n\n"
                     f"model = {self.peft_auto_class_name}.from_pretrained({name})\n")
@@ -88,6 +97,14 @@ class Head(str, Enum):
                     f"model = {self.auto_class_name}.from_pretrained({name})\n")
         load += f"tokenizer = AutoTokenizer.from_pretrained({name})\n"
         return load + _PROMPTS["generate" if self.generates else "score"]
+
+    def _image_usage(self, name: str, adapter: bool) -> str:
+        """The snippet of an image-text-to-text model: its processor, an image, generate()."""
+        cls = self.peft_auto_class_name if adapter else self.auto_class_name
+        load = ("from PIL import Image\n" + (f"from peft import {cls}\nfrom transformers import AutoProcessor\n\n"
+                if adapter else f"from transformers import {cls}, AutoProcessor\n\n")
+                + f"model = {cls}.from_pretrained({name})\nprocessor = AutoProcessor.from_pretrained({name})\n")
+        return load + _PROMPTS["image"]
 
     @classmethod
     def recorded(cls, value: str | None) -> Head:

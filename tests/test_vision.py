@@ -3,6 +3,8 @@ and checked in the data phase, labels against each family's template oracle, the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -11,6 +13,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLProcessor
 
+from hftrain.heads import Head
 from hftrain.tiny import build_tiny_vision_model
 from hftrain.vision.processor import load_processor
 
@@ -308,3 +311,18 @@ def test_a_sharded_strategy_not_proven_for_image_models_is_refused(vlm_dirs, tmp
     assert code == 2 and f"strategy.name: strategy '{strategy}' is not proven for image-text-to-text models" in err
     code, err = run_check([recipe, "strategy.name=ddp"], capsys)
     assert "not proven" not in err, err
+
+
+def test_the_cards_snippet_loads_the_processor_and_answers_about_an_image(vlm_dirs, tmp_path, monkeypatch):
+    """The card's usage snippet of an image-text-to-text model (heads.Head.usage) runs as written: AutoProcessor,
+    an image opened from a file, generate(). LLaVA's processor loads through AutoProcessor on this stack (Qwen's needs
+    torchvision for its video processor: docs/vision.md)."""
+    monkeypatch.chdir(tmp_path)
+    Image.new("RGB", (40, 30), (200, 30, 30)).save("image.png")
+    printed, names = io.StringIO(), {}
+    with contextlib.redirect_stdout(printed):
+        exec(Head.IMAGE_TEXT_TO_TEXT.usage(vlm_dirs["llava"], adapter=False), names)
+    assert type(names["model"]).__name__ == "LlavaForConditionalGeneration"
+    assert type(names["processor"]).__name__ == "LlavaProcessor"
+    prompt_tokens = names["inputs"]["input_ids"].shape[1]
+    assert names["inputs"]["pixel_values"].shape[0] == 1 and names["out"].shape[1] > prompt_tokens
