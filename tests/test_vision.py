@@ -326,3 +326,20 @@ def test_the_cards_snippet_loads_the_processor_and_answers_about_an_image(vlm_di
     assert type(names["processor"]).__name__ == "LlavaProcessor"
     prompt_tokens = names["inputs"]["input_ids"].shape[1]
     assert names["inputs"]["pixel_values"].shape[0] == 1 and names["out"].shape[1] > prompt_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_memory_plan_counts_the_vision_tower(vlm_dirs, family):
+    """hftrain plan builds an image model by its head (SFT declares image-text-to-text for a checked family), so the
+    vision tower and the projector are in its parameter count, not the language model alone."""
+    from transformers import AutoConfig
+
+    from hftrain.launch.plan import model_facts
+    from hftrain.vision.families import head_of
+
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(vlm_dirs[family]))
+    whole = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for n, p in model.named_parameters() if "vision" in n or "visual" in n)
+    head = head_of(type("Section", (), {"name_or_path": vlm_dirs[family]})())
+    assert head is Head.IMAGE_TEXT_TO_TEXT and vision > 0
+    assert model_facts(vlm_dirs[family], head=head).params == whole
