@@ -105,6 +105,7 @@ def test_untested_strategies_a_missing_teacher_and_the_other_modes_options_are_r
 EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
              train_sampling_strategy="sequential", max_steps=STEPS)
 JSD = {"divergence": "jsd", "beta": 0.3, "temperature": 2.0, "ce_weight": 0.5}
+ON_POLICY = {"mode": "on_policy", "max_new_tokens": 3, "temperature": 2.0}
 
 
 def variant(folder, name, models, data, bs, ga, module="hftrain.recipes.distill", teacher="teacher", distill=JSD,
@@ -139,8 +140,7 @@ def one_rank(tmp_path_factory, models):
                      [str(write_recipe(tmp, "held_out", models["student"], models["teacher"], data, {}, held,
                                        **{**EXACT, "learning_rate": 0.05, "max_steps": 4},
                                        per_device_train_batch_size=4))]),
-        "on_policy": variant(tmp, "on_policy", models, data, 4, 2,
-                             distill={"mode": "on_policy", "max_new_tokens": 3}),
+        "on_policy": variant(tmp, "on_policy", models, data, 2, 4, distill=ON_POLICY),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=600), data
 
@@ -148,7 +148,8 @@ def one_rank(tmp_path_factory, models):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, models, one_rank):
     tmp = tmp_path_factory.mktemp("distill_two_ranks")
-    variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2)}
+    variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2),
+                "on_policy_2x_ga2": variant(tmp, "on_policy_2x_ga2", models, one_rank[2], 2, 2, distill=ON_POLICY)}
     return tmp, run_matrix(launch_prefix(2), variants, tmp / "matrix", ranks=2, timeout=600)
 
 
@@ -241,3 +242,18 @@ def test_on_policy_trains_on_the_students_samples(one_rank):
     history = json.load(open(tmp / "on_policy" / "trainer_state.json"))["log_history"]
     counted = [h["target_tokens_per_step"] for h in history if "loss" in h]
     assert len(counted) == STEPS and all(0 < c <= 8 * 3 for c in counted), history
+
+
+@pytest.mark.launches
+def test_on_policy_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks):
+    """Each row samples from a generator seeded by the run's seed, the step and its prompt: 2 ranks x GA2 sample what
+    1 rank x GA4 samples, so the step's token counts, losses and weights agree (reverse KL, lambda 1, fp32, rel
+    1e-5); with the ranks' own generators (before) the samples, and so the losses, differ."""
+    tmp, variants, _ = one_rank
+    ref_loss, ref = outcome(variants, tmp, "on_policy")
+    losses, final = outcome(two_ranks[1], two_ranks[0], "on_policy_2x_ga2", 2)
+    counts = [[h["target_tokens_per_step"] for h in json.load(open(folder / name / "trainer_state.json"))[
+        "log_history"] if "loss" in h] for folder, name in ((tmp, "on_policy"), (two_ranks[0], "on_policy_2x_ga2"))]
+    assert counts[0] == counts[1]
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)

@@ -1,8 +1,15 @@
 """on_policy's completions: the student samples one for each row's prompt (the row's tokens before its first
 completion token, as data/ rendered and labelled it), and the row becomes prompt + sample, labelled on the sample up
-to and including the first token that ends a turn (the tokenizer's eos and the model's generation_config eos ids)."""
+to and including the first token that ends a turn (the tokenizer's eos and the model's generation_config eos ids).
+
+Each row is sampled alone, from a generator seeded by the run's seed, the step and the row's prompt tokens
+(`row_seed`), so a row samples the same completion whichever rank and micro-batch it falls in: 2 ranks x GA2 sample
+what 1 rank x GA4 samples (the global RNG is left as it was). Alone, because a row's logits in a left-padded batch
+differ from its logits alone in the last bits, which can flip a sampled token."""
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -26,13 +33,21 @@ def stop_ids(model, tokenizer) -> set[int]:
     return {i for i in [tokenizer.eos_token_id, *ids] if i is not None}
 
 
-def _left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = prompts[0].new_full((len(prompts), width), pad)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    return ids, mask
+def row_seed(seed: int, step: int, prompt: torch.Tensor) -> int:
+    """The seed of one row's sample: the run's seed, the optimizer step and the prompt's tokens."""
+    text = f"{seed}:{step}:" + ",".join(map(str, prompt.tolist()))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def _sample_one(model, prompt: torch.Tensor, seed: int, pad: int, max_new_tokens: int, temperature: float):
+    """The completion the model samples for one prompt from a generator seeded by `seed` (the RNG state restored)."""
+    devices = [prompt.device] if prompt.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                             pad_token_id=pad)
+    return out[0, len(prompt):]
 
 
 def _cut(completion: torch.Tensor, stops: set[int]) -> torch.Tensor:
@@ -44,18 +59,18 @@ def _cut(completion: torch.Tensor, stops: set[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, batch: dict, max_new_tokens: int, temperature: float) -> dict:
+def sample_completions(model, tokenizer, batch: dict, max_new_tokens: int, temperature: float, seed: int,
+                       step: int) -> dict:
     """The batch with each row's completion replaced by one the model samples (plain sampling at `temperature`: no
-    top-k or top-p), right-padded as the collator pads: input_ids, attention_mask, labels."""
+    top-k or top-p; each row seeded by `row_seed`), right-padded as the collator pads: input_ids, attention_mask,
+    labels."""
     prompts = prompts_of(batch)
     pad = tokenizer.pad_token_id
-    ids, mask = _left_padded(prompts, pad)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
-                         top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad)
     stops = stop_ids(model, tokenizer)
-    completions = [_cut(row, stops) for row in out[:, ids.shape[1]:]]
+    completions = [_cut(_sample_one(model, p, row_seed(seed, step, p), pad, max_new_tokens, temperature), stops)
+                   for p in prompts]
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    new_ids = ids.new_full((len(prompts), width), pad)
+    new_ids = prompts[0].new_full((len(prompts), width), pad)
     labels, attention = torch.full_like(new_ids, IGNORE_INDEX), torch.zeros_like(new_ids)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         n = len(p) + len(c)

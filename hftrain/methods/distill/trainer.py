@@ -134,6 +134,6 @@ class DistillTrainer(SFTTrainer):
         model.eval()
         try:
             return sample_completions(model, self.processing_class, batch, self.section.value("max_new_tokens"),
-                                      self.section.temperature)
+                                      self.section.temperature, self.args.seed, self.state.global_step)
         finally:
             model.train(was_training)
