@@ -29,6 +29,10 @@ class LoraSection:
         None, "Parameters to adapt where they are no Linear module (peft's target_parameters), e.g. an MoE model's "
         "fused experts: [experts.gate_up_proj, experts.down_proj]; merged like the others.")
     merge: bool = option(False, "Also save base + adapter merged into a full model in output_dir/merged.")
+    vision_parts: list[str] = option(
+        help="Image-text-to-text models: parts beside the language model that get adapters too, [projector] and/or "
+        "vision_tower (as model.freeze names them); by default the language model alone is adapted. Needs "
+        "target_modules: all-linear.", factory=list)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
 from ..vision.families import family_problem, model_type_of, strategy_problem
 from ..vision.freezing import freeze_problems
+from ..vision.lora_parts import lora_part_problems
 from . import libraries
 
 
@@ -29,6 +30,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         if unproven:
             out.append(("strategy.name", unproven))
         out += freeze_problems(m)  # model.freeze: parts the family has
+        out += lora_part_problems(m)  # model.lora.vision_parts: parts beside the language model adapted
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):

@@ -1,9 +1,6 @@
 """`model.freeze`: parts of an image-text-to-text model left untrained, named as LLaMA-Factory's
-freeze_vision_tower / freeze_multi_modal_projector (ms-swift: freeze_vit / freeze_aligner) name them:
-
-- `vision_tower`: the image encoder (Qwen2.5-VL: model.visual without its merger; LLaVA: model.vision_tower);
-- `projector`: what maps image features into the language model (Qwen2.5-VL: model.visual.merger, the patch merger;
-  LLaVA: model.multi_modal_projector).
+freeze_vision_tower / freeze_multi_modal_projector (ms-swift: freeze_vit / freeze_aligner) name them: `vision_tower`
+and `projector`, each family's module paths in modeling.model_parts.PARTS.
 
 A frozen part's parameters (LoRA adapters inside it included) get requires_grad false after the model loads, so the
 optimizer never sees them. A name the family has no part for, or the key on a model that is not image-text-to-text,
@@ -14,14 +11,8 @@ from __future__ import annotations
 import sys
 
 from ..distributed import print0
+from ..modeling.model_parts import PARTS
 from .families import CHECKED, model_type_of
-
-# family -> part -> (module path in the model, module paths inside it left out of the part)
-PARTS = {
-    "qwen2_5_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),
-                   "projector": ("model.visual.merger", ())},
-    "llava": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
-}
 
 
 def freeze_problems(section) -> list[tuple[str, str]]:

@@ -1,0 +1,33 @@
+"""The parts of an image-text-to-text model beside its language model, by family, as module paths: what model.freeze
+freezes (vision.freezing) and what LoRA leaves out unless model.lora.vision_parts names it (lora.lora_config). Named as
+LLaMA-Factory's freeze_vision_tower / freeze_multi_modal_projector (ms-swift: freeze_vit / freeze_aligner) name them:
+
+- `vision_tower`: the image encoder (Qwen2.5-VL: model.visual without its merger; LLaVA: model.vision_tower);
+- `projector`: what maps image features into the language model (Qwen2.5-VL: model.visual.merger, the patch merger;
+  LLaVA: model.multi_modal_projector)."""
+
+from __future__ import annotations
+
+import re
+
+# family (config.json's model_type) -> part -> (module path in the model, module paths inside it left out of the part)
+PARTS = {
+    "qwen2_5_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),
+                   "projector": ("model.visual.merger", ())},
+    "llava": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
+}
+
+
+def _part_pattern(path: str, left_out: tuple[str, ...]) -> str:
+    """A regex that fully matches the module names inside `path` but not inside any of `left_out` (paths in it)."""
+    outside = "".join(rf"(?!{re.escape(inner[len(path) + 1:])}(\.|$))" for inner in left_out)
+    return rf"{re.escape(path)}\.{outside}.*"
+
+
+def lora_exclusion(model_type: str, adapted: list[str]) -> str | None:
+    """peft's exclude_modules (a regex it fully matches against each module name) that keeps LoRA off the parts of a
+    `model_type` model not in `adapted` (model.lora.vision_parts): by default the language model alone is adapted,
+    whatever target_modules names ("all-linear" reaches every linear layer of the vision tower and projector too,
+    and a name list such as [q_proj, v_proj] reaches LLaVA's CLIP attention). None: every part is adapted."""
+    left = [_part_pattern(*where) for part, where in PARTS[model_type].items() if part not in adapted]
+    return "|".join(f"(?:{p})" for p in left) or None

@@ -1,0 +1,103 @@
+"""LoRA on an image-text-to-text model (issue 58): the language model alone is adapted by default, whatever
+target_modules says; model.lora.vision_parts adds the projector and/or the vision tower (the parts model.freeze
+names); what cannot be honoured is refused by `hftrain check` and the run alike (exit 2)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import yaml
+
+from hftrain.methods import load_recipe, method_of
+
+from .test_vision import FAMILIES, _recipe, _square_rows, vlm_dirs  # noqa: F401, F811
+from .test_vision_freeze import PARTS
+
+
+def _language_model(name: str) -> bool:
+    return name.startswith("model.language_model.")
+
+
+def _loaded_with_lora(folder, data, lora) -> torch.nn.Module:
+    recipe = load_recipe(None, raw={"model": {"name_or_path": folder, "dtype": "float32", "lora": lora},
+                                    "data": {"sources": [{"path": data}]}})
+    run = types.SimpleNamespace(recipe=recipe, strategy=types.SimpleNamespace(resolved_sequence_parallel=lambda: 1))
+    return method_of(recipe).model(run)  # as the run loads the policy
+
+
+def _adapted(model) -> set[str]:
+    """The module names (the family's own paths) that carry a LoRA adapter."""
+    return {name for name, module in model.get_base_model().named_modules() if hasattr(module, "lora_A")}
+
+
+def _linear(model) -> set[str]:
+    """The module names of the family's linear layers (before LoRA: a LoRA layer's base layer is one)."""
+    base = model.get_base_model()
+    return {name for name, module in base.named_modules()
+            if hasattr(module, "lora_A") or (isinstance(module, torch.nn.Linear) and ".lora_" not in name
+                                             and not name.endswith(".base_layer"))}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("vision_parts", [[], ["projector"], ["vision_tower"], ["vision_tower", "projector"]])
+def test_lora_adapts_the_language_model_and_exactly_the_named_parts(vlm_dirs, tmp_path, family, vision_parts):  # noqa: F811
+    model = _loaded_with_lora(vlm_dirs[family], _square_rows(tmp_path, 4), {"r": 4, "vision_parts": vision_parts})
+    adapted, linear = _adapted(model), _linear(model)
+    language = {n for n in linear if _language_model(n)}
+    assert language and language <= adapted  # all-linear: every linear layer of the language model
+    assert "lm_head" not in adapted
+    for part, inside in PARTS[family].items():
+        in_part = {n for n in linear if inside(n + ".")}
+        assert in_part, part
+        if part in vision_parts:
+            assert in_part <= adapted, (part, sorted(in_part - adapted))
+        else:
+            assert not in_part & adapted, (part, sorted(in_part & adapted))
+    others = adapted - language - {n for inside in PARTS[family].values() for n in adapted if inside(n + ".")}
+    assert not others, sorted(others)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)  # peft: only the adapters train
+
+
+def test_a_name_list_reaching_the_vision_tower_is_kept_to_the_language_model(vlm_dirs, tmp_path):  # noqa: F811
+    """LLaVA's CLIP tower has q_proj / v_proj as its language model has: by default only the latter are adapted."""
+    model = _loaded_with_lora(vlm_dirs["llava"], _square_rows(tmp_path, 4), {"r": 4, "target_modules": ["q_proj"]})
+    adapted = _adapted(model)
+    assert adapted and all(_language_model(n) and n.endswith(".q_proj") for n in adapted), sorted(adapted)
+
+
+def _refusal(tmp_path, folder, model_keys, capsys, monkeypatch) -> tuple[str, str]:
+    from .test_bad_input import run_check, run_main
+
+    recipe = _recipe(tmp_path, folder, _square_rows(tmp_path, 4), str(tmp_path / "out"))
+    with open(recipe) as f:
+        tree = yaml.safe_load(f)
+    tree["model"].update(model_keys)
+    with open(recipe, "w") as f:
+        yaml.safe_dump(tree, f)
+    code, checked = run_check([recipe], capsys)
+    assert code == 2, checked
+    assert run_main([recipe], {}, monkeypatch) == 2
+    ran = capsys.readouterr().err
+    return checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+
+
+def test_what_vision_parts_cannot_honour_is_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
+                                                                         monkeypatch):
+    lora = {"vision_parts": ["projector", "aligner"], "target_modules": ["q_proj", "v_proj"]}
+    checked, ran = _refusal(tmp_path, vlm_dirs["qwen2_5_vl"], {"freeze": ["projector"], "lora": lora}, capsys,
+                            monkeypatch)
+    assert checked == ran
+    assert "model.lora.vision_parts.0: 'projector' is in model.freeze too" in checked
+    assert "model.lora.vision_parts.1: 'aligner' is not a part of a qwen2_5_vl model; its parts: projector, " \
+           "vision_tower" in checked
+    assert "model.lora.vision_parts: adapts every linear layer of the parts it names, which needs " \
+           "model.lora.target_modules: all-linear" in checked
+
+
+def test_vision_parts_on_a_text_model_is_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    checked, ran = _refusal(tmp_path, tiny_model_dir, {"lora": {"vision_parts": ["projector"]}}, capsys, monkeypatch)
+    assert checked == ran
+    assert "model.lora.vision_parts: adapts parts of an image-text-to-text model" in checked
