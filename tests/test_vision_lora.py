@@ -101,3 +101,37 @@ def test_vision_parts_on_a_text_model_is_refused(tiny_model_dir, tmp_path, capsy
     checked, ran = _refusal(tmp_path, tiny_model_dir, {"lora": {"vision_parts": ["projector"]}}, capsys, monkeypatch)
     assert checked == ran
     assert "model.lora.vision_parts: adapts parts of an image-text-to-text model" in checked
+
+
+def test_a_lora_run_saves_an_adapter_that_loads_back_and_merges(vlm_dirs, tmp_path, monkeypatch):  # noqa: F811
+    """A LoRA run on a tiny Qwen2.5-VL with the projector adapted (in process): the adapter saved holds the language
+    model's and the projector's adapters only, loads back onto the base with peft, and the merged model saved beside
+    it (model.lora.merge) loads with AutoModelForImageTextToText and gives the adapter's logits on an image row."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+    from safetensors.torch import load_file
+
+    from .test_bad_input import run_main
+    from .test_vision import _examples
+
+    folder, out = vlm_dirs["qwen2_5_vl"], tmp_path / "out"
+    data = _square_rows(tmp_path)
+    recipe = _recipe(tmp_path, folder, data, str(out), learning_rate=1e-2)
+    tree = yaml.safe_load(open(recipe))
+    tree["model"]["lora"] = {"r": 4, "vision_parts": ["projector"], "merge": True}
+    yaml.safe_dump(tree, open(recipe, "w"))
+    assert run_main([recipe], {}, monkeypatch) == 0
+    saved = load_file(out / "adapter_model.safetensors")
+    assert any(".language_model." in k for k in saved) and any(".visual.merger." in k for k in saved)
+    assert not [k for k in saved if ".visual." in k and ".merger." not in k]  # the vision tower: no adapter
+    base = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(out)).eval()
+    merged = AutoModelForImageTextToText.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    _, examples = _examples(folder, "qwen2_5_vl", data, eval_fraction=0.0)
+    batch = {k: v for k, v in examples.collator([examples.train[0]]).items() if k != "labels"}
+    with torch.no_grad():
+        with adapted.disable_adapter():
+            before = adapted(**batch).logits
+        after, whole = adapted(**batch).logits, merged(**batch).logits
+    assert not torch.allclose(before, after)  # the adapter trained
+    torch.testing.assert_close(whole, after, rtol=1e-4, atol=1e-5)
