@@ -63,6 +63,8 @@ CONTRACT = [
     ("trl:DPOTrainer", "_load_rng_state", ["checkpoint"], "checkpointing under DPOTrainer"),
     ("trl.experimental.orpo:ORPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"],
      "orpo: the step's pairs and chosen tokens"),
+    ("trl:RewardTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
+     "methods.reward.reward_pairs.trl_tokenised: pairs tokenised and dropped as TRL does (self: None, unused)"),
     ("trl:KTOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "kto: the step's examples"),
     ("trl:KTOTrainer", "_compute_kl_logps", ["model", "batch"], "kto: the step's KL reference point"),
     ("trl:KTOTrainer", "_prepare_dataset", ["dataset", "processing_class", "args", "dataset_name"],
