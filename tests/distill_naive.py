@@ -4,19 +4,8 @@ per-micro-batch loss gives), instead of the sum over the step's global completio
 
 from hftrain.methods.distill.trainer import DistillTrainer
 from hftrain.recipes.distill import main as distill_main
+from tests.support import run_with_micro_batch_means
 
 
 def main(argv):
-    counted, share = DistillTrainer._get_num_items_in_batch, DistillTrainer.step_share
-
-    def no_global_count(self, batch_samples, device):
-        return None  # compute_loss then counts this micro-batch alone
-
-    def micro_mean(self, loss_sum, count):
-        return loss_sum / count / self.current_gradient_accumulation_steps
-
-    DistillTrainer._get_num_items_in_batch, DistillTrainer.step_share = no_global_count, micro_mean
-    try:
-        distill_main(argv)
-    finally:
-        DistillTrainer._get_num_items_in_batch, DistillTrainer.step_share = counted, share
+    run_with_micro_batch_means(DistillTrainer, distill_main, argv)

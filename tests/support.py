@@ -54,3 +54,22 @@ def cpu_seconds(who: int) -> float:
     accounting (tests/launch_log.py, and tests/forked.py's launches, which are no children of the pytest process)."""
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
+
+
+def run_with_micro_batch_means(trainer_class: type, main, argv) -> None:
+    """The negative control of an exactness test (a matrix variant's body): `main(argv)` with `trainer_class`'s loss
+    taken as each micro-batch's own token mean averaged over the accumulation steps (what a per-micro-batch loss
+    gives), instead of the sum over the step's global count (losses.GlobalBatchMixin)."""
+    counted, share = trainer_class._get_num_items_in_batch, trainer_class.step_share
+
+    def no_global_count(self, batch_samples, device):
+        return None  # compute_loss then counts this micro-batch alone
+
+    def micro_mean(self, loss_sum, count):
+        return loss_sum / count / self.current_gradient_accumulation_steps
+
+    trainer_class._get_num_items_in_batch, trainer_class.step_share = no_global_count, micro_mean
+    try:
+        main(argv)
+    finally:
+        trainer_class._get_num_items_in_batch, trainer_class.step_share = counted, share

@@ -4,19 +4,8 @@ ranks (what a per-micro-batch loss gives), instead of the sum over the step's gl
 
 from hftrain.losses.exact import ExactLossMixin
 from hftrain.recipes.sft import main as sft_main
+from tests.support import run_with_micro_batch_means
 
 
 def main(argv):
-    counted, share = ExactLossMixin._get_num_items_in_batch, ExactLossMixin.step_share
-
-    def no_global_count(self, batch_samples, device):
-        return None  # compute_loss then counts this micro-batch alone
-
-    def micro_mean(self, loss_sum, count):
-        return loss_sum / count / self.current_gradient_accumulation_steps
-
-    ExactLossMixin._get_num_items_in_batch, ExactLossMixin.step_share = no_global_count, micro_mean
-    try:
-        sft_main(argv)
-    finally:
-        ExactLossMixin._get_num_items_in_batch, ExactLossMixin.step_share = counted, share
+    run_with_micro_batch_means(ExactLossMixin, sft_main, argv)
