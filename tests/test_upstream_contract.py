@@ -50,6 +50,10 @@ CONTRACT = [
     ("transformers:Trainer", "_prepare_inputs", ["inputs"], "exact_loss.prediction_step"),
     ("transformers:Trainer", "_tr_loss", None, "step_guard: a skipped step's loss (set in _inner_training_loop)"),
     ("transformers:PretrainedConfig", "_attn_implementation", None, "modeling, moe.upcycle"),
+    ("transformers:PreTrainedModel", "_no_split_modules", None,
+     "modeling.loaded_names: FSDP2's wrap classes (accelerate reads them) kept to those the model holds"),
+    ("transformers:PreTrainedModel", "_weight_conversions", None,
+     "modeling.loaded_names: the renamings a save reverts kept to those the load applied (ZeRO-3 kept all)"),
     # TRL
     ("trl:DPOTrainer", "_precompute_ref_logps", ["dataset", "name", "batch_size"], "preference: SimPO's constant"),
     ("trl:DPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "preference: the pair count"),
@@ -150,6 +154,10 @@ INSTANCE_ATTRIBUTES = {
     ("torch.nn.parallel:DistributedDataParallel", "_ddp_params_and_buffers_to_ignore"): (
         "torch.nn.parallel.distributed", "_ddp_params_and_buffers_to_ignore"),
     ("datasets:Dataset", "_fingerprint"): ("datasets.arrow_dataset", "self._fingerprint = "),
+    ("transformers:PreTrainedModel", "_no_split_modules"): ("transformers.modeling_utils",
+                                                            "self._no_split_modules = set(self._no_split_modules"),
+    ("transformers:PreTrainedModel", "_weight_conversions"): ("transformers.core_model_loading",
+                                                              "model._weight_conversions = model_specific_conversions"),
     ("trl:GRPOTrainer", "_metrics"): ("trl.trainer.grpo_trainer", "self._metrics = {"),
     ("bitsandbytes.nn:Linear4bit", "support_avx512bf16_for_cpu"): (
         "bitsandbytes.nn.modules", "self.support_avx512bf16_for_cpu = "),
@@ -238,7 +246,7 @@ def contract_problems(resolve=resolve) -> list[str]:
         except (ImportError, AttributeError) as e:
             problems.append(f"{owner}: cannot be imported ({e}); hftrain uses it in {where}")
             continue
-        if (owner, name) in INSTANCE_ATTRIBUTES and not hasattr(obj, name):
+        if (owner, name) in INSTANCE_ATTRIBUTES and getattr(obj, name, None) is None:  # set on instances only
             module, fragment = INSTANCE_ATTRIBUTES[(owner, name)]
             if fragment not in inspect.getsource(importlib.import_module(module)):
                 problems.append(f"{owner}.{name}: no longer set by {module} ('{fragment}'); hftrain uses it in "
