@@ -5,7 +5,10 @@ processors and TRL read, every image a local file relative to the data file, ope
   {"type": "text", "text": "What colour?"}]}, {"role": "assistant", "content": "red"}]} (an image part may name its
   file under "image" or "path");
 - an `images` column and `<image>` markers: {"images": ["red.png"], "messages": [{"role": "user", "content":
-  "<image>What colour?"}, ...]}, the i-th marker being the i-th image.
+  "<image>What colour?"}, ...]}, the i-th marker being the i-th image;
+- ShareGPT, as LLaMA-Factory and Axolotl write it: {"conversations": [{"from": "human", "value": "<image>What
+  colour?"}, {"from": "gpt", "value": "red"}], "images": ["red.png"]}, roles human, gpt and system (the text
+  layouts' ShareGPT names: data/messages.py), a `system` column as the first turn.
 
 The canonical row: {"messages": [...], "images": [absolute paths]}, each message's content a list of parts, an image
 part {"type": "image"} (the i-th of the row is images[i])."""
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..data.messages import SHAREGPT_ROLES
 from ..errors import DataError
 from .images import check_image, image_path
 
@@ -60,18 +64,45 @@ def _parts(content, images: list | None, base: str, what: str, used: list) -> li
     return parts
 
 
+def _sharegpt(row: dict, where: str) -> list[tuple[str, dict]]:
+    """A ShareGPT row's turns as {role, content} messages (its `system` column first), each with its name in the
+    row."""
+    turns, system = row["conversations"], row.get("system")
+    if "messages" in row:
+        raise DataError(f"{where}: the row has both messages and conversations; keep one of them")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: conversations must be a non-empty list of {{from, value}} turns")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: system is {type(system).__name__} where the system prompt's text is expected")
+    out = [("system", {"role": "system", "content": system})] if system else []
+    for i, turn in enumerate(turns):
+        said = turn.get("from") if isinstance(turn, dict) else None
+        role = SHAREGPT_ROLES.get(said, said) if isinstance(said, str) else None
+        if role not in ROLES or "value" not in turn:
+            raise DataError(f"{where}: conversations[{i}] must be {{\"from\": human, gpt or system, \"value\": "
+                            f"...}} ({json.dumps(turn, default=str)[:80]}); image rows have no tool turns")
+        out.append((f"conversations[{i}]", {"role": role, "content": turn["value"]}))
+    return out
+
+
 def canonical_image_row(row: dict, where: str, base: str) -> dict:
     """One row as a canonical conversation with its images' paths, each image checked (a DataError names the row
     and the image)."""
-    msgs, images = row.get("messages"), row.get("images")
+    msgs = row.get("messages")
+    if "conversations" in row:
+        msgs = _sharegpt(row, where)
+    elif isinstance(msgs, list):
+        msgs = [(f"messages[{i}]", m) for i, m in enumerate(msgs)]
+    images = row.get("images")
     if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} messages")
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} messages (or ShareGPT's "
+                        "conversations of {from, value} turns)")
     if images is not None and not isinstance(images, list):
         raise DataError(f"{where}: images must be a list of image paths (relative to the data file)")
     used: list[str] = []
     out = []
-    for i, m in enumerate(msgs):
-        what = f"{where}: messages[{i}]"
+    for name, m in msgs:
+        what = f"{where}: {name}"
         if not isinstance(m, dict) or m.get("role") not in ROLES or "content" not in m:
             raise DataError(f"{what} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": ...}}")
         out.append({"role": m["role"], "content": _parts(m["content"], images, base, what, used)})
