@@ -300,17 +300,29 @@ def test_an_image_text_to_text_family_not_checked_is_refused(vlm_dirs, tmp_path,
             "not checked") in err and "the families checked: llava, qwen2_5_vl" in err
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero3", "zero3_offload"])
-def test_a_sharded_strategy_not_proven_for_image_models_is_refused(vlm_dirs, tmp_path, capsys, strategy):
-    """FSDP2 cannot wrap LLaVA's vision tower and ZeRO-3 saves image models under names that do not load back
-    (tests/test_vision_exact.py found both): refused by check (and the run: the same preflight) until proven."""
+@pytest.mark.parametrize("strategy", ["zero2", "zero3_offload"])
+def test_a_strategy_not_proven_for_image_models_is_refused(vlm_dirs, tmp_path, capsys, strategy):
+    """Image models are proven exact under ddp, fsdp and zero3 (tests/test_vision_exact.py); another strategy is
+    refused by check (and the run: the same preflight) until proven, and those three are not."""
     from .test_bad_input import run_check
 
     recipe = _recipe(tmp_path, vlm_dirs["llava"], _square_rows(tmp_path, 4), str(tmp_path / "o"))
     code, err = run_check([recipe, f"strategy.name={strategy}"], capsys)
     assert code == 2 and f"strategy.name: strategy '{strategy}' is not proven for image-text-to-text models" in err
-    code, err = run_check([recipe, "strategy.name=ddp"], capsys)
-    assert "not proven" not in err, err
+    assert "only ddp, fsdp, zero3 are" in err
+    for proven in ("ddp", "fsdp", "zero3"):
+        code, err = run_check([recipe, f"strategy.name={proven}"], capsys)
+        assert "not proven" not in err, (proven, err)
+
+
+def test_sequence_parallelism_is_refused_for_image_models(vlm_dirs, tmp_path, capsys):
+    """Under sequence parallelism an example's image tokens would be split over ranks: not proven, refused."""
+    from .test_bad_input import run_check
+
+    recipe = _recipe(tmp_path, vlm_dirs["qwen2_5_vl"], _square_rows(tmp_path, 4), str(tmp_path / "o"))
+    code, err = run_check([recipe, "strategy.name=zero3", "strategy.num_processes=2", "strategy.sequence_parallel=2"],
+                          capsys)
+    assert code == 2 and "strategy.sequence_parallel: sequence parallelism is not proven for image-text-to-text" in err
 
 
 def test_the_cards_snippet_loads_the_processor_and_answers_about_an_image(vlm_dirs, tmp_path, monkeypatch):

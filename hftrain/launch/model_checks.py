@@ -10,7 +10,7 @@ from ..kernels import liger_problem
 from ..methods import method_of
 from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
-from ..vision.families import family_problem, model_type_of, strategy_problem
+from ..vision.families import family_problem, model_type_of, strategy_problems
 from ..vision.freezing import freeze_problems
 from ..vision.lora_parts import lora_part_problems
 from . import libraries
@@ -26,9 +26,8 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         family = family_problem(model_type_of(m.name_or_path))  # an image-text-to-text family not checked
         if family:
             out.append(("model.name_or_path", family))
-        unproven = strategy_problem(model_type_of(m.name_or_path), getattr(recipe.strategy, "name", None))
-        if unproven:
-            out.append(("strategy.name", unproven))
+        out += strategy_problems(model_type_of(m.name_or_path), getattr(recipe.strategy, "name", None),
+                                 getattr(recipe.strategy, "sequence_parallel", None))  # image models: proven ones
         out += freeze_problems(m)  # model.freeze: parts the family has
         out += lora_part_problems(m)  # model.lora.vision_parts: parts beside the language model adapted
         out += other_model_problems(recipe)
