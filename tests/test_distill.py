@@ -59,7 +59,26 @@ def models(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (root / "padded" / name).write_bytes((root / "teacher" / name).read_bytes())
     other = build_tiny_model(str(root / "other"), texts[:40], config=SMALL, vocab_size=200, seed=0)
-    return {"student": student, "teacher": teacher, "padded": str(root / "padded"), "other": other}
+    return {"student": student, "teacher": teacher, "padded": str(root / "padded"), "other": other,
+            "stops": stopping_student(student, root / "stops")}
+
+
+def stopping_student(student, folder):
+    """The student whose generation config ends a turn at every third token id as well (as Llama 3's names several
+    end-of-turn tokens): its samples end after 1, 2 or 3 tokens, so on_policy micro-batches hold uneven token counts
+    (with the student's own 300 ids almost every sample runs to max_new_tokens, every micro-batch has the same count
+    and the per-micro-batch mean would equal the global one)."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    shutil.copytree(student, folder)
+    config = GenerationConfig.from_pretrained(folder)
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    config.eos_token_id = sorted({*[e for e in eos if e is not None], *range(3, 300, 3)})
+    config._from_model_config = False  # generate would otherwise rebuild it from config.json's single eos
+    config.save_pretrained(folder)
+    return str(folder)
 
 
 def test_check_and_the_run_refuse_every_problem_at_once(tmp_path, models):
@@ -106,11 +125,13 @@ EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_g
              train_sampling_strategy="sequential", max_steps=STEPS)
 JSD = {"divergence": "jsd", "beta": 0.3, "temperature": 2.0, "ce_weight": 0.5}
 ON_POLICY = {"mode": "on_policy", "max_new_tokens": 3, "temperature": 2.0}
+LMBDA = {**ON_POLICY, "lmbda": 0.5}
 
 
 def variant(folder, name, models, data, bs, ga, module="hftrain.recipes.distill", teacher="teacher", distill=JSD,
             **training):
-    rec = write_recipe(folder, name, models["student"], models[teacher], data, distill,
+    student = models["stops" if distill.get("mode") == "on_policy" else "student"]
+    rec = write_recipe(folder, name, student, models[teacher], data, distill,
                        **{**EXACT, "per_device_train_batch_size": bs, "gradient_accumulation_steps": ga, **training})
     return module, [str(rec)]
 
@@ -141,6 +162,7 @@ def one_rank(tmp_path_factory, models):
                                        **{**EXACT, "learning_rate": 0.05, "max_steps": 4},
                                        per_device_train_batch_size=4))]),
         "on_policy": variant(tmp, "on_policy", models, data, 2, 4, distill=ON_POLICY),
+        "lmbda": variant(tmp, "lmbda", models, data, 2, 4, distill=LMBDA),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=600), data
 
@@ -149,8 +171,16 @@ def one_rank(tmp_path_factory, models):
 def two_ranks(tmp_path_factory, models, one_rank):
     tmp = tmp_path_factory.mktemp("distill_two_ranks")
     variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2),
-                "on_policy_2x_ga2": variant(tmp, "on_policy_2x_ga2", models, one_rank[2], 2, 2, distill=ON_POLICY)}
+                "on_policy_2x_ga2": variant(tmp, "on_policy_2x_ga2", models, one_rank[2], 2, 2, distill=ON_POLICY),
+                **lmbda_variants(tmp, models, one_rank[2])}
     return tmp, run_matrix(launch_prefix(2), variants, tmp / "matrix", ranks=2, timeout=600)
+
+
+def lmbda_variants(tmp, models, data):
+    """lmbda 0.5 on 2 ranks x GA2 and its per-micro-batch control."""
+    return {"lmbda_2x_ga2": variant(tmp, "lmbda_2x_ga2", models, data, 2, 2, distill=LMBDA),
+            "naive_lmbda_2x_ga2": variant(tmp, "naive_lmbda_2x_ga2", models, data, 2, 2, module="tests.distill_naive",
+                                          distill=LMBDA)}
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +193,13 @@ def sharded(request, tmp_path_factory, models, one_rank):
             if strategy.startswith("zero"):
                 request.getfixturevalue("deepspeed_ops")
             tmp = tmp_path_factory.mktemp(f"distill_{strategy}")
-            variants = {"2x_ga2": variant(tmp, "2x_ga2", models, one_rank[2], 2, 2),
-                        "naive_2x_ga2": variant(tmp, "naive_2x_ga2", models, one_rank[2], 2, 2,
-                                                module="tests.distill_naive")}
+            data = one_rank[2]
+            variants = {"2x_ga2": variant(tmp, "2x_ga2", models, data, 2, 2),
+                        "naive_2x_ga2": variant(tmp, "naive_2x_ga2", models, data, 2, 2, module="tests.distill_naive"),
+                        "on_policy_2x_ga2": variant(tmp, "on_policy_2x_ga2", models, data, 2, 2, distill=ON_POLICY),
+                        "naive_on_policy_2x_ga2": variant(tmp, "naive_on_policy_2x_ga2", models, data, 2, 2,
+                                                          module="tests.distill_naive", distill=ON_POLICY),
+                        **lmbda_variants(tmp, models, data)}
             launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
                                                  timeout=900)
         return launches[strategy]
@@ -252,8 +286,53 @@ def test_on_policy_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks):
     tmp, variants, _ = one_rank
     ref_loss, ref = outcome(variants, tmp, "on_policy")
     losses, final = outcome(two_ranks[1], two_ranks[0], "on_policy_2x_ga2", 2)
-    counts = [[h["target_tokens_per_step"] for h in json.load(open(folder / name / "trainer_state.json"))[
-        "log_history"] if "loss" in h] for folder, name in ((tmp, "on_policy"), (two_ranks[0], "on_policy_2x_ga2"))]
-    assert counts[0] == counts[1]
+    assert counted_tokens(tmp, "on_policy") == counted_tokens(two_ranks[0], "on_policy_2x_ga2")
     assert losses == pytest.approx(ref_loss, rel=1e-5)
     assert_close_rel(final, ref)
+
+
+def counted_tokens(folder, name):
+    """The step's completion-token count over every rank and micro-batch, per logged step."""
+    history = json.load(open(folder / name / "trainer_state.json"))["log_history"]
+    return [h["target_tokens_per_step"] for h in history if "loss" in h]
+
+
+def assert_exact_with_control(one_rank, reference, found, folder, name, world=2, strategy="ddp"):
+    """`name` (2 ranks x GA2) has 1 rank x GA4's token counts, losses and weights (rel 1e-5); its per-micro-batch
+    control (`naive_` + name) does not."""
+    tmp, variants, _ = one_rank
+    ref_loss, ref = outcome(variants, tmp, reference)
+    losses, final = outcome(found, folder, name, world, strategy)
+    assert counted_tokens(folder, name) == counted_tokens(tmp, reference)
+    assert losses == pytest.approx(ref_loss, rel=1e-5)
+    assert_close_rel(final, ref)
+    naive_loss, naive = outcome(found, folder, f"naive_{name}", world, strategy)
+    assert naive_loss[0] != pytest.approx(ref_loss[0], rel=1e-3)
+    with pytest.raises(AssertionError):
+        assert_close_rel(naive, ref, rel=1e-4)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+@pytest.mark.parametrize("mode", ["on_policy", "lmbda"])
+def test_on_policy_sharded_two_ranks_ga2_equal_one_rank_ga4(one_rank, sharded, strategy, mode):
+    """on_policy under FSDP2 (the student sharded: every rank runs as many generate forwards) and ZeRO-3 (the student
+    gathered whole for the step's sampling): 2 ranks x GA2 sample what 1 rank x GA4 samples and train to its losses
+    and weights (fp32, rel 1e-5), at lmbda 1 and 0.5 (where the ranks sample different numbers of rows); samples end
+    after 1 to 3 tokens (stopping_student), so the per-micro-batch mean differs."""
+    tmp, variants = sharded(strategy)
+    assert_exact_with_control(one_rank, mode, variants, tmp, f"{mode}_2x_ga2", strategy=strategy)
+
+
+@pytest.mark.launches
+def test_lmbda_is_decided_per_row_so_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks):
+    """lmbda 0.5: each row trains on the student's sample or on its dataset completion by a draw from the seed, the
+    step and its tokens (on_policy.picked), so 2 ranks x GA2 pick the rows 1 rank x GA4 picks: token counts, losses
+    and weights agree (rel 1e-5; a coin per micro-batch, as TRL's GKDTrainer draws, picks other rows), and the
+    per-micro-batch mean differs. The steps mix both: their counts are neither all-sampled nor all-dataset ones."""
+    tmp, variants, _ = one_rank
+    assert_exact_with_control(one_rank, "lmbda", two_ranks[1], two_ranks[0], "lmbda_2x_ga2")
+    mixed = counted_tokens(tmp, "lmbda")
+    outcome(variants, tmp, "1x_ga4")
+    assert all(m not in (s, d) for m, s, d in zip(mixed, counted_tokens(tmp, "on_policy"),
+                                                 counted_tokens(tmp, "1x_ga4"))), mixed

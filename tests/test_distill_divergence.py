@@ -166,7 +166,7 @@ def test_the_trainers_loss_is_zero_for_a_copy_of_the_teacher_and_the_by_hand_div
     """(a) student = a copy of the teacher: the loss DistillTrainer.compute_loss gives a batch is 0; (b) another
     student: it is the mean over the completion tokens (not the prompt, not the padding) of the divergence between
     the teacher's and the student's next-token distributions at the same position. on_policy: on the batch the
-    student sampled (trainer._sampled), whose completions are checked to be the student's."""
+    student sampled (trainer._on_policy), whose completions are checked to be the student's."""
     import copy
 
     teacher, student, tokenizer, teacher_path = pair
@@ -176,7 +176,7 @@ def test_the_trainers_loss_is_zero_for_a_copy_of_the_teacher_and_the_by_hand_div
         trainer = distill_trainer(tmp_path, model, teacher, tokenizer, teacher_path, **section)
         rows = batch
         if section["mode"] == "on_policy":
-            rows = trainer._sampled(batch)
+            rows = trainer._on_policy([batch])[0]
             assert torch.equal(rows["input_ids"][:, :3], batch["input_ids"][:, :3])  # the prompts kept
             assert (rows["labels"] != -100).sum() > 3 and not torch.equal(rows["labels"], batch["labels"])
         with torch.no_grad():

@@ -44,8 +44,8 @@ class DistillSection(MethodSection):
     ce_weight: float | None = option(
         None, "logits only: loss = divergence + ce_weight x cross-entropy on the completions; default 0.")
     lmbda: float | None = option(
-        None, "on_policy only: the fraction of micro-batches whose completions the student samples (GKD's lambda; "
-        "the others keep the dataset's); default 1.")
+        None, "on_policy only: the share of rows whose completions the student samples (GKD's lambda, drawn per row "
+        "from the seed, the step and its tokens; the others keep the dataset's); default 1.")
     max_new_tokens: int | None = option(None, "on_policy only: tokens the student samples at most; default 64.")
     top_k: int | None = option(
         None, "Compare the distributions on the teacher's k most likely tokens only (both renormalised over them).")

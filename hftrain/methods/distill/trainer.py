@@ -4,18 +4,17 @@ batch: losses.ExactLossMixin) whose micro-batch loss sum is the divergence to th
 step's completion tokens over every micro-batch and rank (GlobalBatchMixin.step_share), so 2 ranks x GA2 train as 1
 rank x GA4.
 
-on_policy: before the step's tokens are counted, the micro-batches GKD's lambda picks (the same on every rank: a coin
-seeded by the run's seed, the step and the micro-batch) are replaced by the student's own samples for their prompts
-(each row's tokens before its first completion token), so the count is of the sampled tokens. The teacher is frozen
-(Method.load_frozen), never in the optimizer, and placed as the student's strategy places a frozen model, by TRL's own
-functions for its reference and teacher models (`_placed`): under ZeRO-3 a DeepSpeed inference engine sharding it
-across the ranks (trl.models.prepare_deepspeed, as TRL's GKDTrainer does), under FSDP2 fully_shard over the ranks
-(trl.models.prepare_fsdp, as TRL's GRPOTrainer does for its reference model: sharded at rest, gathered whole for its
-forward and resharded after it), under DDP whole on each rank."""
+on_policy: before the step's tokens are counted, the rows GKD's lambda picks (per row, whatever rank and micro-batch
+holds it: on_policy.py, which says where this differs from TRL's GKDTrainer) are made the student's own samples for
+their prompts (each row's tokens before its first completion token), so the count is of the sampled tokens.
+
+The teacher is frozen (Method.load_frozen), never in the optimizer, and placed as the student's strategy places a
+frozen model, by TRL's own functions for its reference and teacher models (`_placed`): under ZeRO-3 a DeepSpeed
+inference engine sharding it across the ranks (trl.models.prepare_deepspeed, as TRL's GKDTrainer does), under FSDP2
+fully_shard over the ranks (trl.models.prepare_fsdp, as TRL's GRPOTrainer does for its reference model: sharded at
+rest, gathered whole for its forward and resharded after it), under DDP whole on each rank."""
 
 from __future__ import annotations
-
-import random
 
 import torch
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -26,7 +25,7 @@ from ...losses import target_ce
 from ..sft import SFTTrainer
 from .divergence import DivergenceSpec, divergence_sum, token_divergences
 from .distill_section import DistillSection
-from .sampling import sample_completions
+from .on_policy import on_policy_step
 from .teacher_checks import shared_vocab
 
 
@@ -118,22 +117,16 @@ class DistillTrainer(SFTTrainer):
         return out
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """on_policy: the micro-batches lambda picks are replaced (in the step's list) by the student's samples
-        before the step's completion tokens are counted (the Trainer calls this once per step, in training)."""
-        if self.section.mode == "on_policy":
-            lmbda = self.section.value("lmbda")
-            for i, batch in enumerate(batch_samples):
-                coin = random.Random(f"{self.args.seed}:{self.state.global_step}:{i}").random()
-                if coin < lmbda:
-                    batch_samples[i] = self._sampled(batch)
+        """on_policy: the step's micro-batches replaced (in the step's list) by `_on_policy`'s before the step's
+        completion tokens are counted (the Trainer calls this once per step, in training, on every rank)."""
+        if self.section.mode == "on_policy" and batch_samples:
+            batch_samples[:] = self._on_policy(batch_samples)
         return super()._get_num_items_in_batch(batch_samples, device)
 
-    def _sampled(self, batch: dict) -> dict:
-        model = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        model.eval()
-        try:
-            return sample_completions(model, self.processing_class, batch, self.section.value("max_new_tokens"),
-                                      self.section.temperature, self.args.seed, self.state.global_step)
-        finally:
-            model.train(was_training)
+    def _on_policy(self, batch_samples: list) -> list:
+        """The micro-batches with the rows lambda picks made prompt + the student's sample (on_policy.py)."""
+        lmbda = self.section.value("lmbda")
+        if lmbda == 0:
+            return batch_samples
+        return on_policy_step(self, batch_samples, lmbda, self.section.value("max_new_tokens"),
+                              self.section.temperature)
