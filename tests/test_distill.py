@@ -121,6 +121,55 @@ def test_untested_strategies_a_missing_teacher_and_the_other_modes_options_are_r
     check_recipe(str(ok))  # a teacher whose vocabulary is the student's plus padding rows is accepted
 
 
+def resized_teacher(teacher, folder, **config):
+    """The teacher's folder with its config changed (`config`): a model of that size to the memory plan, which reads
+    the config only (nothing here loads its weights)."""
+    import shutil
+
+    shutil.copytree(teacher, folder)
+    tree = json.load(open(folder / "config.json"))
+    (folder / "config.json").write_text(json.dumps({**tree, **config}))
+    return str(folder)
+
+
+def test_check_and_the_run_refuse_a_teacher_too_large_for_the_plan(tmp_path, models):
+    """A 327B-parameter fp32 teacher (its config; 1.2 TiB whole on each process: check's 2, the run's 1) beside the
+    tiny student: check and the run refuse it under distill.teacher, naming the fixes, exit 2, no traceback (the
+    memory plan on this machine: its GPU, or without one its RAM per process)."""
+    huge = resized_teacher(models["teacher"], tmp_path / "huge_teacher", hidden_size=16384, intermediate_size=53248,
+                           num_hidden_layers=120, num_attention_heads=128, num_key_value_heads=8)
+    rec = write_recipe(tmp_path, "huge", models["student"], huge, write_rows(tmp_path / "rows.jsonl", 8))
+    for cmd in ([PY, "-m", "hftrain.cli", "check", str(rec)], [PY, "recipes/distill.py", str(rec)]):
+        r = run(cmd)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+        assert re.search(rf"distill.teacher: {huge} \(326.91B parameters, frozen\) does not fit the memory plan: "
+                         r"under ddp on [12] process\(es\) the frozen weights add 1217.84 GiB per device", r.stderr), (
+            cmd, r.stderr[-3000:])
+        for fix in ("strategy.name: fsdp or zero3", "distill.teacher.dtype: bfloat16", "distill.teacher.quantization"):
+            assert fix in r.stderr, (fix, cmd)
+
+
+def test_the_fit_check_counts_the_teacher_as_the_plan_does(tmp_path, models, monkeypatch):
+    """With a 1 GiB device, a 0.33B fp32 teacher (1.22 GiB whole) is refused under ddp, and accepted in bfloat16 or
+    sharded over 2 processes by fsdp or zero3 (the plan's P / N); the tiny student alone fits."""
+    from hftrain.config import RecipeError
+    from hftrain.launch import memory_checks
+    from hftrain.launch.preflight import check_recipe
+
+    monkeypatch.setattr(memory_checks, "device_memory", lambda here: (2**30, "a 1 GiB test device"))
+    medium = resized_teacher(models["teacher"], tmp_path / "medium_teacher", hidden_size=1024, intermediate_size=2816,
+                             num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=16)
+    rec = write_recipe(tmp_path, "medium", models["student"], medium, write_rows(tmp_path / "rows.jsonl", 8),
+                       per_device_train_batch_size=2)
+    with pytest.raises(RecipeError, match=r"distill.teacher: .* does not fit the memory plan: under ddp on 2 "):
+        check_recipe(str(rec))
+    check_recipe(str(rec), ["distill.teacher.dtype=bfloat16"])
+    for strategy in ("fsdp", "zero3"):
+        check_recipe(str(rec), [f"strategy.name={strategy}", "strategy.num_processes=2"])
+    with pytest.raises(RecipeError, match="does not fit the memory plan: under fsdp on 1 process"):
+        check_recipe(str(rec), ["strategy.name=fsdp", "strategy.num_processes=1"])
+
+
 EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
              train_sampling_strategy="sequential", max_steps=STEPS)
 JSD = {"divergence": "jsd", "beta": 0.3, "temperature": 2.0, "ce_weight": 0.5}

@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-from ..launch.plan import GiB, format_plan, kernels_here, model_facts, plan
-from ..methods import load_recipe, method_of, policy_head
+from ..launch.plan import GiB, format_plan, kernels_here, recipe_plan
+from ..methods import load_recipe
 from .arguments import recipe_arguments
 
 
 def _plan(ns) -> int:
     recipe = load_recipe(ns.recipe, ns.overrides)
     m, micro = recipe.model, recipe.typed_training.per_device_train_batch_size
-    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
-                        quantization=m.quantization, head=policy_head(recipe))
-    frozen = [model_facts(o.section.name_or_path, None, o.section.trust_remote_code, o.section.dtype,
-                          quantization=o.section.quantization, head=o.head) for o in method_of(recipe).others(recipe)]
-    sp = recipe.strategy.resolved_sequence_parallel()
-    rows = plan(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
-                bool(recipe.typed_training.bf16 or recipe.typed_training.fp16), sp, frozen)
+    planned = recipe_plan(recipe, ns.gpus_per_node, ns.nodes)
+    facts, rows, sp = planned.facts, planned.rows, recipe.strategy.resolved_sequence_parallel()
     active = f" ({facts.active_params / 1e6:.1f}M active per token)" if facts.active_params != facts.params else ""
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
           + (f", each sequence split across {sp} GPUs" if sp > 1 else "")
           + "".join(f"; {o.key} {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
-                    for o, x in zip(method_of(recipe).others(recipe), frozen)))
+                    for o, x in planned.frozen))
     print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp), kernels_here(m, facts), sep="\n")
     return 0
 

@@ -37,6 +37,7 @@ from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from ..heads import Head
 from ..kernels import kernels_line
+from ..methods import ModelSpec, Recipe, method_of, policy_head
 from ..moe.blocks import moe_blocks, router_of
 from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers
@@ -190,6 +191,31 @@ def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code:
     return ModelFacts(params, trainable, largest, text.hidden_size, text.num_hidden_layers, text.vocab_size,
                       weight_bytes, max(p.numel() for p in model.parameters()), param_bytes, **moe_facts(model),
                       model_type=getattr(config, "model_type", None))
+
+
+@dataclass
+class RecipePlan:
+    """A recipe's memory plan: the policy's facts, the facts of the models its method holds beside it (each with its
+    ModelSpec: key, section), and the rows of every strategy with and without those (frozen) models."""
+    facts: ModelFacts
+    frozen: list[tuple[ModelSpec, ModelFacts]]
+    rows: list[Row]
+    policy_rows: list[Row]
+
+
+def recipe_plan(recipe: Recipe, gpus_per_node: int, nodes: int) -> RecipePlan:
+    """`plan` of the recipe's models (their configs read here), micro-batch, sequence length, checkpointing,
+    precision and sequence parallelism: what `hftrain plan` prints and the frozen-model fit check judges."""
+    m = recipe.model
+    facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
+                        quantization=m.quantization, head=policy_head(recipe))
+    frozen = [(spec, model_facts(spec.section.name_or_path, None, spec.section.trust_remote_code, spec.section.dtype,
+                                 quantization=spec.section.quantization, head=spec.head))
+              for spec in method_of(recipe).others(recipe)]
+    t = recipe.typed_training
+    shape = (gpus_per_node, nodes, t.per_device_train_batch_size, recipe.data.max_length, m.gradient_checkpointing,
+             bool(t.bf16 or t.fp16), recipe.strategy.resolved_sequence_parallel())
+    return RecipePlan(facts, frozen, plan(facts, *shape, [f for _, f in frozen]), plan(facts, *shape))
 
 
 def kernels_here(model: ModelSection, facts: ModelFacts) -> str:

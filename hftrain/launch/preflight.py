@@ -2,7 +2,8 @@
 
 `check_recipe` (called by `hftrain check`, `config`, `launch` and the run) raises the recipe's own problems, its
 strategy's and this machine's all at once. What this machine says is gathered by area: the model and settings
-(model_checks), the strategy (strategy_checks), output_dir and the checkpoint to resume (output_checks);
+(model_checks), the strategy (strategy_checks), output_dir and the checkpoint to resume (output_checks), the models
+held beside the policy against the device in the memory plan (memory_checks);
 `check_data` (data_checks) is the data phase `hftrain check` and the run share.
 """
 
@@ -20,6 +21,7 @@ from ..constants import STRATEGIES
 from ..errors import RecipeError
 from ..methods import parse_recipe
 from . import libraries
+from .memory_checks import frozen_fit_problems
 from .model_checks import model_problems, setting_problems
 from .output_checks import output_problems
 from .strategy_checks import machine_problems
@@ -93,4 +95,5 @@ def environment_problems(recipe: Recipe, strategy: StrategySection, world: int, 
     out = model_problems(recipe, skip, model_ok) + setting_problems(recipe, skip)
     strategy, machine = machine_problems(recipe, strategy, world, skip, model_ok)
     out += machine + output_problems(recipe, strategy, world, skip, model_ok, warn)
+    out += frozen_fit_problems(recipe, strategy, world, skip) if model_ok else []
     return [_message(recipe, k, msg) for k, msg in out], strategy
