@@ -13,7 +13,7 @@ from typing import Any
 import datasets
 
 from ..config import DataSection, DataSource
-from ..data import Datasets, read_rows
+from ..data import Datasets, mix, read_rows
 from ..data.render import trainable_tokens
 from ..data.split import split_rows
 from ..distributed import print0
@@ -23,6 +23,7 @@ from .image_batches import ImageRows
 from .packing import PackedImageRows
 from .labels import image_example
 from .image_rows import base_folder, canonical_image_row
+from .image_sources import image_layout
 
 
 @dataclass
@@ -41,10 +42,11 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     """(every row of one source that trains as an example: input_ids, labels, images, row; the source's rows), each
     row checked."""
     rows = read_rows(src, key)
+    fmt, rename = image_layout(rows, src, key)  # format and columns as the text sources read them
     base, out = base_folder(src.path), []
     for index, (where, row) in enumerate(rows.iterate()):
         at = f"{key} ({where})"
-        canon = canonical_image_row(row, at, base)
+        canon = canonical_image_row({rename.get(k, k): v for k, v in row.items()}, at, base, fmt, src.roles)
         example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at)
         if len(example["input_ids"]) > cfg.max_length:
             if cfg.truncation == "drop":
@@ -60,7 +62,7 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
         out.append(dict(example, row=index, messages=canon["messages"]))  # messages: held-out answers
     if not out:
         raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
-    print0(f"hftrain: {key} ({src.path}): image rows, {rows.count} rows", file=sys.stderr)
+    print0(f"hftrain: {key} ({src.path}): image rows, layout {fmt}, {rows.count} rows", file=sys.stderr)
     return out, rows.count
 
 
@@ -74,7 +76,7 @@ def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: in
     problems = not_yet_problems(cfg)
     if problems:
         raise DataError(problems[0] if len(problems) == 1 else "; ".join(problems))
-    train, held = [], []
+    train, weights, held = [], [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources.{i}"
         examples, count = source_examples(src, key, processor, cfg)
@@ -83,9 +85,12 @@ def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: in
             out = set(int(r) for r in out)
             held += [e for e in examples if e["row"] in out]
             examples = [e for e in examples if e["row"] not in out]
-        train += examples
+        if examples:
+            train.append(_dataset(examples))
+            weights.append(src.weight)
     for i, src in enumerate(cfg.eval_sources):
         held += source_examples(src, f"data.eval_sources.{i}", processor, cfg)[0]
     collator = PackedImageRows(processor) if cfg.packing else ImageRows(processor)
-    return ImageDatasets(_dataset(train), _dataset(held) if held else None, collator,
+    train = mix(train, weights, seed) if train else _dataset([])  # weighted as text sources are (data.mix)
+    return ImageDatasets(train, _dataset(held) if held else None, collator,
                          image_eval_examples(held, exact_match), processor=processor)

@@ -64,12 +64,10 @@ def _parts(content, images: list | None, base: str, what: str, used: list) -> li
     return parts
 
 
-def _sharegpt(row: dict, where: str) -> list[tuple[str, dict]]:
+def _sharegpt(row: dict, where: str, roles: dict[str, str]) -> list[tuple[str, dict]]:
     """A ShareGPT row's turns as {role, content} messages (its `system` column first), each with its name in the
-    row."""
+    row; `roles` (the source's) first, then ShareGPT's names."""
     turns, system = row["conversations"], row.get("system")
-    if "messages" in row:
-        raise DataError(f"{where}: the row has both messages and conversations; keep one of them")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: conversations must be a non-empty list of {{from, value}} turns")
     if system is not None and not isinstance(system, str):
@@ -77,7 +75,7 @@ def _sharegpt(row: dict, where: str) -> list[tuple[str, dict]]:
     out = [("system", {"role": "system", "content": system})] if system else []
     for i, turn in enumerate(turns):
         said = turn.get("from") if isinstance(turn, dict) else None
-        role = SHAREGPT_ROLES.get(said, said) if isinstance(said, str) else None
+        role = roles.get(said, SHAREGPT_ROLES.get(said, said)) if isinstance(said, str) else None
         if role not in ROLES or "value" not in turn:
             raise DataError(f"{where}: conversations[{i}] must be {{\"from\": human, gpt or system, \"value\": "
                             f"...}} ({json.dumps(turn, default=str)[:80]}); image rows have no tool turns")
@@ -85,14 +83,31 @@ def _sharegpt(row: dict, where: str) -> list[tuple[str, dict]]:
     return out
 
 
-def canonical_image_row(row: dict, where: str, base: str) -> dict:
-    """One row as a canonical conversation with its images' paths, each image checked (a DataError names the row
-    and the image)."""
+def _mapped(m, roles: dict[str, str]):
+    """A message with its role mapped by the source's `roles`."""
+    said = m.get("role") if isinstance(m, dict) else None
+    return dict(m, role=roles[said]) if isinstance(said, str) and said in roles else m
+
+
+def _turns(row: dict, where: str, fmt: str, roles: dict[str, str]):
+    """The row's messages, each with its name in the row, from the column its source's layout names."""
+    col, other = ("conversations", "messages") if fmt == "sharegpt" else ("messages", "conversations")
+    if row.get(other) is not None:
+        raise DataError(f"{where}: the row has both messages and conversations; keep one of them"
+                        if row.get(col) is not None else f"{where}: the row has {other} where its source's rows have "
+                        f"{col} ({fmt}); put each layout in a source of its own")
+    if fmt == "sharegpt":
+        return _sharegpt(row, where, roles)
     msgs = row.get("messages")
-    if "conversations" in row:
-        msgs = _sharegpt(row, where)
-    elif isinstance(msgs, list):
-        msgs = [(f"messages[{i}]", m) for i, m in enumerate(msgs)]
+    return [(f"messages[{i}]", _mapped(m, roles)) for i, m in enumerate(msgs)] if isinstance(msgs, list) else msgs
+
+
+def canonical_image_row(row: dict, where: str, base: str, fmt: str = "messages",
+                        roles: dict[str, str] | None = None) -> dict:
+    """One row (its columns named as hftrain names them) of a source of layout `fmt` (messages or sharegpt) as a
+    canonical conversation with its images' paths, each image checked (a DataError names the row and the image);
+    `roles`: the source's role map."""
+    msgs = _turns(row, where, fmt, roles or {})
     images = row.get("images")
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} messages (or ShareGPT's "

@@ -1,0 +1,115 @@
+"""A data source's keys on an image recipe (issue 58): `columns`, `roles`, `format` and `weight` honoured as the text
+sources honour them (the text side's own code: data/layouts.py source_layout, data/build.py mix); what image rows
+cannot read (a text-only layout, a column or role they have no place for) refused by `hftrain check` and the run
+alike (exit 2), for data.sources and data.eval_sources, all at once."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from hftrain.config import DataSection, DataSource
+from hftrain.errors import DataError
+from hftrain.vision.image_datasets import build_image_datasets
+from hftrain.vision.processor import load_processor
+
+from .test_vision import PROCESSORS, _examples, _recipe, _square_rows, _write, image_dir, marker_rows  # noqa: F401
+from .test_vision import vlm_dirs  # noqa: F401
+from .test_vision_sharegpt import sharegpt_rows
+
+
+def _built(folder, family, *sources: DataSource):
+    processor = load_processor(folder, PROCESSORS[family])
+    return build_image_datasets(DataSection(sources=list(sources)), processor, seed=0)
+
+
+def _renamed(rows, **names):
+    return [{names.get(k, k): v for k, v in r.items()} for r in rows]
+
+
+def test_columns_rename_the_messages_and_images_columns(vlm_dirs, image_dir):  # noqa: F811
+    _, plain = _examples(vlm_dirs["llava"], "llava", _write(image_dir / "marked.jsonl", marker_rows()))
+    theirs = _write(image_dir / "theirs.jsonl", _renamed(marker_rows(), messages="dialogue", images="pics"))
+    mapped = _built(vlm_dirs["llava"], "llava",
+                    DataSource(path=theirs, columns={"messages": "dialogue", "images": "pics"}))
+    assert mapped.train[:] == plain.train[:]
+
+
+def test_columns_rename_sharegpt_conversations_and_system(vlm_dirs, image_dir):  # noqa: F811
+    _, plain = _examples(vlm_dirs["llava"], "llava", _write(image_dir / "s.jsonl", sharegpt_rows("you name colours")))
+    theirs = _write(image_dir / "theirs.jsonl",
+                    _renamed(sharegpt_rows("you name colours"), conversations="turns", system="preamble"))
+    mapped = _built(vlm_dirs["llava"], "llava",
+                    DataSource(path=theirs, columns={"conversations": "turns", "system": "preamble"}))
+    assert mapped.train[:] == plain.train[:]
+
+
+def test_a_mapped_column_the_file_lacks_is_named(vlm_dirs, image_dir):  # noqa: F811
+    path = _write(image_dir / "marked.jsonl", marker_rows())
+    with pytest.raises(DataError, match=r"data.sources.0.columns: \['dialogue'\] not in"):
+        _built(vlm_dirs["llava"], "llava", DataSource(path=path, columns={"messages": "dialogue"}))
+
+
+def test_roles_map_message_roles_and_sharegpt_from_values(vlm_dirs, image_dir):  # noqa: F811
+    _, plain = _examples(vlm_dirs["llava"], "llava", _write(image_dir / "marked.jsonl", marker_rows()))
+    said = {"user": "customer", "assistant": "agent"}
+    rows = [dict(r, messages=[dict(m, role=said[m["role"]]) for m in r["messages"]]) for r in marker_rows()]
+    mapped = _built(vlm_dirs["llava"], "llava", DataSource(path=_write(image_dir / "roles.jsonl", rows),
+                                                           roles={"customer": "user", "agent": "assistant"}))
+    assert mapped.train[:] == plain.train[:]
+    said = {"human": "asker", "gpt": "answerer"}
+    shared = [dict(r, conversations=[dict(t, **{"from": said[t["from"]]}) for t in r["conversations"]])
+              for r in sharegpt_rows()]
+    mapped = _built(vlm_dirs["llava"], "llava", DataSource(path=_write(image_dir / "from.jsonl", shared),
+                                                           roles={"asker": "user", "answerer": "assistant"}))
+    assert mapped.train[:] == plain.train[:]
+
+
+def test_format_selects_the_layout(vlm_dirs, image_dir):  # noqa: F811
+    path = _write(image_dir / "sharegpt.jsonl", sharegpt_rows())
+    with pytest.raises(DataError, match=r"data.sources.0: format 'messages' needs column\(s\) \['messages'\]"):
+        _built(vlm_dirs["llava"], "llava", DataSource(path=path, format="messages"))
+    _, plain = _examples(vlm_dirs["llava"], "llava", path)
+    assert _built(vlm_dirs["llava"], "llava", DataSource(path=path, format="sharegpt")).train[:] == plain.train[:]
+
+
+def test_a_source_of_a_text_layout_is_named(vlm_dirs, image_dir):  # noqa: F811
+    path = _write(image_dir / "pc.jsonl", [{"prompt": "what colour", "completion": "red"}])
+    with pytest.raises(DataError, match=r"data.sources.0: .*pc.jsonl is prompt_completion rows; image rows are "):
+        _built(vlm_dirs["llava"], "llava", DataSource(path=path))
+
+
+def test_weights_mix_the_sources_as_text_sources_mix(vlm_dirs, image_dir):  # noqa: F811
+    from hftrain.data import mix
+
+    one = _write(image_dir / "one.jsonl", marker_rows()[:1])
+    two = _write(image_dir / "two.jsonl", marker_rows()[1:])
+    alone = [_built(vlm_dirs["llava"], "llava", DataSource(path=p)).train for p in (one, two)]
+    mixed = _built(vlm_dirs["llava"], "llava", DataSource(path=one, weight=1.0), DataSource(path=two, weight=4.0))
+    assert mixed.train[:] == mix(alone, [1.0, 4.0], 0)[:]
+    assert len(mixed.train) > 2  # the heavier source drawn again, as interleave_datasets draws it
+
+
+def test_keys_image_rows_cannot_read_are_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
+                                                                      monkeypatch):
+    from .test_bad_input import run_check, run_main
+
+    recipe = _recipe(tmp_path, vlm_dirs["llava"], _square_rows(tmp_path, 4), str(tmp_path / "out"))
+    tree = yaml.safe_load(open(recipe))
+    path = tree["data"]["sources"][0]["path"]
+    tree["data"]["sources"][0].update(format="prompt_completion", columns={"prompt": "question"})
+    tree["data"].pop("eval_fraction")
+    tree["data"]["eval_sources"] = [{"path": path, "columns": {"reasoning_content": "cot"}, "roles": {"obs": "tool"}}]
+    with open(recipe, "w") as f:
+        yaml.safe_dump(tree, f)
+    code, checked = run_check([recipe], capsys)
+    assert code == 2, checked
+    assert run_main([recipe], {}, monkeypatch) == 2
+    ran = capsys.readouterr().err
+    checked, ran = checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+    assert checked == ran
+    for said in ["data.sources.0.format: image rows are conversations",
+                 "data.sources.0.columns.prompt: image rows read only",
+                 "data.eval_sources.0.columns.reasoning_content: image rows read only",
+                 "data.eval_sources.0.roles.obs: image rows have no tool turns"]:
+        assert said in checked, checked
