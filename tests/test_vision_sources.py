@@ -113,3 +113,32 @@ def test_keys_image_rows_cannot_read_are_refused_by_check_and_the_run(vlm_dirs, 
                  "data.eval_sources.0.columns.reasoning_content: image rows read only",
                  "data.eval_sources.0.roles.obs: image rows have no tool turns"]:
         assert said in checked, checked
+
+
+def test_train_turns_last_trains_the_last_assistant_turn_only(vlm_dirs, image_dir):  # noqa: F811
+    path = _write(image_dir / "marked.jsonl", marker_rows())
+    processor, every = _examples(vlm_dirs["llava"], "llava", path)
+    _, last = _examples(vlm_dirs["llava"], "llava", path, train_turns="last")
+    trained = [[t for t, lab in zip(e["input_ids"], e["labels"]) if lab != -100]
+               for e in (every.train[1], last.train[1])]
+    words = [processor.tokenizer.decode(t) for t in trained]
+    assert "blue" in words[0] and "green" in words[0], words
+    assert "blue" not in words[1] and "green" in words[1], words
+    assert every.train[1]["input_ids"] == last.train[1]["input_ids"]
+
+
+def test_a_chat_template_in_the_data_section_is_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
+                                                                              monkeypatch):
+    from .test_bad_input import run_check, run_main
+
+    recipe = _recipe(tmp_path, vlm_dirs["qwen2_5_vl"], _square_rows(tmp_path, 4), str(tmp_path / "out"))
+    tree = yaml.safe_load(open(recipe))
+    tree["data"]["chat_template"] = "trl:qwen2_5"
+    with open(recipe, "w") as f:
+        yaml.safe_dump(tree, f)
+    code, checked = run_check([recipe], capsys)
+    assert code == 2, checked
+    assert run_main([recipe], {}, monkeypatch) == 2
+    ran = capsys.readouterr().err
+    assert checked[checked.index("hftrain: error:"):] == ran[ran.index("hftrain: error:"):]
+    assert "data.chat_template: an image-text-to-text recipe renders with its processor's chat template" in checked

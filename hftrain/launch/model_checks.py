@@ -13,7 +13,7 @@ from ..quantization import bitsandbytes_problem
 from ..heads import Head
 from ..vision.families import family_problem, head_of, model_type_of, strategy_problems
 from ..vision.freezing import freeze_problems
-from ..vision.image_sources import image_source_problems
+from ..vision.image_sources import image_data_problems
 from ..vision.lora_parts import lora_part_problems
 from . import libraries
 
@@ -33,7 +33,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         out += freeze_problems(m)  # model.freeze: parts the family has
         out += lora_part_problems(m)  # model.lora.vision_parts: parts beside the language model adapted
         if recipe.data is not None and head_of(m) is Head.IMAGE_TEXT_TO_TEXT:
-            out += image_source_problems(recipe.data)  # source keys image rows cannot honour
+            out += image_data_problems(recipe.data)  # data keys image rows cannot honour
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):

@@ -47,7 +47,8 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     for index, (where, row) in enumerate(rows.iterate()):
         at = f"{key} ({where})"
         canon = canonical_image_row({rename.get(k, k): v for k, v in row.items()}, at, base, fmt, src.roles)
-        example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at)
+        example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at,
+                                cfg.train_turns)
         if len(example["input_ids"]) > cfg.max_length:
             if cfg.truncation == "drop":
                 continue

@@ -3,8 +3,9 @@
 conversations, images and system columns), `roles` (the data's role names, ShareGPT's `from` values among them),
 `weight` (sources mixed by data.mix), `split` and `name` (data.read_rows). The layout and the column renaming are
 the text side's own (data/layouts.py source_layout). What image rows have no place for is refused by `hftrain check`
-and the run before any row is read (image_source_problems, called by launch/model_checks.py): a text-only layout, a
-column image rows never read (a message's reasoning, tools, prompt/completion), a role mapped to a tool turn."""
+and the run before any row is read (image_data_problems, called by launch/model_checks.py): a text-only layout, a
+column image rows never read (a message's reasoning, tools, prompt/completion), a role mapped to a tool turn, and
+data.chat_template (the processor's template renders image rows)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,14 @@ def _source_problems(src: DataSource, key: str) -> list[tuple[str, str]]:
     return out
 
 
-def image_source_problems(data: DataSection) -> list[tuple[str, str]]:
-    """(key, message) of every key of data.sources and data.eval_sources that image rows cannot honour."""
+def image_data_problems(data: DataSection) -> list[tuple[str, str]]:
+    """(key, message) of every key of the data section, data.sources and data.eval_sources that image rows cannot
+    honour."""
     out = []
+    if data.chat_template is not None:  # the labels and the processor's ids come from one template: the processor's
+        out.append(("data.chat_template", "an image-text-to-text recipe renders with its processor's chat template "
+                    "(the model folder's chat_template.jinja or chat_template.json); put the template there, or "
+                    "remove this key"))
     for group in ("sources", "eval_sources"):
         sources = getattr(data, group)
         for i, src in enumerate(sources if isinstance(sources, list) else []):

@@ -42,11 +42,13 @@ def expand_labels(plain: dict, expanded: list[int], image_token_id: int, at: str
     return out, counts
 
 
-def image_example(canon: dict, processor, train_on_prompt: bool, chat_template_kwargs: dict | None, at: str) -> dict:
+def image_example(canon: dict, processor, train_on_prompt: bool, chat_template_kwargs: dict | None, at: str,
+                  train_turns: str = "all") -> dict:
     """{input_ids, labels, images} of one canonical image row (image_rows.py): the processor's ids, the template's
-    labels, image tokens never trained."""
+    labels (every assistant turn, or the last: data.train_turns), image tokens never trained."""
     tokenizer = processor.tokenizer
-    examples = render_examples({"messages": canon["messages"]}, tokenizer, train_on_prompt, chat_template_kwargs, at)
+    examples = render_examples({"messages": canon["messages"]}, tokenizer, train_on_prompt, chat_template_kwargs, at,
+                               train_turns)
     if len(examples) != 1:
         raise DataError(f"{at}: the chat template writes earlier turns differently once later ones follow, so the "
                         "row would become several examples; image rows of such templates are not supported yet")
