@@ -88,13 +88,16 @@ def test_yaml_syntax_error_names_line_and_column(tmp_path):
 
 
 def test_semantic_rules(tmp_path):
-    tree = {**BASE, "data": {"sources": [{"path": "d", "weight": 0}], "eval_fraction": 1.5},
+    tree = {**BASE, "data": {"sources": [{"path": "d", "weight": 0}], "eval_fraction": 1.5,
+                             "eval_sources": [{"path": "e"}, {"path": "e", "weight": 2}]},
             "training": {"eval_strategy": "steps"}, "eval": {"exact_match": 5}}
     with pytest.raises(RecipeError) as e:
         load_recipe(write(tmp_path, tree))
     msg = str(e.value)
     assert "data.sources.0.weight: must be a finite number > 0" in msg
     assert "data.eval_fraction: must be in [0, 1)" in msg
+    assert "data.eval_sources.1.weight: held-out sources are each evaluated whole" in msg
+    assert "data.eval_sources.0.weight" not in msg
 
 
 def test_token_and_owned_fields_refused():

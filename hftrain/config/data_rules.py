@@ -54,6 +54,10 @@ def data_problems(recipe: Recipe, out: Problems) -> bool:
     if len(weights) > 1 and not math.isfinite(sum(weights)):
         out.append(("data.sources", f"the weights add up to more than a float holds ({', '.join(map(str, weights))}): "
                     "they are relative, scale them down (e.g. to 1 and 2)"))
+    for i, s in enumerate(d.eval_sources if isinstance(d.eval_sources, list) else []):
+        if isinstance(s, DataSource) and s.weight != 1.0:
+            out.append((f"data.eval_sources.{i}.weight", "held-out sources are each evaluated whole, never sampled by "
+                        "weight: remove it (weights mix data.sources)"))
     for group in ("sources", "eval_sources"):
         for i, s in enumerate(getattr(d, group) if isinstance(getattr(d, group), list) else []):
             for theirs, ours in (s.roles.items() if isinstance(s, DataSource) and isinstance(s.roles, dict) else ()):
