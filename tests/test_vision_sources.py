@@ -127,13 +127,13 @@ def test_train_turns_last_trains_the_last_assistant_turn_only(vlm_dirs, image_di
     assert every.train[1]["input_ids"] == last.train[1]["input_ids"]
 
 
-def test_a_chat_template_in_the_data_section_is_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
-                                                                              monkeypatch):
+def test_data_keys_image_rows_do_not_use_are_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
+                                                                            monkeypatch):
     from .test_bad_input import run_check, run_main
 
     recipe = _recipe(tmp_path, vlm_dirs["qwen2_5_vl"], _square_rows(tmp_path, 4), str(tmp_path / "out"))
     tree = yaml.safe_load(open(recipe))
-    tree["data"]["chat_template"] = "trl:qwen2_5"
+    tree["data"].update(chat_template="trl:qwen2_5", completion_only_loss=False, num_proc=2)
     with open(recipe, "w") as f:
         yaml.safe_dump(tree, f)
     code, checked = run_check([recipe], capsys)
@@ -141,4 +141,7 @@ def test_a_chat_template_in_the_data_section_is_refused_by_check_and_the_run(vlm
     assert run_main([recipe], {}, monkeypatch) == 2
     ran = capsys.readouterr().err
     assert checked[checked.index("hftrain: error:"):] == ran[ran.index("hftrain: error:"):]
-    assert "data.chat_template: an image-text-to-text recipe renders with its processor's chat template" in checked
+    for said in ["data.chat_template: an image-text-to-text recipe renders with its processor's chat template",
+                 "data.completion_only_loss: applies to prompt/completion rows",
+                 "data.num_proc: image rows are read and their images checked in one process"]:
+        assert said in checked, checked

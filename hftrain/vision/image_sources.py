@@ -4,8 +4,8 @@ conversations, images and system columns), `roles` (the data's role names, Share
 `weight` (sources mixed by data.mix), `split` and `name` (data.read_rows). The layout and the column renaming are
 the text side's own (data/layouts.py source_layout). What image rows have no place for is refused by `hftrain check`
 and the run before any row is read (image_data_problems, called by launch/model_checks.py): a text-only layout, a
-column image rows never read (a message's reasoning, tools, prompt/completion), a role mapped to a tool turn, and
-data.chat_template (the processor's template renders image rows)."""
+column image rows never read (a message's reasoning, tools, prompt/completion), a role mapped to a tool turn,
+data.chat_template (the processor's template renders image rows), data.completion_only_loss: false and data.num_proc."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def image_data_problems(data: DataSection) -> list[tuple[str, str]]:
         out.append(("data.chat_template", "an image-text-to-text recipe renders with its processor's chat template "
                     "(the model folder's chat_template.jinja or chat_template.json); put the template there, or "
                     "remove this key"))
+    if data.completion_only_loss is False:  # image rows are conversations: assistant_only_loss says what trains
+        out.append(("data.completion_only_loss", "applies to prompt/completion rows; image rows are conversations, "
+                    "whose trained tokens data.assistant_only_loss sets: remove it"))
+    if data.num_proc is not None:  # image rows are read and checked in one process (their images opened there)
+        out.append(("data.num_proc", "image rows are read and their images checked in one process per machine: "
+                    "remove it"))
     for group in ("sources", "eval_sources"):
         sources = getattr(data, group)
         for i, src in enumerate(sources if isinstance(sources, list) else []):
