@@ -44,6 +44,8 @@ def test_the_system_column_is_the_first_turn(vlm_dirs, image_dir):  # noqa: F811
     (lambda r: r["conversations"][1].pop("value"), r"sharegpt.jsonl:1\): conversations\[1\] must be"),
     (lambda r: r.update(messages=[{"role": "user", "content": "hi"}]),
      r"sharegpt.jsonl:1\): the row has both messages and conversations"),
+    (lambda r: r["conversations"][1].update(weight=0),
+     r"sharegpt.jsonl:1\): conversations\[1\] has weight: image rows carry a turn's from and value only"),
     (lambda r: r["conversations"][0].update(value="what colour is the square"),
      r"sharegpt.jsonl:1\): the row has 1 images and 0 <image> markers"),
 ])

@@ -14,7 +14,7 @@ from hftrain.vision.image_datasets import build_image_datasets
 from hftrain.vision.processor import load_processor
 
 from .test_vision import PROCESSORS, _examples, _recipe, _square_rows, _write, image_dir, marker_rows  # noqa: F401
-from .test_vision import vlm_dirs  # noqa: F401
+from .test_vision import part_rows, vlm_dirs  # noqa: F401
 from .test_vision_sharegpt import sharegpt_rows
 
 
@@ -145,3 +145,16 @@ def test_data_keys_image_rows_do_not_use_are_refused_by_check_and_the_run(vlm_di
                  "data.completion_only_loss: applies to prompt/completion rows",
                  "data.num_proc: image rows are read and their images checked in one process"]:
         assert said in checked, checked
+
+
+@pytest.mark.parametrize("spoil, said", [
+    (lambda r: r["messages"][1].update(reasoning_content="red, since the square is red"),
+     r"\(.*:1\): messages\[1\] has reasoning_content: image rows carry a turn's role and content only"),
+    (lambda r: r.update(tools=[{"type": "function", "function": {"name": "zoom"}}]), r"\(.*:1\): the row has tools"),
+])
+def test_a_message_field_image_rows_would_drop_is_an_error(vlm_dirs, image_dir, spoil, said):  # noqa: F811
+    rows = part_rows()
+    spoil(rows[0])
+    rows[1]["messages"][1]["reasoning_content"] = ""  # empty, as a column other rows fill: passes
+    with pytest.raises(DataError, match=said):
+        _examples(vlm_dirs["llava"], "llava", _write(image_dir / "fields.jsonl", rows))

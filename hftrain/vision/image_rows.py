@@ -79,6 +79,7 @@ def _sharegpt(row: dict, where: str, roles: dict[str, str]) -> list[tuple[str, d
         if role not in ROLES or "value" not in turn:
             raise DataError(f"{where}: conversations[{i}] must be {{\"from\": human, gpt or system, \"value\": "
                             f"...}} ({json.dumps(turn, default=str)[:80]}); image rows have no tool turns")
+        _refuse_dropped_fields(turn, f"{where}: conversations[{i}]", ("from", "value"))
         out.append((f"conversations[{i}]", {"role": role, "content": turn["value"]}))
     return out
 
@@ -102,12 +103,30 @@ def _turns(row: dict, where: str, fmt: str, roles: dict[str, str]):
     return [(f"messages[{i}]", _mapped(m, roles)) for i, m in enumerate(msgs)] if isinstance(msgs, list) else msgs
 
 
+def _empty(value) -> bool:
+    """An empty text or collection: what a column other rows fill holds in a row without it (0 and false are
+    values: a turn's weight 0 says something)."""
+    return isinstance(value, (str, list, dict)) and len(value) == 0
+
+
+def _refuse_dropped_fields(message: dict, what: str, kept: tuple[str, str] = ("role", "content")) -> None:
+    """A message field image rows do not carry (a reasoning, tool calls) is an error, not dropped: the conversation
+    rendered without it would train other text than the row holds. Empty values (a column other rows fill) pass."""
+    extra = sorted(k for k, v in message.items() if k not in kept and v is not None and not _empty(v))
+    if extra:
+        raise DataError(f"{what} has {', '.join(extra)}: image rows carry a turn's {' and '.join(kept)} only (its "
+                        f"{extra[0]} would be dropped, not trained); remove the field or put it in the content")
+
+
 def canonical_image_row(row: dict, where: str, base: str, fmt: str = "messages",
                         roles: dict[str, str] | None = None) -> dict:
     """One row (its columns named as hftrain names them) of a source of layout `fmt` (messages or sharegpt) as a
     canonical conversation with its images' paths, each image checked (a DataError names the row and the image);
     `roles`: the source's role map."""
     msgs = _turns(row, where, fmt, roles or {})
+    if row.get("tools") is not None and not _empty(row["tools"]):
+        raise DataError(f"{where}: the row has tools; image rows have no tool turns yet, and the tools would not "
+                        "reach the template: remove the column")
     images = row.get("images")
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} messages (or ShareGPT's "
@@ -120,6 +139,7 @@ def canonical_image_row(row: dict, where: str, base: str, fmt: str = "messages",
         what = f"{where}: {name}"
         if not isinstance(m, dict) or m.get("role") not in ROLES or "content" not in m:
             raise DataError(f"{what} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": ...}}")
+        _refuse_dropped_fields(m, what)
         out.append({"role": m["role"], "content": _parts(m["content"], images, base, what, used)})
     if images is not None and len(used) != len(images):
         raise DataError(f"{where}: the row has {len(images)} images and {len(used)} {MARKER} markers; give one marker "
