@@ -247,6 +247,26 @@ def _recipe(folder, model, data, out, **training):
     return str(path)
 
 
+def refusals_of_check_and_run(tmp_path, folder, edit, capsys, monkeypatch) -> tuple[str, str]:
+    """The errors `hftrain check` and the run (both must exit 2) print for _recipe's recipe on `folder`'s model with
+    `edit(tree)` applied to it, each from its "hftrain: error:" line."""
+    import yaml
+
+    from .test_bad_input import run_check, run_main
+
+    recipe = _recipe(tmp_path, folder, _square_rows(tmp_path, 4), str(tmp_path / "out"))
+    with open(recipe) as f:
+        tree = yaml.safe_load(f)
+    edit(tree)
+    with open(recipe, "w") as f:
+        yaml.safe_dump(tree, f)
+    code, checked = run_check([recipe], capsys)
+    assert code == 2, checked
+    assert run_main([recipe], {}, monkeypatch) == 2
+    ran = capsys.readouterr().err
+    return checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+
+
 def test_images_of_different_sizes_collate_into_one_batch(vlm_dirs, tmp_path):
     processor, data = _examples(vlm_dirs["qwen2_5_vl"], "qwen2_5_vl", _square_rows(tmp_path, 4), eval_fraction=0.0)
     rows = [data.train[i] for i in range(4)]

@@ -7,11 +7,10 @@ from __future__ import annotations
 import types
 
 import pytest
-import yaml
 
 from hftrain.methods import load_recipe, method_of
 
-from .test_vision import FAMILIES, _recipe, _square_rows, vlm_dirs  # noqa: F401, F811
+from .test_vision import FAMILIES, _square_rows, refusals_of_check_and_run, vlm_dirs  # noqa: F401, F811
 
 # the parameter names of each part, by the family's own module paths
 PARTS = {"qwen2_5_vl": {"vision_tower": lambda n: n.startswith("model.visual.") and ".merger." not in n,
@@ -46,19 +45,8 @@ def test_freeze_leaves_exactly_the_named_parts_untrained(vlm_dirs, tmp_path, fam
 
 
 def _refusal(tmp_path, folder, freeze, capsys, monkeypatch) -> tuple[str, str]:
-    from .test_bad_input import run_check, run_main
-
-    recipe = _recipe(tmp_path, folder, _square_rows(tmp_path, 4), str(tmp_path / "out"))
-    with open(recipe) as f:
-        tree = yaml.safe_load(f)
-    tree["model"]["freeze"] = freeze
-    with open(recipe, "w") as f:
-        yaml.safe_dump(tree, f)
-    code, checked = run_check([recipe], capsys)
-    assert code == 2, checked
-    assert run_main([recipe], {}, monkeypatch) == 2
-    ran = capsys.readouterr().err
-    return checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+    return refusals_of_check_and_run(tmp_path, folder, lambda tree: tree["model"].update(freeze=freeze), capsys,
+                                     monkeypatch)
 
 
 def test_a_part_the_family_does_not_have_is_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811

@@ -12,7 +12,7 @@ import yaml
 
 from hftrain.methods import load_recipe, method_of
 
-from .test_vision import FAMILIES, _recipe, _square_rows, vlm_dirs  # noqa: F401, F811
+from .test_vision import FAMILIES, _recipe, _square_rows, refusals_of_check_and_run, vlm_dirs  # noqa: F401, F811
 from .test_vision_freeze import PARTS
 
 
@@ -69,19 +69,8 @@ def test_a_name_list_reaching_the_vision_tower_is_kept_to_the_language_model(vlm
 
 
 def _refusal(tmp_path, folder, model_keys, capsys, monkeypatch) -> tuple[str, str]:
-    from .test_bad_input import run_check, run_main
-
-    recipe = _recipe(tmp_path, folder, _square_rows(tmp_path, 4), str(tmp_path / "out"))
-    with open(recipe) as f:
-        tree = yaml.safe_load(f)
-    tree["model"].update(model_keys)
-    with open(recipe, "w") as f:
-        yaml.safe_dump(tree, f)
-    code, checked = run_check([recipe], capsys)
-    assert code == 2, checked
-    assert run_main([recipe], {}, monkeypatch) == 2
-    ran = capsys.readouterr().err
-    return checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+    return refusals_of_check_and_run(tmp_path, folder, lambda tree: tree["model"].update(model_keys), capsys,
+                                     monkeypatch)
 
 
 def test_what_vision_parts_cannot_honour_is_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811

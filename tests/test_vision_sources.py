@@ -6,14 +6,13 @@ alike (exit 2), for data.sources and data.eval_sources, all at once."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from hftrain.config import DataSection, DataSource
 from hftrain.errors import DataError
 from hftrain.vision.image_datasets import build_image_datasets
 from hftrain.vision.processor import load_processor
 
-from .test_vision import PROCESSORS, _examples, _recipe, _square_rows, _write, image_dir, marker_rows  # noqa: F401
+from .test_vision import PROCESSORS, _examples, _write, image_dir, marker_rows, refusals_of_check_and_run  # noqa: F401
 from .test_vision import part_rows, vlm_dirs  # noqa: F401
 from .test_vision_sharegpt import sharegpt_rows
 
@@ -92,21 +91,14 @@ def test_weights_mix_the_sources_as_text_sources_mix(vlm_dirs, image_dir):  # no
 
 def test_keys_image_rows_cannot_read_are_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
                                                                       monkeypatch):
-    from .test_bad_input import run_check, run_main
+    def spoil(tree):
+        path = tree["data"]["sources"][0]["path"]
+        tree["data"]["sources"][0].update(format="prompt_completion", columns={"prompt": "question"})
+        tree["data"].pop("eval_fraction")
+        tree["data"]["eval_sources"] = [{"path": path, "columns": {"reasoning_content": "cot"},
+                                         "roles": {"obs": "tool"}}]
 
-    recipe = _recipe(tmp_path, vlm_dirs["llava"], _square_rows(tmp_path, 4), str(tmp_path / "out"))
-    tree = yaml.safe_load(open(recipe))
-    path = tree["data"]["sources"][0]["path"]
-    tree["data"]["sources"][0].update(format="prompt_completion", columns={"prompt": "question"})
-    tree["data"].pop("eval_fraction")
-    tree["data"]["eval_sources"] = [{"path": path, "columns": {"reasoning_content": "cot"}, "roles": {"obs": "tool"}}]
-    with open(recipe, "w") as f:
-        yaml.safe_dump(tree, f)
-    code, checked = run_check([recipe], capsys)
-    assert code == 2, checked
-    assert run_main([recipe], {}, monkeypatch) == 2
-    ran = capsys.readouterr().err
-    checked, ran = checked[checked.index("hftrain: error:"):], ran[ran.index("hftrain: error:"):]
+    checked, ran = refusals_of_check_and_run(tmp_path, vlm_dirs["llava"], spoil, capsys, monkeypatch)
     assert checked == ran
     for said in ["data.sources.0.format: image rows are conversations",
                  "data.sources.0.columns.prompt: image rows read only",
@@ -129,18 +121,10 @@ def test_train_turns_last_trains_the_last_assistant_turn_only(vlm_dirs, image_di
 
 def test_data_keys_image_rows_do_not_use_are_refused_by_check_and_the_run(vlm_dirs, tmp_path, capsys,  # noqa: F811
                                                                             monkeypatch):
-    from .test_bad_input import run_check, run_main
-
-    recipe = _recipe(tmp_path, vlm_dirs["qwen2_5_vl"], _square_rows(tmp_path, 4), str(tmp_path / "out"))
-    tree = yaml.safe_load(open(recipe))
-    tree["data"].update(chat_template="trl:qwen2_5", completion_only_loss=False, num_proc=2)
-    with open(recipe, "w") as f:
-        yaml.safe_dump(tree, f)
-    code, checked = run_check([recipe], capsys)
-    assert code == 2, checked
-    assert run_main([recipe], {}, monkeypatch) == 2
-    ran = capsys.readouterr().err
-    assert checked[checked.index("hftrain: error:"):] == ran[ran.index("hftrain: error:"):]
+    keys = {"chat_template": "trl:qwen2_5", "completion_only_loss": False, "num_proc": 2}
+    checked, ran = refusals_of_check_and_run(tmp_path, vlm_dirs["qwen2_5_vl"], lambda tree: tree["data"].update(keys),
+                                             capsys, monkeypatch)
+    assert checked == ran
     for said in ["data.chat_template: an image-text-to-text recipe renders with its processor's chat template",
                  "data.completion_only_loss: applies to prompt/completion rows",
                  "data.num_proc: image rows are read and their images checked in one process"]:
