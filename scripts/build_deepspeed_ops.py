@@ -1,12 +1,15 @@
 """Build DeepSpeed's CPU ops once into hftrain's extension cache, with a progress line per op.
 
-    .venv/bin/python scripts/build_deepspeed_ops.py
+    .venv/bin/python scripts/build_deepspeed_ops.py            # build what is missing
+    .venv/bin/python scripts/build_deepspeed_ops.py --missing  # list what is missing (exit 1 where something is)
 
-scripts/setup.sh runs it, so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own
-time-out. Ops already in the cache are loaded, not rebuilt; a build lock left by a killed build is removed first.
+scripts/setup.sh runs it (told HFTRAIN_SETUP_DEFER_OPS=1, scripts/test.sh does, beside the tests: tests/op_build.py),
+so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own time-out. Ops already in the
+cache are loaded, not rebuilt; a build lock left by a killed build is removed first.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -32,11 +35,25 @@ def op_is_built(builder, root: str | None = None) -> bool:
     return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
 
 
-def main() -> int:
+def stop_cleanly_on_sigterm() -> None:
+    """scripts/test.sh ends a background build with SIGTERM: raised as SystemExit, torch's JIT build releases its
+    `<op>/lock` (a `finally`) and subprocess.run kills ninja, so the next build does not wait on a lock left behind."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def main(argv: list[str]) -> int:
     root = os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+    if argv not in ([], ["--missing"]):
+        print(f"usage: {sys.argv[0]} [--missing]", file=sys.stderr)
+        return 2
+    if argv == ["--missing"]:  # scripts/test.sh: the ops not built yet, one per line; exit 1 where there are some
+        missing = [b.name for b in deepspeed_op_builders() if not op_is_built(b, root)]
+        print("\n".join(missing))
+        return 1 if missing else 0
     for lock, age in stale_build_locks(root):
         print(f"setup: removing {lock}, left {age / 60:.0f} min ago by a build that was killed", flush=True)
         os.remove(lock)
+    stop_cleanly_on_sigterm()
     builders = deepspeed_op_builders()
     for i, builder in enumerate(builders, 1):
         cached = op_is_built(builder, root)
@@ -50,4 +67,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from hftrain.launch.machine import extensions_dir  # noqa: E402
 from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
-from tests import forked, launch_log  # noqa: E402
+from tests import forked, launch_log, op_build  # noqa: E402
 from tests.support import free_port  # noqa: E402
 from tests.launch_log import pytest_configure  # noqa: E402, F401  (hook: the launch log, when asked for)
 
@@ -282,11 +282,21 @@ def assert_no_process_left(marker: str, within: float = 10.0) -> None:
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """DeepSpeed's CPU ops must be built before the first DeepSpeed launch (scripts/setup.sh builds them): a build
-    inside a test would run within that test's time-out, with two ranks racing for the build lock."""
+    inside a test would run within that test's time-out, with two ranks racing for the build lock. Where
+    scripts/test.sh builds them in the background (tests/op_build.py), this waits for that build to end."""
+    waited = op_build.wait_for_background_build()
     missing = [b.name for b in deepspeed_op_builders() if not op_is_built(b, EXTENSIONS)]
     if missing:
-        pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS}: run "
-                    "`.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)", pytrace=False)
+        pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS} (waited {waited:.0f} s for the "
+                    "background build): run `.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)"
+                    + op_build.build_log_tail(), pytrace=False)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Where scripts/test.sh started a background build of DeepSpeed's ops, the files that need them run last (by
+    whether a build was started, not whether it still runs: every pytest-xdist worker must collect the same order)."""
+    if op_build.background_build_started():
+        items[:] = op_build.files_needing_ops_last(items, lambda path: open(path, encoding="utf-8").read())
 
 
 def assert_close_rel(a: dict, b: dict, rel=1e-5):

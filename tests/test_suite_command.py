@@ -1,6 +1,7 @@
-"""scripts/test.sh, the README's test command (issue 55): the cluster tests in a first pytest invocation on their own,
-then the rest on three workers by file; an invocation that collects nothing (exit 5) is no failure. Played with a
-stand-in interpreter that records each invocation's arguments and exits with the code it is given."""
+"""scripts/test.sh, the README's test command (issue 55): all but the cluster tests on three workers by file, then the
+cluster tests in a pytest invocation of their own; an invocation that collects nothing (exit 5) is no failure;
+DeepSpeed's ops not built yet are built beside the first invocation (tests/op_build.py). Played with a stand-in
+interpreter that records each call (arguments, the build's exported process id, its niceness) and exits as told."""
 
 from __future__ import annotations
 
@@ -12,28 +13,48 @@ import pytest
 
 from tests.conftest import REPO
 
-# The stand-in: records its argv as one JSON line, then exits with the next code of $EXITS (space-separated).
+# The stand-in. The op script: `--missing` exits $MISSING; the build sleeps $BUILD_S. A pytest invocation exits with
+# the next code of $EXITS (space-separated) and records whether the build it was handed still ran.
 STAND_IN = """#!/usr/bin/env python3
-import json, os, sys
-calls = os.environ["CALLS"]
+import json, os, sys, time
+calls, args = os.environ["CALLS"], sys.argv[1:]
+build_pid = os.environ.get("HFTRAIN_OPS_BUILD_PID")
+def running(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+record = {"argv": args, "pid": os.getpid(), "nice": os.nice(0), "build_pid": build_pid,
+          "build_running": bool(build_pid) and running(build_pid)}
 with open(calls, "a") as fh:
-    fh.write(json.dumps(sys.argv[1:]) + "\\n")
-n = sum(1 for _ in open(calls))
+    fh.write(json.dumps(record) + "\\n")
+if args[0].endswith("build_deepspeed_ops.py"):
+    if args[1:] == ["--missing"]:
+        sys.exit(int(os.environ["MISSING"]))
+    time.sleep(float(os.environ["BUILD_S"]))
+    sys.exit(0)
+n = sum(1 for line in open(calls) if json.loads(line)["argv"][:2] == ["-m", "pytest"])
 sys.exit(int(os.environ["EXITS"].split()[n - 1]))
 """
 
 
-def suite(tmp_path, exits: str, *args: str) -> tuple[int, list[list[str]], str]:
-    """Run scripts/test.sh with the stand-in: (exit code, each invocation's arguments, stderr)."""
+def suite(tmp_path, exits: str, *args: str, missing: int = 0, build_s: float = 0) -> tuple[int, list[dict], str]:
+    """Run scripts/test.sh with the stand-in: (exit code, each call's record in order, stderr)."""
     stand_in, calls = tmp_path / "python", tmp_path / "calls.jsonl"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
     calls.unlink(missing_ok=True)
+    env = {**os.environ, "HFTRAIN_TEST_PYTHON": str(stand_in), "CALLS": str(calls), "EXITS": exits,
+           "MISSING": str(missing), "BUILD_S": str(build_s), "HFTRAIN_OPS_BUILD_LOG": str(tmp_path / "ops.log")}
+    env.pop("HFTRAIN_OPS_BUILD_PID", None)
     r = subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), *args], capture_output=True, text=True,
-                       env={**os.environ, "HFTRAIN_TEST_PYTHON": str(stand_in), "CALLS": str(calls), "EXITS": exits},
-                       timeout=60)
-    invocations = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
-    return r.returncode, invocations, r.stderr
+                       env=env, timeout=60)
+    records = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+    return r.returncode, records, r.stderr
+
+
+def pytest_calls(records: list[dict]) -> list[list[str]]:
+    return [r["argv"] for r in records if r["argv"][:2] == ["-m", "pytest"]]
 
 
 def option(argv: list[str], name: str) -> str:
@@ -41,23 +62,40 @@ def option(argv: list[str], name: str) -> str:
     return [argv[i + 1] for i, a in enumerate(argv) if a == name][-1]
 
 
-def test_the_cluster_tests_run_first_on_their_own_then_the_rest_by_file_on_three_workers(tmp_path):
-    rc, (cluster, rest), _ = suite(tmp_path, "0 0", "-x", "-n", "2")
+def test_the_rest_runs_by_file_on_three_workers_then_the_cluster_tests_on_their_own(tmp_path):
+    rc, records, _ = suite(tmp_path, "0 0", "-x", "-n", "2")
+    rest, cluster = pytest_calls(records)
     assert rc == 0
-    assert cluster[:2] == ["-m", "pytest"] and option(cluster, "-m") == "cluster" and option(cluster, "-n") == "0"
     assert option(rest, "-m") == "not cluster" and option(rest, "--dist") == "loadfile"
-    assert option(rest, "-n") == "2"  # the caller's -n applies to the second invocation only
+    assert option(rest, "-n") == "2"  # the caller's -n applies to the first invocation only
+    assert cluster[:2] == ["-m", "pytest"] and option(cluster, "-m") == "cluster" and option(cluster, "-n") == "0"
     assert "-x" in cluster and "-x" in rest
 
 
 @pytest.mark.parametrize("exits, expected", [("5 0", 0), ("0 5", 0), ("5 5", 5), ("1 0", 1), ("0 1", 1), ("5 2", 2)])
 def test_an_invocation_that_collects_nothing_is_no_failure_and_a_failure_fails_after_both_ran(tmp_path, exits,
                                                                                                expected):
-    rc, invocations, _ = suite(tmp_path, exits)
-    assert (rc, len(invocations)) == (expected, 2)
+    rc, records, _ = suite(tmp_path, exits)
+    assert (rc, len(pytest_calls(records))) == (expected, 2)
 
 
 @pytest.mark.parametrize("arg", [["-m", "not launches"], ["-mfast"], ["--markexpr=slow"]])
 def test_a_marker_expression_is_refused_before_any_run(tmp_path, arg):
-    rc, invocations, err = suite(tmp_path, "0 0", *arg)
-    assert (rc, invocations) == (2, []) and "marker expression" in err
+    rc, records, err = suite(tmp_path, "0 0", *arg)
+    assert (rc, records) == (2, []) and "marker expression" in err
+
+
+def test_ops_not_built_are_built_at_nice_19_beside_the_first_invocation_and_over_before_the_cluster_tests(tmp_path):
+    rc, records, _ = suite(tmp_path, "0 0", missing=1, build_s=2)
+    check, build = records[0], next(r for r in records if r["argv"][1:] == [])
+    rest, cluster = [r for r in records if r["argv"][:2] == ["-m", "pytest"]]
+    assert rc == 0 and check["argv"] == ["scripts/build_deepspeed_ops.py", "--missing"]
+    assert build["argv"] == ["scripts/build_deepspeed_ops.py"] and build["nice"] == 19
+    assert rest["build_pid"] == cluster["build_pid"] == str(build["pid"])  # what conftest.py waits for
+    assert rest["build_running"] and not cluster["build_running"]
+
+
+def test_ops_already_built_start_no_build(tmp_path):
+    rc, records, _ = suite(tmp_path, "0 0", missing=0)
+    assert rc == 0 and [r["argv"][0] for r in records] == ["scripts/build_deepspeed_ops.py", "-m", "-m"]
+    assert all(r["build_pid"] is None for r in records)
