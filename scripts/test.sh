@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite (the README's test command and .ci/run), in two pytest invocations:
-#  1. everything but the tests marked `cluster`, on three pytest workers, whole files per worker (`--dist loadfile`:
-#     a module's fixtures, its matrix launches and reference runs, are made once): on two cores many tests wait for a
-#     time-out or a signal, and the third worker fills that time;
-#  2. the tests marked `cluster` (network namespaces, SLURM daemons, a fresh venv), one at a time with nothing beside
+#  1. the tests marked `cluster` (network namespaces, SLURM daemons, a fresh venv), one at a time with nothing beside
 #     them: test_multinode runs two or three launchers of several processes at once, and beside another worker's
-#     2-rank launches they took 4x their time alone, near their own time-outs.
-# DeepSpeed's CPU ops not built yet (scripts/setup.sh told HFTRAIN_SETUP_DEFER_OPS=1) are built at nice 19 beside the
-# first invocation, which leaves about a core idle: the tests that need them wait for the build, and their files run
-# last (tests/op_build.py); the build's log is .pytest_deepspeed_ops.log.
-# Extra arguments go to both invocations (-x, -k, --lf, ...); `-n` applies to the first only. A marker expression
+#     2-rank launches they took 4x their time alone, near their own time-outs;
+#  2. everything else on three pytest workers, whole files per worker (`--dist loadfile`: a module's fixtures, its
+#     matrix launches and reference runs, are made once): on two cores many tests wait for a time-out or a signal,
+#     and the third worker fills that time.
+# DeepSpeed's CPU ops not built yet (scripts/setup.sh told HFTRAIN_SETUP_DEFER_OPS=1) are built at nice 19 from the
+# start, in the CPU the cluster tier leaves idle (a third of its time): the tests that need them wait for the build,
+# and in the cluster tier run last (tests/op_build.py); the build's log is .pytest_deepspeed_ops.log.
+# Extra arguments go to both invocations (-x, -k, --lf, ...); `-n` applies to the second only. A marker expression
 # is refused: the two invocations are the split by marker (for one tier, call pytest: README). An invocation that
 # collects no test (pytest's exit 5, e.g. under -k) is no failure, unless neither collected one.
 # HFTRAIN_SUITE_ACCOUNTING=1 adds the launch log and CPU summary (tests/launch_log.py) to each invocation; the
@@ -35,15 +35,16 @@ if ! "$PYTHON" scripts/build_deepspeed_ops.py --missing >/dev/null 2>&1; then
     trap 'kill "$HFTRAIN_OPS_BUILD_PID" 2>/dev/null || true' EXIT  # an interrupted suite leaves no build behind
 fi
 
-"$PYTHON" -m pytest -q -rs --durations=30 -n 3 --dist loadfile "$@" -m "not cluster"
-rest=$?
-if [ -n "${HFTRAIN_OPS_BUILD_PID:-}" ]; then
-    wait "$HFTRAIN_OPS_BUILD_PID" 2>/dev/null  # ended, unless no test needed the ops (e.g. under -k)
-    grep -h "setup: DeepSpeed op" "$HFTRAIN_OPS_BUILD_LOG" || true
-fi
 HFTRAIN_LAUNCH_LOG="$PWD/.pytest_launches.cluster.jsonl" \
     "$PYTHON" -m pytest -q -rs --durations=30 "$@" -n 0 -m cluster
 cluster=$?
+if [ -n "${HFTRAIN_OPS_BUILD_PID:-}" ]; then
+    # Finished before the second tier: on three busy workers a build at nice 19 would starve while they waited on it.
+    wait "$HFTRAIN_OPS_BUILD_PID" 2>/dev/null
+    grep -h "setup: DeepSpeed op" "$HFTRAIN_OPS_BUILD_LOG" || true
+fi
+"$PYTHON" -m pytest -q -rs --durations=30 -n 3 --dist loadfile "$@" -m "not cluster"
+rest=$?
 
 if [ "$cluster" -eq 5 ] && [ "$rest" -eq 5 ]; then
     exit 5  # nothing collected at all

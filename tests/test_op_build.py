@@ -1,4 +1,4 @@
-"""tests/op_build.py: the suite's waiting for a background build of DeepSpeed's ops, and the order that runs the files
+"""tests/op_build.py: the suite's waiting for a background build of DeepSpeed's ops, and the order that runs the tests
 needing them last (scripts/test.sh starts the build; tests/test_suite_command.py plays that part)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from tests import op_build
@@ -35,12 +34,17 @@ def test_no_build_started_means_nothing_to_wait_for():
     assert op_build.wait_for_background_build({}, limit_s=5) < 0.5
 
 
-def test_files_needing_the_ops_go_last_whole_and_in_order():
-    sources = {"a.py": "def test(deepspeed_ops): ...", "b.py": "def test(): ...",
-               "c.py": "def test(reference_runs): ...", "d.py": "def test(tmp_path): ..."}
-    items = [SimpleNamespace(path=Path(f), name=f"{f}::{i}") for f in sources for i in range(2)]
-    ordered = [item.name for item in op_build.files_needing_ops_last(items, lambda path: sources[path])]
-    assert ordered == ["b.py::0", "b.py::1", "d.py::0", "d.py::1", "a.py::0", "a.py::1", "c.py::0", "c.py::1"]
+def test_tests_needing_the_ops_go_last_in_their_order():
+    def item(name, fixtures=(), **params):
+        return SimpleNamespace(name=name, fixturenames=["tmp_path", *fixtures],
+                               **({"callspec": SimpleNamespace(params=params)} if params else {}))
+
+    items = [item("multinode[ddp]", strategy="ddp"), item("multinode[zero3]", strategy="zero3"),
+             item("multinode_dies[frozen]", how="frozen"), item("slurm_time_limit"),
+             item("slurm_scancel", ["deepspeed_ops"]), item("wheel")]
+    ordered = [i.name for i in op_build.tests_needing_ops_last(items)]
+    assert ordered == ["multinode[ddp]", "multinode_dies[frozen]", "slurm_time_limit", "wheel", "multinode[zero3]",
+                       "slurm_scancel"]
 
 
 def test_the_failure_message_ends_with_the_builds_log(tmp_path):

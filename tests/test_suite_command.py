@@ -1,6 +1,6 @@
-"""scripts/test.sh, the README's test command (issue 55): all but the cluster tests on three workers by file, then the
-cluster tests in a pytest invocation of their own; an invocation that collects nothing (exit 5) is no failure;
-DeepSpeed's ops not built yet are built beside the first invocation (tests/op_build.py). Played with a stand-in
+"""scripts/test.sh, the README's test command (issue 55): the cluster tests in a pytest invocation of their own, then
+the rest on three workers by file; an invocation that collects nothing (exit 5) is no failure; DeepSpeed's ops not
+built yet are built beside the first invocation and over before the second (tests/op_build.py). Played with a stand-in
 interpreter that records each call (arguments, the build's exported process id, its niceness) and exits as told."""
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ def option(argv: list[str], name: str) -> str:
     return [argv[i + 1] for i, a in enumerate(argv) if a == name][-1]
 
 
-def test_the_rest_runs_by_file_on_three_workers_then_the_cluster_tests_on_their_own(tmp_path):
+def test_the_cluster_tests_run_first_on_their_own_then_the_rest_by_file_on_three_workers(tmp_path):
     rc, records, _ = suite(tmp_path, "0 0", "-x", "-n", "2")
-    rest, cluster = pytest_calls(records)
+    cluster, rest = pytest_calls(records)
     assert rc == 0
-    assert option(rest, "-m") == "not cluster" and option(rest, "--dist") == "loadfile"
-    assert option(rest, "-n") == "2"  # the caller's -n applies to the first invocation only
     assert cluster[:2] == ["-m", "pytest"] and option(cluster, "-m") == "cluster" and option(cluster, "-n") == "0"
+    assert option(rest, "-m") == "not cluster" and option(rest, "--dist") == "loadfile"
+    assert option(rest, "-n") == "2"  # the caller's -n applies to the second invocation only
     assert "-x" in cluster and "-x" in rest
 
 
@@ -85,14 +85,14 @@ def test_a_marker_expression_is_refused_before_any_run(tmp_path, arg):
     assert (rc, records) == (2, []) and "marker expression" in err
 
 
-def test_ops_not_built_are_built_at_nice_19_beside_the_first_invocation_and_over_before_the_cluster_tests(tmp_path):
+def test_ops_not_built_are_built_at_nice_19_beside_the_cluster_tests_and_over_before_the_rest(tmp_path):
     rc, records, _ = suite(tmp_path, "0 0", missing=1, build_s=2)
     check, build = records[0], next(r for r in records if r["argv"][1:] == [])
-    rest, cluster = [r for r in records if r["argv"][:2] == ["-m", "pytest"]]
+    cluster, rest = [r for r in records if r["argv"][:2] == ["-m", "pytest"]]
     assert rc == 0 and check["argv"] == ["scripts/build_deepspeed_ops.py", "--missing"]
     assert build["argv"] == ["scripts/build_deepspeed_ops.py"] and build["nice"] == 19
-    assert rest["build_pid"] == cluster["build_pid"] == str(build["pid"])  # what conftest.py waits for
-    assert rest["build_running"] and not cluster["build_running"]
+    assert cluster["build_pid"] == rest["build_pid"] == str(build["pid"])  # what conftest.py waits for
+    assert cluster["build_running"] and not rest["build_running"]
 
 
 def test_ops_already_built_start_no_build(tmp_path):
