@@ -35,6 +35,11 @@ def op_is_built(builder, root: str | None = None) -> bool:
     return os.path.isfile(os.path.join(root, builder.name, f"{builder.name}.so"))
 
 
+def missing_ops(root: str | None = None) -> list[str]:
+    """The names of the ops not built yet in `root` (the cache by default)."""
+    return [b.name for b in deepspeed_op_builders() if not op_is_built(b, root)]
+
+
 def stop_cleanly_on_sigterm() -> None:
     """scripts/test.sh ends a background build with SIGTERM: raised as SystemExit, torch's JIT build releases its
     `<op>/lock` (a `finally`) and subprocess.run kills ninja, so the next build does not wait on a lock left behind."""
@@ -47,7 +52,7 @@ def main(argv: list[str]) -> int:
         print(f"usage: {sys.argv[0]} [--missing]", file=sys.stderr)
         return 2
     if argv == ["--missing"]:  # scripts/test.sh: the ops not built yet, one per line; exit 1 where there are some
-        missing = [b.name for b in deepspeed_op_builders() if not op_is_built(b, root)]
+        missing = missing_ops(root)
         print("\n".join(missing))
         return 1 if missing else 0
     for lock, age in stale_build_locks(root):

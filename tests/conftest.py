@@ -15,7 +15,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from hftrain.launch.machine import extensions_dir  # noqa: E402
-from scripts.build_deepspeed_ops import deepspeed_op_builders, op_is_built  # noqa: E402
+from scripts.build_deepspeed_ops import missing_ops  # noqa: E402
 from tests import forked, launch_log, op_build  # noqa: E402
 from tests.support import free_port  # noqa: E402
 from tests.launch_log import pytest_configure  # noqa: E402, F401  (hook: the launch log, when asked for)
@@ -285,7 +285,7 @@ def deepspeed_ops():
     inside a test would run within that test's time-out, with two ranks racing for the build lock. Where
     scripts/test.sh builds them in the background (tests/op_build.py), this waits for that build to end."""
     waited = op_build.wait_for_background_build()
-    missing = [b.name for b in deepspeed_op_builders() if not op_is_built(b, EXTENSIONS)]
+    missing = missing_ops(EXTENSIONS)
     if missing:
         pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS} (waited {waited:.0f} s for the "
                     "background build): run `.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)"

@@ -4,9 +4,9 @@ HFTRAIN_SETUP_DEFER_OPS=1, as .ci/run and the README's test command do).
 The build takes minutes of compiling on 2 cores (7 min 30 s on the slower machine kind, most of it async_io) while
 the suite, waiting on time-outs and signals much of its time, leaves about one core idle: scripts/test.sh starts
 the build at nice 19 (it takes only the CPU the tests leave: the cluster tier, run first, is idle about a third of its
-time, waiting on SLURM's time-limit pass and on rank time-outs), exports its process id as OP_BUILD_PID, and the
-tests that need the ops wait for it (`deepspeed_ops` in conftest.py) rather than failing; in the cluster tier they
-run last, so the others use the time. No library does this for a test suite."""
+time, waiting on SLURM's time-limit pass and on rank time-outs), exports its process id as HFTRAIN_OPS_BUILD_PID,
+and the tests that need the ops wait for it (`deepspeed_ops` in conftest.py) rather than failing; in the cluster tier
+they run last, so the others use the time. No library does this for a test suite."""
 
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ def background_build_running(environ=os.environ) -> bool:
         return False
     try:
         os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:  # alive, someone else's (a reused id): not ours to wait for
+    except (ProcessLookupError, PermissionError, ValueError):  # gone, or a reused id of someone else's
         return False
     return _not_a_zombie(int(pid))
 
