@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from hftrain.launch.machine import extensions_dir  # noqa: E402
 from scripts.build_deepspeed_ops import missing_ops  # noqa: E402
 from tests import forked, launch_log, op_build  # noqa: E402
-from tests.support import free_port  # noqa: E402
+from tests.support import LaunchTimedOut, build_locks, free_port, session_processes  # noqa: E402
 from tests.launch_log import pytest_configure  # noqa: E402, F401  (hook: the launch log, when asked for)
 
 
@@ -175,9 +175,11 @@ def run(cmd: list[str], timeout: int = 300, env: dict | None = None, real: bool 
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            extensions = full_env.get("TORCH_EXTENSIONS_DIR", EXTENSIONS)
+            processes, locks = session_processes(proc.pid), build_locks(extensions)
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+            raise LaunchTimedOut(cmd, timeout, out, err, processes, locks) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

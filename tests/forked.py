@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 
-from tests.support import cpu_seconds
+from tests.support import LaunchTimedOut, build_locks, cpu_seconds, session_processes
 
 PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo.grpo", "hftrain.methods.preference.dpo", "hftrain.cli", "trl",
            "deepspeed", "accelerate.commands.launch", "torch.distributed.run",
@@ -95,11 +95,12 @@ def launch(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> sub
         proc.join(timeout)
         timed_out = proc.is_alive()
         if timed_out:
+            processes, locks = session_processes(proc.pid), build_locks(env.get("TORCH_EXTENSIONS_DIR", ""))
             _kill_session(proc.pid)
             proc.join()
         stdout, stderr, cpu = (_read(path) for path in (out, err, os.path.join(folder, CPU_FILE)))
     if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+        raise LaunchTimedOut(cmd, timeout, stdout, stderr, processes, locks)
     result = subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
     result.cpu_seconds = float(cpu) if cpu else None  # for the launch log: this launch is no child of pytest's
     return result

@@ -68,3 +68,23 @@ def test_what_is_read_at_import_gets_a_real_process():
     assert forked.forkable([PY, "x.py"], env) and forked.forkable([PY, "x.py"], dict(env, TORCH_EXTENSIONS_DIR="/x"))
     assert not forked.forkable([PY, "x.py"], dict(env, HF_HOME="/elsewhere"))
     assert not forked.forkable(["hftrain", "sft", "x.yaml"], env)
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_launch_past_its_time_out_says_what_it_was_doing(tmp_path, forked):
+    """The time-out names the launch's processes as they were (a sleeping child here), the output so far and the
+    build locks, and leaves none of its processes behind (a CI time-out once said only the command)."""
+    from tests.support import LaunchTimedOut
+
+    script = tmp_path / "stuck.py"
+    script.write_text("import subprocess, sys\nprint('before the wait', flush=True)\n"
+                      "subprocess.run(['sleep', '1234'])\n")
+    (tmp_path / "ext" / "async_io").mkdir(parents=True)
+    (tmp_path / "ext" / "async_io" / "lock").write_text("")
+    with pytest.raises(LaunchTimedOut) as caught:
+        run([PY, str(script)], timeout=8, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, real=not forked)
+    told = str(caught.value)
+    assert "sleep 1234" in told and "before the wait" in told, told
+    assert f"{tmp_path / 'ext' / 'async_io' / 'lock'} (" in told, told
+    left = subprocess.run(["pgrep", "-f", "sleep 1234"], capture_output=True, text=True).stdout
+    assert not left.strip(), left
