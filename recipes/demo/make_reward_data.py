@@ -5,7 +5,9 @@
 Each row is {prompt: the task's user turn, chosen: the right reversal, rejected: a wrong one}. The wrong answers take
 five kinds in turn, so that a model can tell them apart only by checking the answer against the prompt: the letters
 as given (not reversed), two neighbours swapped, one letter dropped, one letter replaced by another, one letter
-doubled. Held-out prompts appear in no other file of data/demo/; training prompts avoid the SFT/GRPO held-out prompts
+doubled; the training pairs add a sixth kind, one letter replaced by a copy of its neighbour ("j b c c" for
+"j b c e"): the mistake GRPO drove the policy into when the reward model had not seen it (docs/reward.md, Demo).
+The held-out pairs keep the five kinds, so their accuracy stays comparable with the earlier figures. Held-out prompts appear in no other file of data/demo/; training prompts avoid the SFT/GRPO held-out prompts
 (data/demo/eval.jsonl), so a reward model trained here has seen none of the answers GRPO is judged on.
 """
 
@@ -15,12 +17,16 @@ import random
 
 LETTERS = "abcdefghij"
 KINDS = ("echo", "swap", "drop", "replace", "double")
+TRAIN_KINDS = (*KINDS, "copy")
 
 
 def wrong_answer(seq: list[str], kind: str, rng: random.Random) -> list[str] | None:
     """The reversal of `seq` made wrong in the way `kind` says, or None where that kind leaves it right (a palindrome
     echoed, two equal neighbours swapped)."""
     rev = list(reversed(seq))
+    if kind == "copy":
+        i = rng.randrange(len(rev) - 1)
+        return None if rev[i] == rev[i + 1] else rev[:i] + [rev[i + 1], rev[i + 1]] + rev[i + 2:]
     if kind == "echo":
         return None if seq == rev else list(seq)
     i = rng.randrange(len(rev) - 1) if kind == "swap" else rng.randrange(len(rev))
@@ -33,10 +39,10 @@ def wrong_answer(seq: list[str], kind: str, rng: random.Random) -> list[str] | N
     return rev[:i + 1] + rev[i:]  # double
 
 
-def pair(seq: list[str], kind: str, rng: random.Random) -> dict:
-    """One pair; a kind that leaves the answer right gives way to the next kind that does not."""
-    start = KINDS.index(kind)
-    for k in KINDS[start:] + KINDS[:start]:
+def pair(seq: list[str], kind: str, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> dict:
+    """One pair; a kind that leaves the answer right gives way to the next kind of `kinds` that does not."""
+    start = kinds.index(kind)
+    for k in kinds[start:] + kinds[:start]:
         wrong = wrong_answer(seq, k, rng)
         if wrong is not None:
             break
@@ -67,7 +73,8 @@ def main(out_dir: str = "data/demo", n_train: int = 4000, n_eval: int = 200, see
             if split == "reward_eval":
                 taken.add(prompt)
                 held_out.add(prompt)  # training pairs avoid the held-out reward prompts too
-            rows.append(pair(seq, KINDS[len(rows) % len(KINDS)], rng))
+            kinds = KINDS if split == "reward_eval" else TRAIN_KINDS
+            rows.append(pair(seq, kinds[len(rows) % len(kinds)], rng, kinds))
     for split, rows in splits.items():
         with open(os.path.join(out_dir, f"{split}.jsonl"), "w", encoding="utf-8") as fh:
             for row in rows:
