@@ -7,7 +7,8 @@ five kinds in turn, so that a model can tell them apart only by checking the ans
 as given (not reversed), two neighbours swapped, one letter dropped, one letter replaced by another, one letter
 doubled; the training pairs add a sixth kind, one letter replaced by a copy of its neighbour ("j b c c" for
 "j b c e"): the mistake GRPO drove the policy into when the reward model had not seen it (docs/reward.md, Demo).
-The held-out pairs keep the five kinds, so their accuracy stays comparable with the earlier figures. Held-out prompts appear in no other file of data/demo/; training prompts avoid the SFT/GRPO held-out prompts
+The held-out pairs keep the five kinds, so their accuracy stays comparable with the earlier figures. Held-out
+prompts appear in no other file of data/demo/; training prompts avoid the SFT/GRPO held-out prompts
 (data/demo/eval.jsonl), so a reward model trained here has seen none of the answers GRPO is judged on.
 """
 
