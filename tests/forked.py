@@ -41,7 +41,8 @@ import threading
 import time
 import traceback
 
-from tests.support import LaunchTimedOut, build_locks, cpu_seconds, session_processes
+from hftrain.launch.machine import build_locks, extensions_dir
+from tests.support import LaunchTimedOut, cpu_seconds, session_processes
 
 PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo.grpo", "hftrain.methods.preference.dpo", "hftrain.cli", "trl",
            "deepspeed", "accelerate.commands.launch", "torch.distributed.run",
@@ -95,7 +96,8 @@ def launch(cmd: list[str], env: dict[str, str], cwd: str, timeout: float) -> sub
         proc.join(timeout)
         timed_out = proc.is_alive()
         if timed_out:
-            processes, locks = session_processes(proc.pid), build_locks(env.get("TORCH_EXTENSIONS_DIR", ""))
+            extensions = env.get("TORCH_EXTENSIONS_DIR") or extensions_dir()
+            processes, locks = session_processes(proc.pid), build_locks(extensions)
             _kill_session(proc.pid)
             proc.join()
         stdout, stderr, cpu = (_read(path) for path in (out, err, os.path.join(folder, CPU_FILE)))

@@ -6,11 +6,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import glob
 import resource
 import socket
 import subprocess
-import time
 
 # Under pytest-xdist each worker takes its ports from a range of its own, below Linux's ephemeral range (32768 and
 # up, where the kernel picks the ports of outgoing connections and of gloo's pairs): a port found free by one worker
@@ -65,14 +63,18 @@ class LaunchTimedOut(subprocess.TimeoutExpired):
     little CPU a hang), the DeepSpeed build locks present, and the ends of its output. pytest prints str(exception),
     and subprocess.TimeoutExpired's own names only the command: a CI failure of that kind could not be explained."""
 
-    def __init__(self, cmd, timeout, output, stderr, processes: str, locks: list[str]):
+    def __init__(self, cmd, timeout, output, stderr, processes: str, locks: list[tuple[str, float]]):
         super().__init__(cmd, timeout, output=output, stderr=stderr)
         self.processes, self.locks = processes, locks
 
     def __str__(self) -> str:
         return (f"{super().__str__()}\nits processes when killed:\n{self.processes}"
-                f"\nDeepSpeed build locks: {self.locks or 'none'}"
+                f"\nDeepSpeed build locks: {locks_told(self.locks)}"
                 f"\nstdout ends:\n{(self.output or '')[-3000:]}\nstderr ends:\n{(self.stderr or '')[-4000:]}")
+
+
+def locks_told(locks: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{lock} ({age:.0f} s old)" for lock, age in locks) or "none"
 
 
 def session_processes(session: int) -> str:
@@ -80,15 +82,6 @@ def session_processes(session: int) -> str:
     ps = subprocess.run(["ps", "-eo", "sid=,pid=,stat=,time=,etime=,args="], capture_output=True, text=True)
     lines = [line.strip() for line in ps.stdout.splitlines() if line.split(None, 1)[:1] == [str(session)]]
     return "\n".join(line[:300] for line in lines) or "(none left)"
-
-
-def build_locks(extensions: str) -> list[str]:
-    """torch's JIT build locks under DeepSpeed's op cache `extensions`, with their age."""
-    if not extensions:
-        return []
-    now = time.time()
-    return [f"{lock} ({now - os.path.getmtime(lock):.0f} s old)"
-            for lock in glob.glob(os.path.join(extensions, "*", "lock")) if os.path.exists(lock)]
 
 
 def run_with_micro_batch_means(trainer_class: type, main, argv) -> None:

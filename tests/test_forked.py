@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.support import free_port
+from tests.support import LaunchTimedOut, free_port
 
 from .conftest import ACCELERATE_LAUNCH, PY, REPO, run
 
@@ -70,12 +70,11 @@ def test_what_is_read_at_import_gets_a_real_process():
     assert not forked.forkable(["hftrain", "sft", "x.yaml"], env)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("forked", [True, False])
 def test_a_launch_past_its_time_out_says_what_it_was_doing(tmp_path, forked):
     """The time-out names the launch's processes as they were (a sleeping child here), the output so far and the
     build locks, and leaves none of its processes behind (a CI time-out once said only the command)."""
-    from tests.support import LaunchTimedOut
-
     script = tmp_path / "stuck.py"
     script.write_text("import subprocess, sys\nprint('before the wait', flush=True)\n"
                       "subprocess.run(['sleep', '1234'])\n")

@@ -75,17 +75,20 @@ def extensions_dir() -> str:
 STALE_LOCK_S = 15 * 60
 
 
-def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
-    """torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out
-    (torch.utils.file_baton.FileBaton): a build killed mid-way (a time-out, a scancel) leaves it, and every later
-    run that needs the op then hangs silently before training. (path, age in seconds) of old lock files."""
+def build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
+    """(path, age in seconds) of torch's JIT build locks (`<op>/lock`) under DeepSpeed's op cache `root`."""
     now = time.time() if now is None else now
     found = []
     for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
         try:
-            age = now - os.path.getmtime(lock)
+            found.append((lock, now - os.path.getmtime(lock)))
         except OSError:  # released meanwhile
             continue
-        if age > STALE_LOCK_S:
-            found.append((lock, age))
     return found
+
+
+def stale_build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
+    """torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out
+    (torch.utils.file_baton.FileBaton): a build killed mid-way (a time-out, a scancel) leaves it, and every later
+    run that needs the op then hangs silently before training. (path, age in seconds) of old lock files."""
+    return [(lock, age) for lock, age in build_locks(root, now) if age > STALE_LOCK_S]
