@@ -1,11 +1,12 @@
-"""Build DeepSpeed's CPU ops once into hftrain's extension cache, with a progress line per op.
+"""Build DeepSpeed's CPU ops into hftrain's extension cache, or bring them up to date, with a progress line per op.
 
-    .venv/bin/python scripts/build_deepspeed_ops.py            # build what is missing
-    .venv/bin/python scripts/build_deepspeed_ops.py --missing  # list what is missing (exit 1 where something is)
+    .venv/bin/python scripts/build_deepspeed_ops.py
 
 scripts/setup.sh runs it (told HFTRAIN_SETUP_DEFER_OPS=1, scripts/test.sh does, beside the tests: tests/op_build.py),
-so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own time-out. Ops already in the
-cache are loaded, not rebuilt; a build lock left by a killed build is removed first.
+so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own time-out. Each op is loaded as a
+run loads it: torch runs ninja, which compiles again only what is older than its sources (an op whose `.so` exists
+is still rebuilt after its environment was installed again: a fresh venv at the same path, as each CI run makes), and
+an op that is up to date loads in seconds. Build locks a stopped build left are released first.
 """
 
 import os
@@ -15,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hftrain.launch.machine import extensions_dir, stale_build_locks  # noqa: E402
+from hftrain.launch.machine import extensions_dir, release_abandoned_build_locks  # noqa: E402
 
 # The CPU ops hftrain's DeepSpeed strategies JIT-build on first use.
 DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
@@ -48,21 +49,16 @@ def stop_cleanly_on_sigterm() -> None:
 
 def main(argv: list[str]) -> int:
     root = os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-    if argv not in ([], ["--missing"]):
-        print(f"usage: {sys.argv[0]} [--missing]", file=sys.stderr)
+    if argv:
+        print(f"usage: {sys.argv[0]}", file=sys.stderr)
         return 2
-    if argv == ["--missing"]:  # scripts/test.sh: the ops not built yet, one per line; exit 1 where there are some
-        missing = missing_ops(root)
-        print("\n".join(missing))
-        return 1 if missing else 0
-    for lock, age in stale_build_locks(root):
-        print(f"setup: removing {lock}, left {age / 60:.0f} min ago by a build that was killed", flush=True)
-        os.remove(lock)
+    for lock, age in release_abandoned_build_locks(root):
+        print(f"setup: removed {lock}, taken {age / 60:.0f} min ago by a build that was stopped", flush=True)
     stop_cleanly_on_sigterm()
     builders = deepspeed_op_builders()
     for i, builder in enumerate(builders, 1):
         cached = op_is_built(builder, root)
-        verb = "loading cached" if cached else "building (a few minutes on 2 cores)"
+        verb = "loading (rebuilt if its sources changed)" if cached else "building (a few minutes on 2 cores)"
         print(f"setup: DeepSpeed op {builder.name} ({i}/{len(builders)}): {verb} ...", end=" ", flush=True)
         t0 = time.time()
         builder.load(verbose=False)

@@ -40,6 +40,13 @@ REMOVALS = {
         1, "a refused claim: the output_dir this claim created, only when empty",
         ["tests/test_claim.py::test_home_written_as_tilde_is_refused",
          "tests/test_removals.py::test_a_refused_claim_removes_only_the_empty_folder_it_made"]),
+    ("hftrain/launch/machine.py", "release_abandoned_build_locks", "os.remove"): (
+        1, "a ZeRO run's set-up: torch's build lock `<op>/lock` in DeepSpeed's op cache (hftrain's own folder under "
+           "~/.cache/hftrain unless TORCH_EXTENSIONS_DIR names another), only where no build holds it: older than "
+           "STALE_LOCK_S, nothing written in the op's folder for as long, no process working there; judged again "
+           "under hftrain's own file lock",
+        ["tests/test_op_cache.py::test_a_lock_a_stopped_build_left_is_released_and_the_run_says_so",
+         "tests/test_op_cache.py::test_a_lock_whose_folder_a_process_works_in_is_kept"]),
     ("hftrain/fileio.py", "atomic_write", "os.replace"): (
         1, "the file being written, replaced by its complete new version",
         ["tests/test_removals.py::test_atomic_write_removes_only_its_own_temporary_file"]),

@@ -305,23 +305,6 @@ def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
     assert "training.optim: 'sgd' cannot be used with 'zero3_offload'" in capsys.readouterr().err
 
 
-def test_a_stale_deepspeed_build_lock_is_refused_before_anything_waits_on_it(tmp_path, monkeypatch):
-    """torch's JIT build lock has no time-out: one left by a killed build hangs every later ZeRO run silently."""
-    from hftrain.launch.machine import STALE_LOCK_S
-    from hftrain.launch.strategy_checks import machine_strategy_problems
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    (tmp_path / "cpu_adam").mkdir()
-    lock = tmp_path / "cpu_adam" / "lock"
-    lock.touch()
-    assert machine_strategy_problems(StrategySection(name="zero2")) == []  # a build in progress
-    old = lock.stat().st_mtime - STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    (p,) = machine_strategy_problems(StrategySection(name="zero3_offload"))
-    assert f"DeepSpeed op build lock {lock} is 16 min old" in p and f"(rm {lock})" in p
-    assert machine_strategy_problems(StrategySection(name="ddp")) == []  # no DeepSpeed op involved
-
-
 def test_launch_on_machine_k_renders_its_own_config_outside_output_dir(tmp_path, capsys):
     """Two machines sharing output_dir: each `hftrain launch` renders a config of its own machine_rank, in a private
     temporary folder; nothing is written into output_dir before the run's own checks."""

@@ -36,7 +36,7 @@ from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
-from .machine import extensions_dir
+from .machine import extensions_dir, release_abandoned_build_locks
 from .output_checks import protected_folders
 from .preflight import check_recipe
 from .strategies import deepspeed_config, render
@@ -142,7 +142,7 @@ def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe
     parallelism config)."""
     extra = {}
     if strategy.name in ZERO_STAGE:
-        os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()  # DeepSpeed JIT-builds its ops into this cache
+        prepare_op_cache()
         share_fp32_master_with_fp32_weights()
         extra["deepspeed"] = deepspeed_config(strategy, recipe.compression.reduce_dtype())
     _check_launcher_sequence_parallel(strategy)
@@ -157,6 +157,15 @@ def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe
     if strategy.name == "fsdp":
         _prepare_fsdp(strategy)
     return recipe, extra
+
+
+def prepare_op_cache() -> None:
+    """DeepSpeed JIT-builds its ops into hftrain's cache (machine.extensions_dir), free of the locks a stopped build
+    left there: torch would wait on those forever, before training, without a word."""
+    root = os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    for lock, age in release_abandoned_build_locks(root):
+        print(f"hftrain: removed DeepSpeed's op build lock {lock}: taken {age / 60:.0f} min ago by a build that was "
+              "stopped (nothing written in its folder since); the op is built again where it needs to be", flush=True)
 
 
 def _prepare_fsdp(strategy: StrategySection) -> None:

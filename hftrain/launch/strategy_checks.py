@@ -1,6 +1,6 @@
-"""What this machine and the model say of the strategy (the recipe's own rules for it are
-config.strategy_rules): the engine the environment forces, interrupted DeepSpeed op builds, NVMe and async I/O for
-ZeRO-Infinity, the model's heads against sequence parallelism, and ZeRO-Infinity's buffers sized to the model."""
+"""What this machine and the model say of the strategy (the recipe's own rules for it are config.strategy_rules): the
+engine the environment forces, NVMe and async I/O for ZeRO-Infinity, the model's heads against sequence parallelism,
+and ZeRO-Infinity's buffers sized to the model."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ from dataclasses import replace
 
 from ..config import Recipe, StrategySection, resolved_strategy
 from ..config.fields import is_of_type
-from ..constants import ZERO_STAGE
 from ..distributed import accelerator_available
 from ..guards import environment_engine_problem
 from ..methods import policy_head
 from ..sequence_parallel import heads_problem
-from .machine import async_io_problem, extensions_dir, nvme_problems, stale_build_locks
+from .machine import async_io_problem, nvme_problems
 from .plan import model_facts, swap_buffer_elems
 
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
@@ -33,15 +32,11 @@ def facts_or_none(recipe: Recipe):
 
 def machine_strategy_problems(strategy: StrategySection, num_parameters: int | None = None) -> list[str]:
     """What this machine says of the strategy (the recipe's rules are config.rules.strategy_problems): the engine the
-    environment forces, interrupted DeepSpeed op builds, NVMe and async I/O for ZeRO-Infinity."""
+    environment forces, NVMe and async I/O for ZeRO-Infinity."""
     problems = []
     engine = environment_engine_problem(strategy.name, accelerator_available())
     if engine:
         problems.append(engine)
-    if strategy.name in ZERO_STAGE:
-        problems += [f"DeepSpeed op build lock {lock} is {age / 60:.0f} min old: a build was interrupted and every "
-                     f"run needing that op would wait for it forever; remove it (rm {lock})"
-                     for lock, age in stale_build_locks(extensions_dir())]
     if strategy.name == "zero_infinity":
         s = resolved_strategy(strategy)
         need = num_parameters * NVME_BYTES_PER_PARAM if num_parameters else None
