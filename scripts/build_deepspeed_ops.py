@@ -41,6 +41,24 @@ def missing_ops(root: str | None = None) -> list[str]:
     return [b.name for b in deepspeed_op_builders() if not op_is_built(b, root)]
 
 
+# Debian's ccache package: c++, g++, cc and gcc here are ccache, which runs the compiler on a miss.
+CCACHE_MASQUERADE = "/usr/lib/ccache"
+
+
+def compile_through_ccache(environ=os.environ, masquerade: str = CCACHE_MASQUERADE) -> bool:
+    """Where ccache is installed (scripts/setup.sh installs it), this process's `c++` is ccache's: an op ninja rebuilds
+    only because pip dated its sources anew (each fresh venv, as each CI run makes one at the same path) compiles
+    from ccache's cache (~/.cache/ccache) in seconds instead of minutes. The commands stay `c++ ...`, as torch writes
+    them into each op's build.ninja (CXX would change them, and a run without it would rebuild the op); a run that
+    later rebuilds an op without ccache compiles the same commands. Whether it did."""
+    if not os.access(os.path.join(masquerade, "c++"), os.X_OK):
+        return False
+    path = environ.get("PATH", "")
+    if masquerade not in path.split(os.pathsep):
+        environ["PATH"] = masquerade + (os.pathsep + path if path else "")
+    return True
+
+
 def stop_cleanly_on_sigterm() -> None:
     """scripts/test.sh ends a background build with SIGTERM: raised as SystemExit, torch's JIT build releases its
     `<op>/lock` (a `finally`) and subprocess.run kills ninja, so the next build does not wait on a lock left behind."""
@@ -55,6 +73,8 @@ def main(argv: list[str]) -> int:
     for lock, age in release_abandoned_build_locks(root):
         print(f"setup: removed {lock}, taken {age / 60:.0f} min ago by a build that was stopped", flush=True)
     stop_cleanly_on_sigterm()
+    if compile_through_ccache():
+        print(f"setup: compiling through ccache ({CCACHE_MASQUERADE})", flush=True)
     builders = deepspeed_op_builders()
     for i, builder in enumerate(builders, 1):
         cached = op_is_built(builder, root)

@@ -16,6 +16,12 @@ system_packages() {
       echo "setup: libaio-dev missing (apt-get install libaio-dev); ZeRO-Infinity tests will be skipped"
     fi
   fi
+  # ccache: DeepSpeed's ops, rebuilt by ninja whenever a fresh venv dates their sources anew, compile from its cache
+  # (scripts/build_deepspeed_ops.py); optional.
+  if ! command -v ccache >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache >/dev/null) \
+      || echo "setup: could not install ccache; DeepSpeed's ops compile without it"
+  fi
   # The SLURM tests stand up a 2-node cluster of the distribution's slurmctld/slurmd/munge: installed when missing.
   bash scripts/install_slurm.sh || echo "setup: SLURM packages not installed; the SLURM tests will be skipped"
 }

@@ -83,3 +83,17 @@ def test_a_zero_runs_set_up_releases_the_locks_before_its_ops_load(op_cache, mon
     recipe = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d", f"strategy.name={name}"])
     setup._prepare_strategy(recipe, StrategySection(name=name))
     assert os.path.exists(lock) != released
+
+
+def test_the_op_build_compiles_through_ccache_where_it_is_installed_and_keeps_the_command(tmp_path):
+    """ccache's masquerade folder goes first on the build's PATH (once), so `c++`, the compiler torch writes into each
+    op's build.ninja, is ccache's and the command ninja compares is unchanged; without ccache nothing changes."""
+    from scripts.build_deepspeed_ops import compile_through_ccache
+
+    masquerade = tmp_path / "ccache"
+    environ = {"PATH": "/usr/local/bin:/usr/bin"}
+    assert not compile_through_ccache(environ, str(masquerade)) and environ == {"PATH": "/usr/local/bin:/usr/bin"}
+    masquerade.mkdir()
+    (masquerade / "c++").symlink_to(sys.executable)
+    assert compile_through_ccache(environ, str(masquerade)) and compile_through_ccache(environ, str(masquerade))
+    assert environ["PATH"] == f"{masquerade}:/usr/local/bin:/usr/bin"
