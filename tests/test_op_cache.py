@@ -1,9 +1,9 @@
 """DeepSpeed's op cache and the build locks a stopped build leaves in it (hftrain/launch/machine.py).
 
 torch's JIT build takes `<op>/lock` and every other process waits for the file to go, with no time-out: a build
-killed mid-way (a test's time-out did it to the stop-62 CI, whose lock then failed every ZeRO run of the next CI) would
-hang every later run before training. A ZeRO run releases the locks no build holds before its ops load; the locks of a
-build that may still be going are kept."""
+killed mid-way (a test's time-out did it in one CI, and its lock failed every ZeRO run of the next) would hang every
+later run before training. A ZeRO run releases the locks no build holds before its ops load; the locks of a build
+that may still be going are kept."""
 
 from __future__ import annotations
 
