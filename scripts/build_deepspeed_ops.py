@@ -6,7 +6,7 @@ scripts/setup.sh runs it (told HFTRAIN_SETUP_DEFER_OPS=1, scripts/test.sh does, 
 so that no run and no test pays for a JIT build (minutes on 2 cores) inside its own time-out. Each op is loaded as a
 run loads it: torch runs ninja, which compiles again only what is older than its sources (an op whose `.so` exists
 is still rebuilt after its environment was installed again: a fresh venv at the same path, as each CI run makes), and
-an op that is up to date loads in seconds. Build locks a stopped build left are released first.
+an op that is up to date loads in seconds. Build locks a stopped build left are released (hftrain.launch.op_cache).
 """
 
 import os
@@ -16,7 +16,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hftrain.launch.machine import extensions_dir, release_abandoned_build_locks  # noqa: E402
+from hftrain.launch.machine import extensions_dir  # noqa: E402
+from hftrain.launch.op_cache import settle_build_locks  # noqa: E402
 
 # The CPU ops hftrain's DeepSpeed strategies JIT-build on first use.
 DEEPSPEED_CPU_OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
@@ -70,8 +71,7 @@ def main(argv: list[str]) -> int:
     if argv:
         print(f"usage: {sys.argv[0]}", file=sys.stderr)
         return 2
-    for lock, age in release_abandoned_build_locks(root):
-        print(f"setup: removed {lock}, taken {age / 60:.0f} min ago by a build that was stopped", flush=True)
+    settle_build_locks(root, say=lambda message: print(f"setup: {message}", flush=True))
     stop_cleanly_on_sigterm()
     if compile_through_ccache():
         print(f"setup: compiling through ccache ({CCACHE_MASQUERADE})", flush=True)

@@ -14,7 +14,8 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from hftrain.launch.machine import build_locks, extensions_dir  # noqa: E402
+from hftrain.launch.machine import extensions_dir  # noqa: E402
+from hftrain.launch.op_cache import build_locks  # noqa: E402
 from scripts.build_deepspeed_ops import missing_ops  # noqa: E402
 from tests import forked, launch_log, op_build  # noqa: E402
 from tests.support import LaunchTimedOut, free_port, session_processes  # noqa: E402

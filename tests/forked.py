@@ -41,7 +41,8 @@ import threading
 import time
 import traceback
 
-from hftrain.launch.machine import build_locks, extensions_dir
+from hftrain.launch.machine import extensions_dir
+from hftrain.launch.op_cache import build_locks
 from tests.support import LaunchTimedOut, cpu_seconds, session_processes
 
 PRELOAD = ["hftrain.recipes.sft", "hftrain.methods.grpo.grpo", "hftrain.methods.preference.dpo", "hftrain.cli", "trl",

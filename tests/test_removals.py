@@ -40,12 +40,13 @@ REMOVALS = {
         1, "a refused claim: the output_dir this claim created, only when empty",
         ["tests/test_claim.py::test_home_written_as_tilde_is_refused",
          "tests/test_removals.py::test_a_refused_claim_removes_only_the_empty_folder_it_made"]),
-    ("hftrain/launch/machine.py", "release_abandoned_build_locks", "os.remove"): (
-        1, "a ZeRO run's set-up: torch's build lock `<op>/lock` in DeepSpeed's op cache (hftrain's own folder under "
-           "~/.cache/hftrain unless TORCH_EXTENSIONS_DIR names another), only where no build holds it: older than "
-           "STALE_LOCK_S, nothing written in the op's folder for as long, no process working there; judged again "
-           "under hftrain's own file lock",
-        ["tests/test_op_cache.py::test_a_lock_a_stopped_build_left_is_released_and_the_run_says_so",
+    ("hftrain/launch/op_cache.py", "release_abandoned_build_locks", "os.remove"): (
+        1, "a ZeRO run: torch's build lock `<op>/lock` in DeepSpeed's op cache (hftrain's own folder under "
+           "~/.cache/hftrain unless TORCH_EXTENSIONS_DIR names another), only where no build holds it: no process "
+           "working in the op's folder, and on a local disk older than a minute, on a shared one it and the folder's "
+           "last write older than 15 min; judged again under hftrain's own file lock",
+        ["tests/test_op_cache.py::test_on_a_local_disk_a_lock_no_process_builds_under_is_released_after_a_minute",
+         "tests/test_op_cache.py::test_on_a_shared_disk_only_a_lock_and_folder_both_quiet_for_15_min_are_released",
          "tests/test_op_cache.py::test_a_lock_whose_folder_a_process_works_in_is_kept"]),
     ("hftrain/fileio.py", "atomic_write", "os.replace"): (
         1, "the file being written, replaced by its complete new version",

@@ -36,7 +36,8 @@ from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
 from .network import export_socket_environment
-from .machine import extensions_dir, release_abandoned_build_locks
+from .machine import extensions_dir
+from .op_cache import settle_build_locks
 from .output_checks import protected_folders
 from .preflight import check_recipe
 from .strategies import deepspeed_config, render
@@ -160,12 +161,11 @@ def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe
 
 
 def prepare_op_cache() -> None:
-    """DeepSpeed JIT-builds its ops into hftrain's cache (machine.extensions_dir), free of the locks a stopped build
-    left there: torch would wait on those forever, before training, without a word."""
+    """DeepSpeed JIT-builds its ops into hftrain's cache (machine.extensions_dir); the locks a stopped build left there,
+    on which torch would wait forever without a word, are released, and another run's build waited for, before
+    this run's process group starts (launch.op_cache): no build of this run can be going on yet."""
     root = os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
-    for lock, age in release_abandoned_build_locks(root):
-        print(f"hftrain: removed DeepSpeed's op build lock {lock}: taken {age / 60:.0f} min ago by a build that was "
-              "stopped (nothing written in its folder since); the op is built again where it needs to be", flush=True)
+    settle_build_locks(root, say=lambda message: print(f"hftrain: {message}", flush=True))
 
 
 def _prepare_fsdp(strategy: StrategySection) -> None:
