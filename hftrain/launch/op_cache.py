@@ -28,7 +28,6 @@ STALE_LOCK_S = 15 * 60
 # File systems other machines may write: what /proc/mounts calls them (and every FUSE one: sshfs, gcsfuse, ...).
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
                                  "glusterfs", "9p", "afs", "panfs", "wekafs", "ocfs2", "gfs2", "virtiofs"})
-WATCH_EVERY_S = 15.0
 
 
 def build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
@@ -43,12 +42,17 @@ def build_locks(root: str, now: float | None = None) -> list[tuple[str, float]]:
     return found
 
 
+def only_this_machine_builds_in(root: str) -> bool:
+    """Whether the cache is on a local file system and /proc shows this machine's processes (the local rule)."""
+    return on_local_filesystem(root) and os.path.exists("/proc/self/cwd")
+
+
 def abandoned_build_locks(root: str, now: float | None = None, local: bool | None = None
                           ) -> list[tuple[str, float]]:
     """(path, age in seconds) of the locks under `root` that no build holds (the module's rules); `local` says
-    whether only this machine can build there (by default: on_local_filesystem and /proc shows processes)."""
+    whether only this machine can build there (by default: only_this_machine_builds_in)."""
     now = time.time() if now is None else now
-    local = (on_local_filesystem(root) and os.path.exists("/proc/self/cwd")) if local is None else local
+    local = only_this_machine_builds_in(root) if local is None else local
     found = []
     for lock, age in build_locks(root, now):
         folder = os.path.dirname(lock)
@@ -128,9 +132,10 @@ def settle_build_locks(root: str, say: Callable[[str], None], poll_s: float = 1.
     alive. Removing a lock torch already waits on would not do: its waiter then imports an op that was never built.
     A cache that cannot be locked (unwritable) is left to torch's load, which names it."""
     told, t0 = set(), time.monotonic()
+    local = only_this_machine_builds_in(root)  # the mounts read once, not at every poll
     while True:
         try:
-            for lock, age in release_abandoned_build_locks(root):
+            for lock, age in release_abandoned_build_locks(root, local=local):
                 say(f"removed DeepSpeed's op build lock {lock}: taken {_duration(age)} ago by a build that was "
                     "stopped (no process builds in its folder); the op is built again where it needs to be")
         except OSError:
