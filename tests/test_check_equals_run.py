@@ -109,7 +109,8 @@ def test_check_refuses_what_the_run_would_die_of_and_the_run_says_the_same(case,
 @pytest.mark.parametrize("override, expected", [
     ("strategy.num_processes=0", "strategy.num_processes: must be at least 1, got 0"),
     ("strategy.main_process_port=70000", "strategy.main_process_port (70000): accelerate launch refuses it "
-                                         "(OverflowError: connect_ex(): port must be 0-65535.)"),
+                                         "(ValueError: The port number of the rendezvous endpoint "
+                                         "'127.0.0.1:70000' must be an integer between 0 and 65536.)"),
 ], ids=["no_processes", "port_above_65535"])
 def test_check_and_launch_refuse_what_the_launcher_would_die_of(override, expected, tmp_path, tiny_model_dir,
                                                                 capsys):

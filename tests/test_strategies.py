@@ -4,6 +4,7 @@ import filecmp
 import json
 import os
 import re
+import socket
 
 import pytest
 import torch
@@ -315,7 +316,7 @@ def test_launch_on_machine_k_renders_its_own_config_outside_output_dir(tmp_path,
     rec.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d"}]},
                                    "training": {"output_dir": str(out)},
                                    "strategy": {"name": "zero3", "num_machines": 2, "num_processes": 4,
-                                                "main_process_ip": "10.0.0.1"}}))
+                                                "main_process_ip": "10.0.0.1", "main_process_port": free_port()}}))
     configs = []
     for k in (0, 1):
         assert main(["launch", str(rec), "--dry-run", "--machine-rank", str(k)]) == 0
@@ -345,4 +346,60 @@ def test_launch_on_several_machines_needs_the_main_address(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "strategy.main_process_ip is unset" in err, err
     assert main(["launch", str(rec), "--dry-run", f"model.name_or_path={base}", "--machine-rank", "0",
-                 "strategy.main_process_ip=10.0.0.1"]) == 0  # negative control
+                 "strategy.main_process_ip=10.0.0.1", f"strategy.main_process_port={free_port()}"]) == 0  # control
+
+
+def _held_port_recipe(tmp_path, strategy: dict) -> tuple[str, str]:
+    rec, base = tmp_path / "r.yaml", tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text("{}")
+    rec.write_text(yaml.safe_dump({"model": {"name_or_path": str(base)}, "data": {"sources": [{"path": "d"}]},
+                                   "strategy": strategy}))
+    return str(rec)
+
+
+@pytest.mark.parametrize("name", ("ddp", "zero3"))
+def test_a_port_held_on_machine_0_is_blamed_on_the_port_and_never_checked_elsewhere(tmp_path, capsys, name):
+    """The port the test itself holds (a listening socket): machine 0's dry run and `check` name
+    strategy.main_process_port, the port and this process as its holder, not strategy.num_machines; machine 1 binds
+    nothing (it connects to machine 0) and never looks at a local port."""
+    from hftrain.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        rec = _held_port_recipe(tmp_path, {"name": name, "num_machines": 2, "num_processes": 2,
+                                           "main_process_ip": "10.0.0.1", "main_process_port": port})
+        for command in (["launch", rec, "--dry-run", "--machine-rank", "0"], ["check", rec, "--no-data",
+                                                                               "strategy.machine_rank=0"]):
+            with pytest.raises(SystemExit) as e:
+                main(command)
+            err = capsys.readouterr().err
+            assert e.value.code == 2, err
+            assert f"strategy.main_process_port ({port}): the port is in use on this machine" in err, err
+            assert f"held by pid {os.getpid()}" in err and "num_machines" not in err, err
+        assert main(["launch", rec, "--dry-run", "--machine-rank", "1"]) == 0
+        config = yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1])
+        assert (config["machine_rank"], config["main_process_port"]) == (1, port)
+    # the control: the same dry run on machine 0 once the port is free again
+    assert main(["launch", rec, "--dry-run", "--machine-rank", "0"]) == 0
+
+
+def test_one_machine_judges_a_held_port_only_where_the_recipe_chose_it(tmp_path, capsys):
+    """One machine: a port the recipe chose is the launch's and, held, refused naming it; with none chosen accelerate
+    moves to a free port itself when its default is taken (its standalone rendezvous), so nothing is judged."""
+    from hftrain.cli import main
+    from hftrain.launch.machines import held_port_problem
+
+    rec = _held_port_recipe(tmp_path, {"name": "zero2", "num_processes": 2})
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["launch", rec, "--dry-run", f"strategy.main_process_port={port}"])
+        assert e.value.code == 2
+        assert "remove strategy.main_process_port to let the launch pick one" in capsys.readouterr().err
+        assert held_port_problem(port, 1, 0, chosen=False) is None
+        assert held_port_problem(port, 1, 0, chosen=True)[0] == "strategy.main_process_port"  # the control

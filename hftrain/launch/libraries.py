@@ -45,6 +45,7 @@ from ..methods import policy_head
 from ..modeling import local_config, lora_config
 from ..moe.balance import bias_rate_problem
 from ..moe.capabilities import section_problems
+from .machines import held_port_problem
 from .resume import meta_model
 from .strategies import render
 
@@ -204,8 +205,11 @@ def _try_launch(recipe: Recipe, strategy: StrategySection, script: list[str]) ->
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     try:
+        # The port is judged by held_port_problem, once and named: accelerate's own look at it (a port in use on
+        # machine 0) would be blamed on whichever key's reset happens to pick another port.
         with single_process(), tempfile.TemporaryDirectory(prefix="hftrain-launch-check-") as tmp, \
-                mock.patch("torch.distributed.launcher.api.LocalElasticAgent", side_effect=_Stop):
+                mock.patch("torch.distributed.launcher.api.LocalElasticAgent", side_effect=_Stop), \
+                mock.patch("accelerate.utils.launch.is_port_in_use", return_value=False):
             config = render(strategy, tmp, recipe.training, communication_data_type=recipe.compression.reduce_dtype())
             args = launch_command_parser().parse_args(["--config_file", config[0], *script, recipe.source])
             launch_command(args)
@@ -223,18 +227,28 @@ STRATEGY_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_
 
 def launch_problems(recipe: Recipe, strategy: StrategySection, script: list[str]) -> list[tuple[str, str]]:
     """(key, problem) for what `accelerate launch` would refuse of this recipe's launch (as `hftrain launch` runs it),
-    found by running accelerate's launch command up to the point where torch elastic's agent would start."""
+    found by running accelerate's launch command up to the point where torch elastic's agent would start; and machine
+    0's rendezvous port, where another process of this machine holds it."""
+    held = _held_port(strategy)
     why = _try_launch(recipe, strategy, script)
     if why is None:
-        return []
+        return held
     retries = {f"strategy.{k}": (lambda k=k: _try_launch(recipe, dataclasses.replace(
         strategy, **{k: None if k != "num_processes" else STRATEGY_DEFAULTS["num_processes"]}), script))
                for k in STRATEGY_KEYS if getattr(strategy, k) is not None}
     keys = blame(retries)
     named = ", ".join(f"{k} ({getattr(strategy, k.split('.', 1)[1])!r})" for k in keys)
-    return [(keys[0] if keys else "strategy.name",
-             f"{named or 'strategy'}: accelerate launch refuses {'it' if len(keys) == 1 else 'this launch'} ({why}); "
-             f"change {'it' if len(keys) == 1 else 'them'} to a value it accepts")]
+    refuses = f"accelerate launch refuses {'it' if len(keys) == 1 else 'this launch'} ({why})"
+    return held + [(keys[0] if keys else "strategy.name",
+                    f"{named or 'strategy'}: {refuses}; "
+                    f"change {'it' if len(keys) == 1 else 'them'} to a value it accepts")]
+
+
+def _held_port(strategy: StrategySection) -> list[tuple[str, str]]:
+    port, machines, rank = (STRATEGY_DEFAULTS[k] if getattr(strategy, k) is None else getattr(strategy, k)
+                            for k in ("main_process_port", "num_machines", "machine_rank"))
+    problem = held_port_problem(port, machines, rank, chosen=strategy.main_process_port is not None)
+    return [problem] if problem else []
 
 
 # -- MoE ------------------------------------------------------------------------------------------------------------

@@ -118,3 +118,38 @@ def _join(host: str, port: int, rank: int, timeout: float, where: str, say) -> N
                           "not checked in (machine 0's output names it)") from None
     store.set(f"{PREFIX}/ack/{rank}", "1")
     del store
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something on this machine answers on TCP `port` (accelerate's own test: a connect to localhost)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("localhost", port)) == 0
+
+
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP `port` here, as the system says it ('pid 123: python -m ...'), or None where it does not say
+    (another user's process without root, a platform psutil cannot read). psutil comes with accelerate."""
+    import psutil
+
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f"pid {c.pid}: {' '.join(psutil.Process(c.pid).cmdline())[:120]}"
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+def held_port_problem(port: int, machines: int, rank: int, chosen: bool) -> tuple[str, str] | None:
+    """("strategy.main_process_port", why) when machine 0's rendezvous port is already in use on this machine.
+    Judged only on machine 0 (the others connect to it, they bind nothing) and only for a port the launch will use:
+    one the recipe chose, or any port of a launch over several machines. On one machine with no port chosen, accelerate
+    launch itself moves to a free port when its default (29500) is taken (torch's standalone rendezvous, for torch's
+    launcher and DeepSpeed's alike). A port out of range is accelerate's to refuse."""
+    if rank != 0 or not 0 < port < 65536 or not (chosen or machines > 1) or not port_in_use(port):  # 70000: its own
+        return None
+    holder = port_holder(port)
+    fix = ("choose a free port, the same on every machine" if machines > 1 else
+           "choose a free port, or remove strategy.main_process_port to let the launch pick one")
+    return ("strategy.main_process_port", f"strategy.main_process_port ({port}): the port is in use on this machine "
+            f"(machine 0, where the job's rendezvous listens){f', held by {holder}' if holder else ''}: {fix}")
