@@ -4,6 +4,22 @@ import os
 # before torch is first imported; `torch.distributed.run` sets the same for its ranks).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# Each pytest process (and what it launches) has caches of its own, never ones another test, worker or earlier suite
+# wrote (nor the user's): a Hugging Face home (datasets' cache, where hftrain keeps its prepared copies of sources;
+# the modules of trust_remote_code models; no token stored on this machine) and torch.compile's cache. Set before
+# the libraries are first imported: they read these at import. DeepSpeed's op cache stays shared on purpose (built
+# once beside the suite: tests/op_build.py).
+_CACHES = tempfile.mkdtemp(prefix="hftrain-tests-caches-")
+os.environ["HF_HOME"] = os.path.join(_CACHES, "hf_home")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHES, "torchinductor")
+for _inherited in ("HF_DATASETS_CACHE", "HF_MODULES_CACHE", "HF_HUB_CACHE", "HF_TOKEN"):
+    os.environ.pop(_inherited, None)
+atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
+
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -270,7 +286,7 @@ def processes_mentioning(marker: str) -> dict[int, str]:
     return found
 
 
-def assert_no_process_left(marker: str, within: float = 10.0) -> None:
+def assert_no_process_left(marker: str, within: float = 60.0) -> None:
     """Within `within` seconds no process mentioning `marker` (a run's recipe path) is alive. On failure the
     survivors are SIGKILLed (so that they do not go on writing through the rest of the suite) and named."""
     deadline = time.time() + within

@@ -241,14 +241,15 @@ def test_a_reward_that_never_returns_stops_within_its_time_limit_naming_it(token
     import time
 
     def stuck(prompts, completions, **kw):
-        while time.monotonic() - start < 20:  # a tool that never answers (ends after 20 s: without the limit the
+        while time.monotonic() - start < 60:  # a tool that never answers (ends after 60 s: without the limit the
             time.sleep(0.05)                  # test fails instead of hanging)
         return [1.0] * len(completions)
 
     start = time.monotonic()
     with pytest.raises(RewardError) as e:
         Reward(stuck, "stuck", "grpo.rewards.1", timeout=0.5)(prompts=["p"], completions=["a"])
-    assert time.monotonic() - start < 5
+    # interrupted: far below the 60 s the call takes by itself, whatever the machine's load
+    assert time.monotonic() - start < 30
     assert str(e.value) == ("grpo.rewards.1 (stuck) did not return within grpo.reward_timeout=0.5 s (for 1 "
                             "completions); make it faster, or raise grpo.reward_timeout (0: no limit)")
     # a regular expression stuck backtracking is interrupted too (sre checks for signals)

@@ -79,7 +79,8 @@ def test_a_refused_action_answers_the_model_and_a_crash_ends_the_rollout_with_re
     assert env.step(by=5) == "error: step raised ValueError: by must be 1 or 2" and not env.crashed
     start = time.time()
     assert env.step(by=2) == "error: step did not return within grpo.tool_timeout=0.5 s: the environment crashed"
-    assert time.time() - start < 5 and env.crashed
+    # interrupted: far below the 60 s the call takes by itself, whatever the machine's load
+    assert time.time() - start < 30 and env.crashed
     assert env.step(by=1).startswith("error: the environment crashed (step did not return within grpo.tool_timeout=")
     assert env.get_reward() == 0.0
     assert counts.take() == {"calls": 4, "errors": 3, "timeouts": 1, "crashes": 1, "cut": 0}

@@ -70,7 +70,8 @@ def test_a_tool_and_an_environment_method_that_time_out_or_raise_are_counted_ali
     assert tools["stuck_in_python"](x=1) == "error: stuck_in_python did not return within grpo.tool_timeout=0.5 s"
     assert game.stuck_in_python(x=1) == ("error: stuck_in_python did not return within grpo.tool_timeout=0.5 s: the "
                                          "environment crashed")
-    assert time.monotonic() - start < 5
+    # interrupted: far below the 60 s each call takes by itself, whatever the machine's load
+    assert time.monotonic() - start < 30
     game.reset()  # the crashed instance is replaced
     assert tools["refusing"](x=1).startswith("error: refusing raised ValueError: no")
     assert game.refusing(x=1).startswith("error: refusing raised ValueError: no") and not game.crashed
@@ -118,4 +119,5 @@ def test_a_reward_stuck_in_c_code_ends_its_rank_within_the_limit_and_the_grace_n
             f"and did not give control back to Python {GRACE_S:g} s later (a call stuck in C code, which no signal "
             "interrupts): this rank is ended (SIGKILL). Make it faster, or raise grpo.reward_timeout (0: no limit)"
             ) in run.stderr
-    assert ended - started < 0.5 + GRACE_S + 5, ended - started
+    # the limit and the grace, not the hours of the count; 30 s for a loaded machine's start-up and scheduling
+    assert ended - started < 0.5 + GRACE_S + 30, ended - started

@@ -60,7 +60,8 @@ def test_a_tool_that_fails_in_any_way_answers_with_an_error_and_is_counted(capsy
     assert tools["broken"](x=0) == "error: broken raised ZeroDivisionError: division by zero"
     start = time.monotonic()
     assert tools["slow"](x=60) == "error: slow did not return within grpo.tool_timeout=0.5 s"
-    assert time.monotonic() - start < 5
+    # interrupted: far below the 60 s the call takes by itself, whatever the machine's load
+    assert time.monotonic() - start < 30
     assert tools["number"](x=7) == "error: number returned int, not text"
     assert tools["leaving"](x=3) == "error: leaving called sys.exit(3)"
     assert "bye" in capsys.readouterr().err  # a tool's prints stay off stdout

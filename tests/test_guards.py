@@ -126,7 +126,8 @@ def test_a_nan_on_one_rank_ends_both_ranks_at_once(strategy, tmp_path, tiny_mode
     assert "the gradient norm is nan" in r.stderr  # the reduction spread rank 1's NaN gradients to rank 0
     ranks = {p.name: json.loads(p.read_text()) for p in exits.iterdir()}
     assert set(ranks) == {"rank0.json", "rank1.json"} and {v["code"] for v in ranks.values()} == {2}, ranks
-    assert abs(ranks["rank0.json"]["time"] - ranks["rank1.json"]["time"]) < 10, ranks  # neither waited on the other
+    # neither waited on the other (a rank left waiting would hold on until strategy.rank_timeout, 300 s)
+    assert abs(ranks["rank0.json"]["time"] - ranks["rank1.json"]["time"]) < 60, ranks
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
     print(f"2-rank {strategy} NaN run ended in {elapsed:.0f} s (start-up included)")
 

