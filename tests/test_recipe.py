@@ -79,6 +79,22 @@ def test_yaml_1_1_exponent_floats_are_accepted(tmp_path):
     assert load_recipe(str(p)).training["learning_rate"] == 2e-5
 
 
+def test_non_finite_numbers_are_refused_where_a_number_is_expected(tmp_path):
+    """YAML's .nan and .inf are floats: a router bias rate of .nan trained and saved NaN biases (issue 64). Every
+    number of the recipe must be finite, named with its key, all at once; a finite one is the control."""
+    p = tmp_path / "r.yaml"
+    p.write_text("model: {name_or_path: m}\ndata: {sources: [{path: d}]}\nmoe: {bias_update_rate: .nan}\n"
+                 "training: {max_grad_norm: .inf, weight_decay: -.inf}\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(p))
+    msg = str(e.value)
+    assert "moe.bias_update_rate: expected a finite number or null, got nan" in msg
+    assert "training.max_grad_norm: expected a finite number" in msg and "got inf" in msg
+    assert "training.weight_decay: expected a finite number" in msg and "got -inf" in msg
+    assert len(e.value.problems) == 3  # once each: the range rules do not judge them again
+    assert load_recipe(None, ["moe.bias_update_rate=0.001"], raw=dict(BASE)).moe.bias_update_rate == 0.001
+
+
 def test_yaml_syntax_error_names_line_and_column(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  name_or_path: m\ndata: [unclosed\n")

@@ -233,8 +233,10 @@ def build_recipe(tree: dict, source: str = "<dict>", origins: dict[str, str] | N
         origins=dict(origins or {}),
         **{name: built.get(name) for name in sections if name not in SECTIONS},
     )
+    mistyped = set(ctx.keys)  # a value of the wrong type (or not finite) is not judged again by the rules
     for key, msg in recipe_problems(recipe):
-        ctx.add(key, msg)
+        if key not in mistyped:
+            ctx.add(key, msg)
     recipe.invalid = frozenset(ctx.keys)
     return recipe, ctx.problems
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -57,6 +58,8 @@ def type_name(tp) -> str:
         return "a mapping"
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(repr(m.value) for m in tp)
+    if tp is float:
+        return "a finite number"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -137,14 +140,14 @@ def _check_scalar(value: Any, tp) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
+    if tp is float:  # finite: no recipe number means NaN or infinity (YAML's .nan, .inf trained NaN router biases)
         if isinstance(value, bool):
             return False, value
         if isinstance(value, (int, float)):
-            return True, float(value)
+            return math.isfinite(value), float(value)
         if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
             try:
-                return True, float(value)
+                return math.isfinite(float(value)), float(value)
             except ValueError:
                 return False, value
         return False, value
