@@ -4,6 +4,7 @@ or raise are counted alike by the one set of counters; Python code past its limi
 out of the main thread; a call stuck in C code holding the GIL, which no signal interrupts, ends its process within
 the limit and the grace, with one line naming the function and the limit, instead of hanging the rank."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from hftrain.methods.grpo.sandbox import GRACE_S, CallCounts, TimeLimit, UserCod
 from hftrain.methods.grpo.tools import guarded
 
 LIMIT = TimeLimit(0.5, "grpo.tool_timeout")
+REAL_EXIT = os._exit
 
 
 def stuck_in_python(x: int) -> str:
@@ -78,6 +80,41 @@ def test_a_tool_and_an_environment_method_that_time_out_or_raise_are_counted_ali
     told = tool_counts.take()
     assert told == {"calls": 2, "errors": 2, "timeouts": 1, "crashes": 0, "cut": 0}
     assert env_counts.take() == {**told, "crashes": 1}  # the environment's crash is counted beside
+
+
+def retrying(x: int) -> str:
+    """Catch every Exception and try again, as a tool with a retry loop does.
+
+    Args:
+        x: Unused.
+    """
+    while True:
+        try:
+            time.sleep(60)
+            return "late"
+        except Exception:  # noqa: BLE001 - the user's retry loop
+            continue
+
+
+def leaving(x: int) -> str:
+    """End the process at once, saving nothing.
+
+    Args:
+        x: The status.
+    """
+    os._exit(x)
+
+
+def test_a_tool_that_catches_the_time_out_or_calls_os_exit_fails_only_that_call():
+    """A retry loop catching Exception swallowed the time-out (it was an Exception) and the watchdog then ended the
+    whole rank; os._exit(0) ended the run with status 0, no model and no word. Each is now that call's error, and
+    the process goes on (this test's own process is the proof: it would be killed or exit here)."""
+    counts = CallCounts()
+    tools = {f.__name__: guarded(f, LIMIT, counts) for f in (retrying, leaving)}
+    assert tools["retrying"](x=1) == "error: retrying did not return within grpo.tool_timeout=0.5 s"
+    assert tools["leaving"](x=0) == "error: leaving called os._exit(0)"
+    assert counts.take() == {"calls": 2, "errors": 2, "timeouts": 1, "crashes": 0, "cut": 0}
+    assert os._exit is REAL_EXIT  # put back after the call
 
 
 def test_python_code_past_its_limit_stops_there_in_any_thread():

@@ -12,6 +12,7 @@ import torch
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
 from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.environments import shown_tools
 from hftrain.methods.grpo.tools import guarded, load_tools, tool_template_problem
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]},
@@ -91,6 +92,25 @@ def test_tools_are_imported_and_a_tool_without_a_schema_is_refused_naming_it(tmp
         load_tools(GrpoSection(rewards=g.rewards, tools=["my_tools:add", "my_tools:bare"]))
     with pytest.raises(RewardError, match=r"grpo\.tools\.0: my_tools has no function 'nope'"):
         load_tools(GrpoSection(rewards=g.rewards, tools=["my_tools:nope"]))
+
+
+def test_two_tools_of_one_name_are_refused_naming_both(tmp_path, monkeypatch):
+    """The model calls a tool by its name: of two tools named alike (a tool twice, or a tool and an environment's
+    method) the model sees two schemas and one could never be called."""
+    add = 'def add(a: int, b: int) -> str:\n    """Add.\n\n    Args:\n        a: One.\n        b: Two.\n    """\n' \
+          '    return str(a + b)\n'
+    (tmp_path / "my_tools.py").write_text(add)
+    (tmp_path / "other_tools.py").write_text(add)
+    method = "\n".join("    " + line for line in add.splitlines()).replace("(a: int", "(self, a: int")
+    (tmp_path / "envs.py").write_text(f"class Adder:\n    def reset(self, **row):\n        return None\n\n{method}\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = [RewardSpec(function="exact_match")]
+    with pytest.raises(RewardError, match=r"grpo\.tools\.1: other_tools:add is named 'add', as grpo\.tools\.0 is"):
+        load_tools(GrpoSection(rewards=rewards, tools=["my_tools:add", "other_tools:add"]))
+    with pytest.raises(RewardError, match=r"grpo\.tools\.0: my_tools:add is named 'add', as a method of "
+                                          r"grpo\.environment envs:Adder is"):
+        shown_tools(GrpoSection(rewards=rewards, tools=["my_tools:add"], environment="envs:Adder"))
+    assert [t.__name__ for t in shown_tools(GrpoSection(rewards=rewards, environment="envs:Adder"))] == ["add"]
 
 
 def test_only_a_template_whose_tool_calls_trl_parses_runs_tools(tiny_model_dir):

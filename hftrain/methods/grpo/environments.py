@@ -154,7 +154,14 @@ def shown_tools(g: GrpoSection) -> list:
     environment's methods (TRL renders each prompt with both)."""
     env = load_environment(g)
     methods = [_unbound_schema_target(fn) for fn in public_methods(env).values()] if env else []
-    return load_tools(g) + methods
+    tools = load_tools(g)
+    taken = {fn.__name__ for fn in methods}
+    for i, tool in enumerate(tools):
+        if tool.__name__ in taken:
+            raise RewardError(f"grpo.tools.{i}: {g.tools[i]} is named {tool.__name__!r}, as a method of "
+                              f"grpo.environment {g.environment} is: the model would see two tools of one name and "
+                              "could call only one; rename one of them")
+    return tools + methods
 
 
 def environment_problem(cls) -> str | None:

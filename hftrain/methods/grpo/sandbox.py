@@ -86,8 +86,22 @@ class UserCodeFailure(Exception):
         self.reason, self.place, self.timed_out, self.exited = reason, place, timed_out, exited
 
 
-class CallTimeout(Exception):
-    """Raised by the SIGALRM handler inside a call that ran past its time limit."""
+class CallTimeout(BaseException):
+    """Raised by the SIGALRM handler inside a call that ran past its time limit. A BaseException, as KeyboardInterrupt
+    is: the user's `except Exception` around a retry does not swallow it (it did, and the watchdog then ended the
+    whole rank); and raised again every RETRY_S while the call goes on, for a bare `except:` that swallows it."""
+
+
+class UserCodeExit(BaseException):
+    """Raised in place of os._exit inside the user's code: it would end the rank at once with its status (0 too),
+    saving nothing and saying nothing."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+RETRY_S = 0.05  # after the limit, the interval at which the time-out is raised again in a call that swallowed it
 
 
 @contextlib.contextmanager
@@ -115,7 +129,7 @@ def _alarm(seconds: float):
         raise CallTimeout()
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, RETRY_S)
     try:
         yield
     finally:
@@ -132,18 +146,39 @@ def call_user_code(fn, what: str, args: tuple = (), kwargs: dict | None = None, 
         counts.calls += 1
     args, kwargs = copy.deepcopy((args, kwargs or {}))
     try:
-        with contextlib.redirect_stdout(sys.stderr), time_limit(limit, what):
+        with contextlib.redirect_stdout(sys.stderr), _no_hard_exit(), time_limit(limit, what):
             return fn(*args, **kwargs, **(shared or {}))
     except CallTimeout:
         failure = UserCodeFailure(f"did not return within {limit}", timed_out=True)
     except SystemExit as e:
         failure = UserCodeFailure(f"called sys.exit({e.code!r})", _place(e), exited=True)
+    except UserCodeExit as e:
+        failure = UserCodeFailure(f"called os._exit({e.code!r})", _place(e), exited=True)
     except Exception as e:  # noqa: BLE001 - the user's code, whatever it raises, is reported by its caller
         failure = UserCodeFailure(f"raised {type(e).__name__}: {e}", _place(e))
     if counts is not None:
         counts.errors += 1
         counts.timeouts += failure.timed_out
     raise failure
+
+
+@contextlib.contextmanager
+def _no_hard_exit():
+    """os._exit raises UserCodeExit while the user's code runs, in the thread that runs it (other threads exit as
+    ever; a module that bound `_exit` itself at import still ends the process: only the os module's name is
+    replaced)."""
+    caller = threading.get_ident()
+
+    def refused(code):
+        if threading.get_ident() != caller:
+            real(code)
+        raise UserCodeExit(code)
+
+    real, os._exit = os._exit, refused
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def import_function(spec: str, where: str):

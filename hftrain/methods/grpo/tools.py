@@ -69,7 +69,7 @@ def schema_problem(fn) -> str | None:
 def load_tools(g: GrpoSection, counts: CallCounts | None = None) -> list:
     """The recipe's tools, guarded (see the module docstring); a tool without a usable schema is refused naming it."""
     counts = counts if counts is not None else CallCounts()
-    out = []
+    out, keys_of_names = [], {}
     for i, spec in enumerate(g.tools or []):
         key = f"grpo.tools.{i}"
         fn = import_function(spec, key)
@@ -77,6 +77,10 @@ def load_tools(g: GrpoSection, counts: CallCounts | None = None) -> list:
         if problem:
             raise RewardError(f"{key}: {spec}: transformers cannot build its JSON schema ({problem}); give every "
                               "argument a type hint and the function a Google-style docstring with an Args: section")
+        if fn.__name__ in keys_of_names:  # the model calls a tool by its name: one of the two could never be called
+            raise RewardError(f"{key}: {spec} is named {fn.__name__!r}, as {keys_of_names[fn.__name__]} is: the model "
+                              "would see two tools of one name and could call only one; rename one of them")
+        keys_of_names[fn.__name__] = key
         out.append(guarded(fn, limit_of(g.tool_timeout, "grpo.tool_timeout"), counts))
     return out
 
