@@ -134,6 +134,16 @@ def test_a_launch_the_launcher_accepts_passes(tmp_path, tiny_model_dir, capsys):
     assert not os.path.exists(w.out)
 
 
+def test_options_the_trainer_reads_from_the_model_config_pass_the_probe(tmp_path, tiny_model_dir, capsys):
+    """training.label_smoothing_factor (the exact and chunked losses support it) was refused by check and the run with
+    an internal error: the Trainer reads the model's config for it, and the probe's stand-in model had none."""
+    w = W(str(tmp_path), tiny_model_dir)
+    code, err = run_check([w.recipe(), "training.label_smoothing_factor=0.1", "--no-data"], capsys)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    code, err = run_check([w.recipe(), "training.label_smoothing_factor=lots", "--no-data"], capsys)  # the control
+    assert code == 2 and "training.label_smoothing_factor: expected a finite number, got 'lots'" in err, err[-3000:]
+
+
 # -- resume: the checkpoint against the model the recipe builds (point 4) ---------------------------------------------
 @pytest.mark.parametrize("name, edits, expected", [
     ("another_model", [], ["holds another model than this recipe builds", "model.embed_tokens.weight [",

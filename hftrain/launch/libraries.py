@@ -110,11 +110,15 @@ def _quiet():
 
 # -- transformers' Trainer --------------------------------------------------------------------------------------
 class _StandIn(torch.nn.Module):
-    """One parameter: enough for the Trainer to build its dataloaders, optimizer and scheduler."""
+    """One parameter and a config: enough for the Trainer to build its dataloaders, optimizer and scheduler (it reads
+    the model's config for some arguments: training.label_smoothing_factor, its problem_type)."""
 
     def __init__(self):
+        from transformers import PretrainedConfig
+
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = PretrainedConfig()
 
     def forward(self, input_ids=None, labels=None, **kwargs):
         return {"loss": self.weight.sum()}
