@@ -63,6 +63,9 @@ def kernels_line(kernels: str | None, model_type: str | None, quantized: bool = 
     if kernels == "none":
         return "kernels: the model's own layers (model.kernels: none)"
     if kernels == "liger":
+        unavailable = liger_unavailable(model_type)
+        if unavailable is not None:  # check and the run refuse it: the plan must not promise it
+            return f"kernels: none can run as asked: {unavailable[1]} (hftrain check refuses it)"
         return f"kernels: {LIGER_LAYERS} (model.kernels: liger)"
     why = _not_by_default(model_type, quantized)
     if why is None:

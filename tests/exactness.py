@@ -117,8 +117,9 @@ def within(name: str, got, want, label: str = "", scale: float = 0.0) -> float:
     b = bound(name)
     error, where = relative_error(got, want, scale)
     _record(name, error, control=False)
-    assert error <= b.limit or not _judged(), (f"{label + ': ' if label else ''}{name} ({b.what}): relative error {error:.3g} at "
-                              f"{where or 'the value'} over its bound {b.limit:g} (seen: {b.seen})")
+    told = f"{label + ': ' if label else ''}{name} ({b.what})"
+    assert error <= b.limit or not _judged(), (f"{told}: relative error {error:.3g} at {where or 'the value'} over its "
+                                               f"bound {b.limit:g} (seen: {b.seen})")
     return error
 
 
@@ -128,6 +129,7 @@ def beyond(name: str, got, want, label: str = "", scale: float = 0.0) -> float:
     b = bound(name)
     error, _ = relative_error(got, want, scale)
     _record(name, error, control=True)
-    assert error > b.limit or not _judged(), (f"{label + ': ' if label else ''}{name}: the control differs by only {error:.3g}, within "
-                             f"the bound {b.limit:g}: the bound cannot see this fault")
+    told = f"{label + ': ' if label else ''}{name}"
+    assert error > b.limit or not _judged(), (f"{told}: the control differs by only {error:.3g}, within the bound "
+                                              f"{b.limit:g}: the bound cannot see this fault")
     return error

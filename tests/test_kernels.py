@@ -81,3 +81,9 @@ def test_unset_kernels_without_a_gpu_say_why_not(monkeypatch, installed):
         "kernels: the model's own layers (model.kernels unset; liger: liger's kernels are Triton kernels for CUDA "
         "GPUs, and this machine has none)" if installed else
         "kernels: the model's own layers (model.kernels unset; liger: liger-kernel is not installed here)")
+    # asked for where it cannot run: `hftrain plan` said liger's layers would be used, check refused them
+    assert kernels_line("liger", "llama") == (
+        "kernels: none can run as asked: model.kernels: liger's kernels are Triton kernels for CUDA GPUs, and this "
+        "machine has none; remove model.kernels here (the model's own layers run instead) (hftrain check refuses it)"
+        if installed else "kernels: none can run as asked: model.kernels: liger needs liger-kernel, which is not "
+        "installed here: `pip install liger-kernel` (hftrain check refuses it)")
