@@ -88,6 +88,28 @@ def test_plan_command(tiny_model_dir, capsys):
     assert kernels_line(None, "llama") + " (on this machine)" in out
 
 
+def test_the_plan_never_recommends_a_strategy_check_refuses(tiny_model_dir, capsys):
+    """A 4-bit base trains under ddp, fsdp and zero3 only: the plan of a GPU too small for all but the offloaded
+    strategies recommended zero3_offload, which check refuses for it. Now it says refused and why; the same plan of
+    an unquantised LoRA recipe is the control (it does recommend zero3_offload)."""
+    from hftrain.cli import main
+    from hftrain.launch.plan import recipe_plan
+    from hftrain.methods import load_recipe
+
+    lora = [f"model.name_or_path={tiny_model_dir}", "model.lora={r: 8}"]
+    rows = recipe_plan(load_recipe("recipes/demo/sft.yaml", lora), 2, 1).rows
+    offload = next(r for r in rows if r.strategy == "zero3_offload")
+    assert all(r.gpu_total > offload.gpu_total for r in rows if r.strategy not in ("zero3_offload", "zero_infinity"))
+    memory = ["--gpus-per-node", "2", "--gpu-memory", str(offload.gpu_total / 2 ** 30)]
+    assert main(["plan", "recipes/demo/sft.yaml", *lora, *memory]) == 0
+    assert "recommended: zero3_offload" in capsys.readouterr().out
+    assert main(["plan", "recipes/demo/sft.yaml", *lora, "model.quantization={bits: 4}", *memory]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: zero3_offload" not in out and "nothing fits" in out, out
+    assert "refused: zero3_offload: model.quantization: a quantised base trains under ddp, fsdp, zero3" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith(("zero1 ", "ddp "))] == ["no", "refused"]
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_an_moe_model_is_planned_with_every_experts_state_and_the_active_experts_activations(model_type, tmp_path):
     """Every expert's parameters count for the model states (each has its optimizer state); the MLP's activations

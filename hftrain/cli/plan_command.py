@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..launch.plan import GiB, format_plan, kernels_here, recipe_plan
+from ..launch.plan import GiB, format_plan, kernels_here, recipe_plan, refused_strategies
 from ..methods import load_recipe
 from .arguments import recipe_arguments
 
@@ -18,7 +18,8 @@ def _plan(ns) -> int:
           + (f", each sequence split across {sp} GPUs" if sp > 1 else "")
           + "".join(f"; {o.key} {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
                     for o, x in planned.frozen))
-    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp), kernels_here(m, facts), sep="\n")
+    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp, refused_strategies(recipe)),
+          kernels_here(m, facts), sep="\n")
     return 0
 
 

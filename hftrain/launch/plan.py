@@ -34,6 +34,7 @@ from transformers import AutoConfig
 
 from ..config import ModelSection
 from ..config.strategy import STRATEGY_DEFAULTS
+from ..config.strategy_rules import strategy_problems
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from ..heads import Head
 from ..kernels import kernels_line
@@ -242,21 +243,43 @@ def moe_facts(model) -> dict:
     return {"active_intermediate": width, "moe_layers": len(blocks), "active_params": params - idle}
 
 
-def recommend(rows: list[Row], gpu_memory: float | None) -> str | None:
-    """The first strategy that fits, in order of speed: ddp, zero1, zero2, fsdp, zero3, zero3_offload, zero_infinity."""
+def refused_strategies(recipe: Recipe) -> dict[str, tuple[str, str]]:
+    """{strategy: (key, why)} for the strategies `hftrain check` refuses for this recipe whatever the strategy's own
+    options (a quantised base, experts, a method that holds its policy whole, ...): the plan neither counts them as
+    fitting nor recommends them. The options of the strategy the recipe names are left out: switching strategy is
+    switching them too."""
+    refused = {}
+    for name in STRATEGIES:
+        problems = [(k, m) for k, m in strategy_problems(recipe, name) if not k.startswith("strategy.")]
+        if problems:
+            refused[name] = problems[0]
+    return refused
+
+
+def recommend(rows: list[Row], gpu_memory: float | None, refused: dict | None = None) -> str | None:
+    """The first strategy that fits and is not refused, in order of speed: ddp, zero1, zero2, fsdp, zero3,
+    zero3_offload, zero_infinity."""
     if gpu_memory is None:
         return None
     order = ["ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload", "zero_infinity"]
     by = {r.strategy: r for r in rows}
-    return next((s for s in order if by[s].gpu_total <= gpu_memory), None)
+    return next((s for s in order if by[s].gpu_total <= gpu_memory and s not in (refused or {})), None)
 
 
-def format_plan(rows: list[Row], gpu_memory: float | None, sequence_parallel: int = 1) -> str:
+def _fits(r: Row, gpu_memory: float | None, refused: dict) -> str:
+    if r.strategy in refused:
+        return "refused"
+    return "-" if gpu_memory is None else ("yes" if r.gpu_total <= gpu_memory else "no")
+
+
+def format_plan(rows: list[Row], gpu_memory: float | None, sequence_parallel: int = 1,
+                refused: dict[str, tuple[str, str]] | None = None) -> str:
     head = (f"{'strategy':<14}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'GPU total':>11}{'CPU/node':>10}"
             f"{'NVMe/node':>11}  fits")
     lines = [head, "-" * len(head)]
+    refused = refused or {}
     for r in rows:
-        fits = "-" if gpu_memory is None else ("yes" if r.gpu_total <= gpu_memory else "no")
+        fits = _fits(r, gpu_memory, refused)
         lines.append(f"{r.strategy:<14}" + "".join(f"{v / GiB:>9.2f}" for v in (r.gpu_params, r.gpu_grads,
                      r.gpu_optimizer, r.gpu_activations)) + f"{r.gpu_total / GiB:>11.2f}{r.cpu_per_node / GiB:>10.2f}"
                      f"{r.nvme_per_node / GiB:>11.2f}  {fits}")
@@ -265,7 +288,9 @@ def format_plan(rows: list[Row], gpu_memory: float | None, sequence_parallel: in
         lines.append(f"strategy.sequence_parallel {sequence_parallel}: {' and '.join(SEQUENCE_PARALLEL_STRATEGIES)} "
                      f"hold 1/{sequence_parallel} of each sequence's activations per GPU; the others cannot split "
                      "sequences and hold them whole.")
-    best = recommend(rows, gpu_memory)
+    for name, (key, why) in refused.items():
+        lines.append(f"refused: {name}: {key}: {why}")
+    best = recommend(rows, gpu_memory, refused)
     if gpu_memory is not None:
         lines.append(f"recommended: {best}" if best else "nothing fits: lower the micro-batch, turn on "
                      "model.gradient_checkpointing, or use LoRA")
