@@ -11,6 +11,7 @@ weights), with peft's LoRA on top when model.lora is set, and the state dict tha
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -19,8 +20,10 @@ import torch
 
 from ..config import Recipe
 from ..heads import Head
-from ..methods import policy_head
+from ..methods import method_of
+from ..checkpoints import CheckpointError, read_layout
 from ..modeling import local_config, lora_config, saved_shapes
+from ..quantization import described_quantization, quantization_of_section
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_FILES = ("adapter_model.safetensors",)
@@ -50,8 +53,12 @@ def _headers(folder: str, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] 
     return shapes
 
 
-def meta_model(config, trust_remote_code: bool, head: Head = Head.CAUSAL_LM):
-    """The model of `config` with `head` (its Auto class) on the meta device: no memory, no weights."""
+def meta_model(config, trust_remote_code: bool, head: Head = Head.CAUSAL_LM, num_labels: int | None = None):
+    """The model of `config` with `head` (its Auto class) on the meta device: no memory, no weights. `num_labels`: a
+    classifier's classes, as the method loads it (methods.ModelSpec)."""
+    if num_labels is not None:
+        config = copy.deepcopy(config)
+        config.num_labels = num_labels
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return head.auto_class.from_config(config, trust_remote_code=trust_remote_code)
@@ -61,8 +68,9 @@ def _expected(recipe: Recipe, config) -> tuple[dict[str, tuple[int, ...]], set[s
     """(name -> shape) of what a checkpoint of this recipe holds, and the names it may leave out (tied weights); the
     model built with the head of the policy the recipe's method trains."""
     m = recipe.model
-    head = policy_head(recipe)
-    model = meta_model(config, m.trust_remote_code, head)
+    policy = method_of(recipe).policy(recipe)
+    head = policy.head
+    model = meta_model(config, m.trust_remote_code, head, policy.num_labels)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     if m.lora is None:  # named as save_pretrained writes them: MoE experts, for one, in their original format
         return saved_shapes(model), tied
@@ -132,6 +140,23 @@ def _adapter_settings(path: str, recipe: Recipe) -> list[str]:
     return []
 
 
+def _base_quantization(path: str, recipe: Recipe) -> list[str]:
+    """The base an adapter was trained against, quantised as the checkpoint recorded (checkpoints.mixin), against
+    the recipe's model.quantization (checkpoints written before the record: not compared)."""
+    try:
+        was = read_layout(path)
+    except CheckpointError:
+        return []  # verification reports an unreadable layout
+    if not isinstance(was, dict) or "quantization" not in was:
+        return []
+    now = quantization_of_section(recipe.model.quantization)
+    if was["quantization"] == now:
+        return []
+    return [f"{path}'s adapter was trained against a {described_quantization(was['quantization'])} base, and this "
+            f"recipe loads it {described_quantization(now)} (model.quantization): the adapter would go on training "
+            "against other weights; resume with the model.quantization that wrote it"]
+
+
 def _vocab_problem(path: str, recipe: Recipe, load_tokenizer) -> str | None:
     """The checkpoint's tokenizer (the Trainer saves it beside the weights) against the recipe's: another vocabulary
     means every token id means something else."""
@@ -198,7 +223,7 @@ def compatibility_problems(path: str, recipe: Recipe, load_tokenizer=None) -> li
             problems += [p + _config_differences(theirs_cfg, ours_cfg)
                          for p in _shape_problems(path, theirs, expected, optional, "another model")]
     if m.lora is not None and not problems:
-        problems += _adapter_settings(path, recipe)
+        problems += _adapter_settings(path, recipe) + _base_quantization(path, recipe)
     if load_tokenizer is not None:
         vocab = _vocab_problem(path, recipe, load_tokenizer)
         if vocab:

@@ -25,6 +25,7 @@ class ModelSpec:
     head: Head
     section: ModelSection
     key: str = "model"
+    num_labels: int | None = None  # a classifier's classes (a reward model's one score); None: its config's own
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,11 @@ class Method:
         return self.name
 
     def card(self, recipe: Recipe) -> dict:
-        """The method as run_info.json records it for the model card (hub.card reads it, naming no method)."""
+        """The method as run_info.json records it for the model card and the upload checks (hub reads it, naming
+        no method): its head, and a classifier's classes (a LoRA adapter's base is built with them)."""
+        policy = self.policy(recipe)
         return {"name": self.name, "tag": self.hub_tag or self.name, "description": self.describe(recipe),
-                "head": self.policy(recipe).head.value}
+                "head": policy.head.value, **({"num_labels": policy.num_labels} if policy.num_labels else {})}
 
 
 def first_rows(method: Method, recipe: Recipe, tokenizer, n: int, note: str | None = None) -> str:

@@ -83,11 +83,11 @@ class OutcomeRewardMethod(Method):
     reported = ("eval_pair_accuracy", "eval_mean_margin", "eval_loss")
 
     def models(self, recipe):
-        return [ModelSpec(Role.POLICY, HEAD, recipe.model)]
+        return [ModelSpec(Role.POLICY, HEAD, recipe.model, num_labels=LABELS)]
 
     def model(self, run):
         policy = self.policy(run.recipe)
-        return load_policy(policy.section, policy.head, num_labels=LABELS)
+        return load_policy(policy.section, policy.head, num_labels=policy.num_labels)
 
     def describe(self, recipe):
         r = recipe.reward

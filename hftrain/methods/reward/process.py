@@ -117,11 +117,11 @@ class ProcessRewardMethod(Method):
     reported = ("eval_step_accuracy", "eval_step_f1", "eval_loss", "eval_steps")
 
     def models(self, recipe):
-        return [ModelSpec(Role.POLICY, HEAD, recipe.model)]
+        return [ModelSpec(Role.POLICY, HEAD, recipe.model, num_labels=len(LABELS))]
 
     def model(self, run):
         policy = self.policy(run.recipe)
-        model = load_model(policy.section, head=policy.head, num_labels=len(LABELS))  # with model.lora: TOKEN_CLS
+        model = load_model(policy.section, head=policy.head, num_labels=policy.num_labels)  # model.lora: TOKEN_CLS
         model.config.id2label, model.config.label2id = dict(LABELS), {v: k for k, v in LABELS.items()}
         disable_dropout_in_model(model)
         return model
