@@ -22,6 +22,15 @@ _PROMPTS = {
                  "print(tokenizer.decode(out[0][inputs[\"input_ids\"].shape[1]:]))\n"),
     "score": ('inputs = tokenizer("Hello", return_tensors="pt")\n'
               "print(model(**inputs).logits)\n"),
+    # A sequence classifier trained by hftrain (a reward model) read each pair's side as TRL's RewardTrainer renders
+    # it: the conversation through the chat template, scored at its last token; a text pair as prompt + answer + EOS.
+    "score_conversation": ('messages = [{"role": "user", "content": "Hello"},\n'
+                           '            {"role": "assistant", "content": "Hi!"}]\n'
+                           "inputs = tokenizer.apply_chat_template(messages, return_dict=True, return_tensors=\"pt\")\n"
+                           "print(model(**inputs).logits[0, 0].item())  # the conversation's score\n"),
+    "score_text": ('inputs = tokenizer("Hello" + " Hi!" + tokenizer.eos_token, return_tensors="pt", '
+                   "add_special_tokens=False)\n"
+                   "print(model(**inputs).logits[0, 0].item())  # the answer's score\n"),
     # An image-text-to-text model reads its prompt through its processor (image processor + tokenizer + template).
     "image": ('messages = [{"role": "user", "content": [{"type": "image", "image": Image.open("image.png")},\n'
               '                                          {"type": "text", "text": "What is in the image?"}]}]\n'
@@ -84,27 +93,41 @@ class Head(str, Enum):
         which loading sets from the tokenizer: modeling.model.score_pad_token)."""
         return self is Head.SEQUENCE_CLASSIFICATION
 
-    def usage(self, ident: str, adapter: bool) -> str:
-        """The card's Python snippet: load `ident` (a LoRA adapter through peft) and prompt it once."""
+    def usage(self, ident: str, adapter: bool, num_labels: int | None = None, chat_template: bool = True) -> str:
+        """The card's Python snippet: load `ident` (a LoRA adapter through peft: its base built with the classifier's
+        `num_labels`, where the base config's own count differs) and prompt it once as it was trained (a sequence
+        classifier: a conversation through the chat template where the tokenizer has one)."""
         name = json.dumps(ident)
         if self is Head.IMAGE_TEXT_TO_TEXT:
             return self._image_usage(name, adapter)
+        labels = f", num_labels={num_labels}" if adapter and num_labels else ""
         if adapter:
             load = (f"from peft import {self.peft_auto_class_name}\nfrom transformers import AutoTokenizer\n\n"
-                    f"model = {self.peft_auto_class_name}.from_pretrained({name})\n")
+                    f"model = {self.peft_auto_class_name}.from_pretrained({name}{labels})\n")
         else:
             load = (f"from transformers import {self.auto_class_name}, AutoTokenizer\n\n"
                     f"model = {self.auto_class_name}.from_pretrained({name})\n")
         load += f"tokenizer = AutoTokenizer.from_pretrained({name})\n"
-        return load + _PROMPTS["generate" if self.generates else "score"]
+        if self.generates:
+            return load + _PROMPTS["generate"]
+        if self is Head.SEQUENCE_CLASSIFICATION:
+            return load + _PROMPTS["score_conversation" if chat_template else "score_text"]
+        return load + _PROMPTS["score"]
 
     def _image_usage(self, name: str, adapter: bool) -> str:
-        """The snippet of an image-text-to-text model: its processor, an image, generate()."""
-        cls = self.peft_auto_class_name if adapter else self.auto_class_name
-        load = ("from PIL import Image\n" + (f"from peft import {cls}\nfrom transformers import AutoProcessor\n\n"
-                if adapter else f"from transformers import {cls}, AutoProcessor\n\n")
-                + f"model = {cls}.from_pretrained({name})\nprocessor = AutoProcessor.from_pretrained({name})\n")
-        return load + _PROMPTS["image"]
+        """The snippet of an image-text-to-text model: its processor, an image, generate(). An adapter loads onto its
+        base through peft's PeftModel (peft's AutoPeftModel refuses an adapter with a task type, and none of its
+        task classes builds an image-text-to-text base)."""
+        cls = self.auto_class_name
+        if adapter:
+            load = ("from PIL import Image\nfrom peft import PeftConfig, PeftModel\n"
+                    f"from transformers import {cls}, AutoProcessor\n\n"
+                    f"base = {cls}.from_pretrained(PeftConfig.from_pretrained({name}).base_model_name_or_path)\n"
+                    f"model = PeftModel.from_pretrained(base, {name})\n")
+        else:
+            load = (f"from PIL import Image\nfrom transformers import {cls}, AutoProcessor\n\n"
+                    f"model = {cls}.from_pretrained({name})\n")
+        return load + f"processor = AutoProcessor.from_pretrained({name})\n" + _PROMPTS["image"]
 
     @classmethod
     def recorded(cls, value: str | None) -> Head:

@@ -20,6 +20,7 @@ from hftrain.hub.checks import head_of_run, validate_folder
 from hftrain.launch import model_checks
 from hftrain.launch.plan import model_facts
 from hftrain.methods import Method, MethodEntry, ModelSpec
+from hftrain.modeling import lora_config
 
 TINY_TEXT = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
              "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -65,6 +66,8 @@ def test_the_card_names_the_heads_pipeline_tag_and_auto_class(tmp_path, head, lo
     card = str(build_card(write_run(tmp_path / "run", head.value, lora), [RECIPE_FILE, RUN_INFO_FILE]))
     assert f"pipeline_tag: {PIPELINE_TAGS[head]}" in card
     loader = head.peft_auto_class_name if lora else head.auto_class_name
+    if lora and head is Head.IMAGE_TEXT_TO_TEXT:  # peft's AutoPeftModel refuses an adapter with a task type
+        loader = "PeftModel"
     assert f"model = {loader}.from_pretrained(" in card
     assert ("model.generate(" in card) == head.generates
     others = {h.auto_class_name for h in Head} - {head.auto_class_name}
@@ -95,6 +98,33 @@ def test_the_cards_snippet_loads_and_runs_the_model(tmp_path, tiny_model_dir, he
         exec(head.usage(folder, adapter=False), names)
     assert type(names["model"]).__name__ == BUILT[head]
     assert printed.getvalue() not in ("", "\n")  # generated text (a random model's: newlines, maybe) or the logits
+
+
+@pytest.mark.parametrize("head", TEXT_HEADS)
+def test_the_cards_snippet_loads_and_runs_a_lora_adapter_with_its_classes(tmp_path, tiny_model_dir, head):
+    """A LoRA adapter's snippet loads it onto its base with the classifier's classes: an outcome reward model (1
+    label) over a causal LM's config (2 by default) failed to load ("score.weight [1, 32] there, [2, 32] here"). A
+    sequence classifier is prompted as it was trained, a conversation through the chat template: the snippet's score
+    is the adapted model's own on that rendering, and differs from the raw text's."""
+    from peft import get_peft_model
+
+    labels = 3 if head is Head.TOKEN_CLASSIFICATION else 1
+    folder = tmp_path / "adapter"
+    model = head.auto_class.from_pretrained(tiny_model_dir, num_labels=labels)
+    model.config.pad_token_id = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id
+    get_peft_model(model, lora_config(ModelSection(name_or_path=tiny_model_dir, lora=LoraSection(r=4)), head)
+                   ).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    printed, names = io.StringIO(), {}
+    with contextlib.redirect_stdout(printed):
+        exec(head.usage(str(folder), adapter=True, num_labels=None if head.generates else labels), names)
+    assert type(names["model"]).__name__.startswith("PeftModelFor")
+    assert names["model"].config.num_labels == labels and printed.getvalue() not in ("", "\n")
+    if head is Head.SEQUENCE_CLASSIFICATION:
+        tok = names["tokenizer"]
+        rendered = tok.apply_chat_template(names["messages"], tokenize=False)
+        assert float(printed.getvalue()) == pytest.approx(float(names["model"](**tok(
+            rendered, return_tensors="pt", add_special_tokens=False)).logits[0, 0]), abs=1e-6)
 
 
 class StandIn(Method):

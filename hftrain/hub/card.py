@@ -69,7 +69,8 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
              + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
                 if lora else "") + ".", ""]
 
-    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter, head)
+    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter, head,
+                                                      trained_by.get("num_labels"), _has_chat_template(output_dir))
     lines += _made_lines(output_dir, files, recipe, recipe_text, info, strategy, sources)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
@@ -86,10 +87,18 @@ def _results_lines(info: dict, files: list[str]) -> list[str]:
     return lines
 
 
-def _use_lines(ident: str, adapter: bool, head: Head) -> list[str]:
+def _use_lines(ident: str, adapter: bool, head: Head, num_labels: int | None, chat_template: bool) -> list[str]:
     """How to load and prompt it (heads.Head.usage): the adapter through peft, anything else through transformers,
     by the Auto class of its head."""
-    return ["", "## Use", "", _fenced("python", head.usage(ident, adapter))]
+    return ["", "## Use", "", _fenced("python", head.usage(ident, adapter, num_labels, chat_template))]
+
+
+def _has_chat_template(output_dir: str) -> bool:
+    """Whether the tokenizer saved beside the model has a chat template (its own file, or in tokenizer_config.json)."""
+    if os.path.isfile(os.path.join(output_dir, "chat_template.jinja")):
+        return True
+    config = os.path.join(output_dir, "tokenizer_config.json")
+    return os.path.isfile(config) and bool(read_json(config).get("chat_template"))
 
 
 def _made_lines(output_dir: str, files: list[str], recipe: dict, recipe_text: str, info: dict, strategy: str,

@@ -9,14 +9,17 @@ import json
 import os
 
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from ..constants import PROBE_IDS, RUN_INFO_FILE
+from ..config import ModelSection, QuantizationSection
+from ..constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE
 from ..fileio import read_json
 from ..heads import Head
 from ..modeling import saved_shapes
+from ..quantization import bnb_config
 
 
 def head_of_run(output_dir: str) -> Head:
@@ -30,17 +33,38 @@ def head_of_run(output_dir: str) -> Head:
     return Head.recorded((read_json(path).get("method") or {}).get("head"))
 
 
+def adapter_base_options(output_dir: str) -> dict:
+    """from_pretrained's keywords that build the base of a run's LoRA adapter as the run built it: a classifier's
+    classes (run_info.json: an outcome reward model's one score, where the base config says 2) and the base's
+    quantisation (recipe.yaml's model.quantization, on the CPU: a QLoRA adapter was trained against the packed 4-bit
+    weights, and its merged model is made from them dequantised). Files that are links or absent say nothing."""
+    options = {}
+    info_path, recipe_path = (os.path.join(output_dir, f) for f in (RUN_INFO_FILE, RECIPE_FILE))
+    if os.path.isfile(info_path) and not os.path.islink(info_path):
+        labels = (read_json(info_path).get("method") or {}).get("num_labels")
+        if isinstance(labels, int):
+            options["num_labels"] = labels
+    if os.path.isfile(recipe_path) and not os.path.islink(recipe_path):
+        with open(recipe_path, encoding="utf-8") as fh:
+            model = (yaml.safe_load(fh) or {}).get("model") or {}
+        if isinstance(model.get("quantization"), dict):
+            section = ModelSection(name_or_path=model.get("name_or_path", ""), dtype=model.get("dtype", "auto"),
+                                   quantization=QuantizationSection(**model["quantization"]))
+            options.update(quantization_config=bnb_config(section), device_map={"": "cpu"})
+    return options
+
+
 def validate_folder(path: str, merged: str | None = None, trust_remote_code: bool = False,
-                    head: Head = Head.CAUSAL_LM) -> list[str]:
+                    head: Head = Head.CAUSAL_LM, base_options: dict | None = None) -> list[str]:
     """Everything wrong with the model folder `path` (a model with `head`) as a Hub upload; [] when it is fit to push.
 
     A full model: safetensors shards non-empty with the config's shapes, loads with from_pretrained on CPU and
     gives finite logits (and generates, with a generation_config EOS, where the head generates), tokenizer + chat
-    template. A LoRA adapter (adapter_config.json): not all zero, loads onto its base, and when `merged` (a merged
-    full model) is given, base + adapter logits == merged.
+    template. A LoRA adapter (adapter_config.json): not all zero, loads onto its base (built with `base_options`:
+    adapter_base_options), and when `merged` (a merged full model) is given, base + adapter logits == merged.
     """
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        problems = adapter_problems(path, merged, head)
+        problems = adapter_problems(path, merged, head, base_options)
     else:
         problems = _full_model_problems(path, trust_remote_code, head)
     tok_problems, _ = _tokenizer_problems(path)
@@ -176,7 +200,8 @@ def _tokenizer_problems(path: str):
     return [], tok
 
 
-def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM) -> list[str]:
+def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM,
+                     base_options: dict | None = None) -> list[str]:
     weights = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights):
         return [f"adapter_model.safetensors is missing in {path}; save the adapter with save_pretrained"]
@@ -199,7 +224,8 @@ def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM)
     try:
         from peft import PeftModel  # optional dependency (LoRA runs only); inside the try: its absence is reported
 
-        base = head.auto_class.from_pretrained(base_path, dtype=torch.float32, device_map="cpu")
+        base = head.auto_class.from_pretrained(base_path, **{"dtype": torch.float32, "device_map": "cpu",
+                                                             **(base_options or {})})
         adapted = PeftModel.from_pretrained(base, path).eval()
     except Exception as e:
         return [f"the adapter does not load onto its base {base_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"]
@@ -209,7 +235,7 @@ def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM)
         merged_model = head.auto_class.from_pretrained(merged, dtype=torch.float32, device_map="cpu").eval()
     except Exception as e:
         return [f"the merged model in {merged} does not load: {type(e).__name__}: {str(e).splitlines()[0]}"]
-    ids = torch.tensor(PROBE_IDS) % merged_model.config.vocab_size
+    ids = torch.tensor(PROBE_IDS) % merged_model.config.get_text_config().vocab_size  # a VLM's is its text model's
     with torch.no_grad():
         ref = adapted(input_ids=ids).logits
         got = merged_model(input_ids=ids).logits

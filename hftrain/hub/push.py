@@ -20,7 +20,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from .. import distributed
 from ..config.rules import repo_id_problem
 from ..errors import HubError
-from .checks import adapter_problems, head_of_run, validate_folder
+from .checks import adapter_base_options, adapter_problems, head_of_run, validate_folder
 from .secret_scan import token_problems
 from .stage import stage_folder
 from .upload import upload_stage
@@ -49,14 +49,15 @@ def push(output_dir: str, hub, *, dry_run: bool = False, stage_dir: str | None =
     stage = os.path.abspath(stage_dir or os.path.join(output_dir, STAGE_DIR))
     merged_ref = os.path.join(output_dir, "merged")
     head = head_of_run(output_dir)  # the trained model's head, as run_info.json records it
+    base = adapter_base_options(output_dir)  # an adapter's base as the run built it (classes, quantisation)
 
     def validate(folder: str) -> list[str]:
         if hub.merge_lora:  # the merged model pushed must equal base + the run's adapter
             problems = (validate_folder(folder, trust_remote_code=trust_remote_code, head=head)
-                        + adapter_problems(output_dir, folder, head))
+                        + adapter_problems(output_dir, folder, head, base))
         else:
             problems = validate_folder(folder, merged_ref if os.path.isdir(merged_ref) else None, trust_remote_code,
-                                       head)
+                                       head, base)
         return problems + token_problems(folder, token)
 
     files = stage_folder(output_dir, stage, hub.merge_lora, hub.repo_id, hub.license, trust_remote_code, validate)
