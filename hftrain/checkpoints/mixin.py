@@ -28,6 +28,7 @@ from ..moe.blocks import unwrap
 from ..moe.expert_parallel import expert_parallel_size
 from ..patches.deepspeed import untie_zero3_universal_steps
 from ..patches.transformers import staged_checkpoint_dir
+from ..quantization import quantization_of_model
 from . import folders, manifest, verify, world_size
 
 
@@ -109,9 +110,11 @@ class StagedCheckpointMixin:
         else:
             strategy = "fsdp" if self.is_fsdp_enabled else "ddp"
         a = self.args
-        return world_size.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps, strategy,
-                                  distributed.sequence_parallel_size(self.args),
-                                  expert_parallel_size(unwrap(self.model)))
+        model = unwrap(self.model)
+        return {**world_size.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                                    strategy, distributed.sequence_parallel_size(self.args),
+                                    expert_parallel_size(model)),
+                "quantization": quantization_of_model(model)}  # the base trained against (launch/resume.py)
 
     def _save_checkpoint(self, model, trial) -> None:
         check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards

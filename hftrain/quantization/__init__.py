@@ -13,7 +13,11 @@ from .fingerprint import FILE as FINGERPRINT_FILE
 from .fingerprint import base_fingerprint, record_fingerprint
 from .memory import quantized_linear_bytes
 from .merge import checked_merged_model, merged_model
+from .recorded import described as described_quantization
+from .recorded import of_model as quantization_of_model
+from .recorded import of_section as quantization_of_section
 
 __all__ = ["bitsandbytes_problem", "bnb_config", "compute_dtype", "keep_training_kernels", "placement",
            "prepare_for_training", "quantized_linear_bytes", "merged_model",
-           "checked_merged_model", "base_fingerprint", "record_fingerprint", "FINGERPRINT_FILE"]
+           "checked_merged_model", "base_fingerprint", "record_fingerprint", "FINGERPRINT_FILE",
+           "described_quantization", "quantization_of_model", "quantization_of_section"]
