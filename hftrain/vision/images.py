@@ -57,6 +57,27 @@ def check_image(path: str, what: str, max_pixels: int | None = None) -> tuple[in
 
 
 def open_rgb(path: str) -> Image.Image:
-    """The image as the processor gets it: decoded, RGB."""
+    """The image as the processor gets it: decoded, RGB, as a processor converts it at inference (transformers'
+    convert_to_rgb: transparency composited on white; PIL's own convert("RGB") drops the alpha, so a transparent
+    background trained as black), and a 16- or 32-bit grey image scaled to 8 bits (PIL clips it: 40% grey trained
+    as pure white)."""
+    from transformers.image_transforms import convert_to_rgb
+
     with Image.open(path) as image:
-        return image.convert("RGB")
+        image.load()
+        return Image.fromarray(convert_to_rgb(_eight_bit(image), return_numpy=True))
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A grey image of more than 8 bits per pixel (PIL modes I;16*, I: 16-bit PNGs and TIFFs; F: floats in [0, 1])
+    as 8-bit grey, by its full range; any other image as it is."""
+    import numpy as np
+
+    if image.mode.startswith("I;16") or image.mode == "I":
+        values = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or values.max() > 255 else 255.0
+    elif image.mode == "F":
+        values, top = np.asarray(image, dtype=np.float64), 1.0
+    else:
+        return image
+    return Image.fromarray(np.clip(np.rint(values * (255.0 / top)), 0, 255).astype(np.uint8), mode="L")
