@@ -15,10 +15,14 @@ from ..config import DataSection, DataSource
 from .build import mix
 from .split import held_out_split
 
+# A row's place in its file (file:line), carried as a column through the held-out split, so that what `finish` leaves
+# out (rows longer than data.max_length) is named by file and row; `finish` removes it.
+PLACE = "__hftrain_place"
 # read(source, key, group) -> the source's rows, checked (key: data.sources.0; group: sources or eval_sources)
 ReadSource = Callable[[DataSource, str, str], datasets.Dataset]
-# finish(rows, key, source) -> the rows as the method trains on them, applied after the split (KTO splits pairs in
-# two only then, so that no prompt's answers are on both sides)
+# finish(rows, key, source) -> the rows as the method trains on them, applied after the split: rows measured against
+# data.max_length are left out only then, so that which rows are held out never depends on data.max_length; KTO
+# splits pairs in two only then, so that no prompt's answers are on both sides
 FinishRows = Callable[[datasets.Dataset, str, DataSource], datasets.Dataset]
 
 

@@ -24,7 +24,7 @@ from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
 from ..data.sources import column_map, read_rows
-from ..data.gather import gather_sources
+from ..data.gather import PLACE, gather_sources
 
 PAIR = ("chosen", "rejected")
 
@@ -213,8 +213,14 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, 
         if conversational and cfg.chat_template_kwargs:  # TRL passes a row's chat_template_kwargs to the template
             pairs = [{**p, "chat_template_kwargs": cfg.chat_template_kwargs} for p in pairs]
         ds = datasets.Dataset.from_list(pairs)
-        return ds if tokenizer is None else measure(ds, places, tokenizer, cfg.max_length, key, src.path)
+        return ds if tokenizer is None else ds.add_column(PLACE, places)
 
-    gathered = gather_sources(cfg, seed, read)
+    def finish(ds: datasets.Dataset, key: str, src: DataSource) -> datasets.Dataset:
+        """Measured after the held-out split: which pairs are held out never depends on data.max_length."""
+        if tokenizer is None:
+            return ds
+        return measure(ds.remove_columns(PLACE), ds[PLACE], tokenizer, cfg.max_length, key, src.path)
+
+    gathered = gather_sources(cfg, seed, read, finish)
     evald = datasets.concatenate_datasets(gathered.held) if gathered.held else None
     return PreferenceData(gathered.train, evald, bool(kinds.get(True)))

@@ -25,10 +25,9 @@ from ...distributed import print0
 from ...errors import DataError
 from ..pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
 from ...data.sources import column_map, read_rows
-from ...data.gather import gather_sources
+from ...data.gather import PLACE, gather_sources
 
 EXAMPLE = ("prompt", "completion", "label")
-PLACE = "__hftrain_row"  # an example's row name (file:line) while it is measured; removed before training
 POSITION = "__hftrain_position"
 LABELS = {True: "desirable", False: "undesirable"}
 

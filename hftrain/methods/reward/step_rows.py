@@ -23,7 +23,7 @@ from typing import Any
 import datasets
 
 from ...config import Recipe
-from ...data.gather import gather_sources
+from ...data.gather import PLACE, gather_sources
 from ...data.sources import column_map, read_rows
 from ...distributed import print0
 from ...errors import DataError
@@ -163,8 +163,8 @@ def within_max_length(rows: list[dict], places: list[str], max_length: int | Non
 
 def read_step_source(src, key: str, recipe: Recipe, tokenizer, templated: bool):
     """Every row of one source checked (all bad rows named at once, by file and row) and, with a `tokenizer`,
-    tokenised and measured against data.max_length; without one (a problem already found) the rows are only
-    checked and None is returned."""
+    tokenised, each with its place (measured against data.max_length after the held-out split); without one (a
+    problem already found) the rows are only checked and None is returned."""
     rows = read_rows(src, key)
     rename = column_map(rows, src, key)
     if rows.count == 0:
@@ -185,7 +185,7 @@ def read_step_source(src, key: str, recipe: Recipe, tokenizer, templated: bool):
     if bad:
         raise DataError(_named(bad, key))
     print0(f"hftrain: {key} ({src.path}): layout steps, {rows.count} rows", file=sys.stderr)
-    return within_max_length(out, places, recipe.data.max_length, key, src.path) if tokenizer is not None else None
+    return datasets.Dataset.from_list(out).add_column(PLACE, places) if tokenizer is not None else None
 
 
 def build_step_data(recipe: Recipe, tokenizer, seed: int) -> StepData:
@@ -205,8 +205,14 @@ def build_step_data(recipe: Recipe, tokenizer, seed: int) -> StepData:
             except DataError as e:
                 found.append(str(e))
         raise DataError("\n".join(found))
+    def measured(rows, key: str, src) -> datasets.Dataset:
+        """After the held-out split: which rows are held out never depends on data.max_length."""
+        return within_max_length(rows.remove_columns(PLACE).to_list(), rows[PLACE], recipe.data.max_length, key,
+                                 src.path)
+
     gathered = gather_sources(recipe.data, seed,
-                              lambda src, key, group: read_step_source(src, key, recipe, tokenizer, templated))
+                              lambda src, key, group: read_step_source(src, key, recipe, tokenizer, templated),
+                              measured)
     held = datasets.concatenate_datasets(gathered.held) if gathered.held else None
     return StepData(gathered.train, held)
 
