@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if os.path.exists(ns.log):
         os.remove(ns.log)
-    failed = [c for c in ns.capabilities or capabilities_here() if run(c, ns.log, ns.pytest_args, ns.workers, ns.record_only) != 0]
+    failed = [c for c in ns.capabilities or capabilities_here()
+              if run(c, ns.log, ns.pytest_args, ns.workers, ns.record_only) != 0]
     print(table(ns.log))
     if failed:
         print(f"exactness_spread: tests failed under {', '.join(failed)} (their errors are in the table)")

@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from tests.exactness import within
+
 from .conftest import REPO
 
 
@@ -28,8 +30,11 @@ def test_the_gpu_bench_runs_every_part_and_writes_its_report(tmp_path, capsys):
     assert ("hftrain fused loss" in sides) == bool(fused)
     assert set(report["loss"]) == {1024, 2048}
     assert all(set(v) == {"logits", "chunked"} | fused for v in report["loss"].values())
-    assert all(abs(r["chunked"]["loss"] - r["logits"]["loss"]) <= 1e-5 * r["logits"]["loss"]
-               for r in report["loss"].values())
+    # the loss step runs in float32 on the CPU, in bfloat16 on a GPU (bench/gpu.py loss_step): a bound for each
+    bound = ("bench_gpu.chunked_vs_logits.loss_cuda_bf16" if torch.cuda.is_available()
+             else "bench_gpu.chunked_vs_logits.loss")
+    for vocab, r in report["loss"].items():
+        within(bound, r["chunked"]["loss"], r["logits"]["loss"], label=f"vocabulary {vocab}")
     out = capsys.readouterr().out
     assert "| plain Trainer |" in out and "| hftrain kernels off |" in out and "| 2048 |" in out
     # the device the bench ran on: this host's GPU where it has one (the smoke run then runs there), else the CPU

@@ -6,6 +6,7 @@ import torch
 from hftrain import losses
 from hftrain.losses.chunked_ce import HeadMath, capture_hidden, head_of, linear_ce
 from hftrain.constants import IGNORE_INDEX
+from tests.exactness import beyond, within
 
 
 def problem(b=3, t=11, h=16, v=37, seed=0, bias=False, dtype=torch.float32):
@@ -44,12 +45,6 @@ def chunked(hidden, weight, bias, labels, mode, pos, math=HeadMath(), smoothing=
     return losses.sum_ce(losses.hidden_ce(hidden, weight, bias, labels, math, smoothing, chunk), labels, mode, pos)
 
 
-def assert_rel(a, b, rel=1e-5):
-    a, b = a.detach().double(), b.detach().double()
-    err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
-    assert err <= rel, f"relative difference {err:.2e}"
-
-
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16, 1000])  # 1000: one chunk; 3, 7: an uneven last chunk
 @pytest.mark.parametrize("mode", losses.MODES)
 @pytest.mark.parametrize("packed", [False, True])
@@ -59,13 +54,14 @@ def test_loss_and_gradients_equal_the_logits_path(chunk, mode, packed, fused):
     pos = packed_position_ids(*labels.shape) if packed else None
     ref = reference(hidden, weight, bias, labels, mode, pos)
     got = chunked(hidden, weight, bias, labels, mode, pos, chunk=chunk, fused=fused)
-    assert_rel(got, ref)
-    for g, r in zip(grads(got, hidden, weight, bias), grads(ref, hidden, weight, bias)):
-        assert_rel(g, r)
-    # Negative control: a wrong shift (hidden not shifted against the labels) is far outside the tolerance.
+    within("chunked_loss.vs_logits.loss", got, ref)
+    ref_grads = grads(ref, hidden, weight, bias)
+    within("chunked_loss.vs_logits.grads", grads(got, hidden, weight, bias), ref_grads)
+    # Negative control: a wrong shift (hidden not shifted against the labels) is far outside the bounds.
     wrong = losses.sum_ce(losses.hidden_ce(hidden[:, 1:], weight, bias, labels[:, :-1], chunk_size=chunk),
                           labels[:, :-1], mode)
-    assert abs(float(wrong.detach()) - float(ref.detach())) > 1e-3 * abs(float(ref.detach()))
+    beyond("chunked_loss.vs_logits.loss", wrong, ref)
+    beyond("chunked_loss.vs_logits.grads", grads(wrong, hidden, weight, bias), ref_grads)
 
 
 @pytest.mark.parametrize("math", [HeadMath(softcap=3.0), HeadMath(scale=0.25), HeadMath(divide=4.0),
@@ -76,21 +72,22 @@ def test_head_maths_and_label_smoothing(math):
         ref = reference(hidden, weight, None, labels, "token", None, math, smoothing)
         for fused in (True, False):
             got = chunked(hidden, weight, None, labels, "token", None, math, smoothing, chunk=5, fused=fused)
-            assert_rel(got, ref)
-            for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
-                assert_rel(g, r)
+            label = f"smoothing {smoothing}, fused {fused}"
+            within("chunked_loss.head_maths.loss", got, ref, label=label)
+            within("chunked_loss.head_maths.grads", grads(got, hidden, weight), grads(ref, hidden, weight), label=label)
     plain = reference(hidden, weight, None, labels, "token", None)
-    # the maths changes the loss: the test can see it
-    assert abs(float(plain.detach()) - float(ref.detach())) > 1e-3 * float(ref.detach())
+    # the maths changes the loss: the test can see it (the head's maths and the smoothing left out)
+    beyond("chunked_loss.head_maths.loss", plain, ref)
+    beyond("chunked_loss.head_maths.grads", grads(plain, hidden, weight), grads(ref, hidden, weight))
 
 
 def test_bf16_within_bf16_tolerance():
     hidden, weight, _, labels = problem(dtype=torch.bfloat16, v=300)
     ref = reference(hidden, weight, None, labels, "token", None)
     got = chunked(hidden, weight, None, labels, "token", None, chunk=5)
-    torch.testing.assert_close(got, ref.float(), rtol=1e-3, atol=1e-3)
-    for g, r in zip(grads(got, hidden, weight), grads(ref, hidden, weight)):
-        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-3)  # bf16 gradients: one rounding of 8 bits
+    within("chunked_loss.bf16.loss", got, ref.float())
+    for i, (g, r) in enumerate(zip(grads(got, hidden, weight), grads(ref, hidden, weight))):
+        within("chunked_loss.bf16.grads", g, r, label=("hidden", "weight")[i])  # bf16: one rounding of 8 bits
         assert g.dtype == torch.bfloat16
 
 
@@ -99,7 +96,7 @@ def test_example_sums_from_chunks_equal_from_logits():
     with torch.no_grad():
         ce = losses.hidden_ce(hidden, weight, None, labels, chunk_size=4)
         ref = losses.example_sums(hidden @ weight.T, labels)
-    torch.testing.assert_close(losses.example_sums(None, labels, ce=ce), ref)
+    within("chunked_loss.example_sums_vs_logits", losses.example_sums(None, labels, ce=ce), ref)
 
 
 def test_no_targets_gives_zero_loss_and_zero_gradients():
@@ -193,17 +190,16 @@ def test_trainer_step_chunked_equals_logits(case, tmp_path):
     ref_trainer, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch, **kwargs)
     trainer, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch, **kwargs)
     assert ref_trainer._head is None and trainer._head is not None
-    assert got == pytest.approx(ref, rel=1e-5)
+    within("chunked_loss.trainer_step.loss", got, ref)
     assert ref_grads.keys() == grads_.keys()
-    for name in ref_grads:
-        assert_rel(grads_[name], ref_grads[name])
+    within("chunked_loss.trainer_step.grads", grads_, ref_grads)
     if case == "tied":  # the head's gradient reached the embedding (the one parameter both use)
         assert float(grads_["model.embed_tokens.weight"].abs().sum()) > 0
     if kind != "llama":  # the head's maths is found and applied: without it the loss differs
         trainer._head = (trainer._head[0], HeadMath())
         _, plain = trainer._ce(trainer.model, {k: v for k, v in batch.items() if k != "labels"}, batch["labels"])
-        assert abs(float(losses.sum_ce(plain, batch["labels"])) / int((batch["labels"][:, 1:] != -100).sum())
-                   - ref) > 1e-4 * ref  # 10x the tolerance above
+        beyond("chunked_loss.trainer_step.loss",
+               float(losses.sum_ce(plain, batch["labels"])) / int((batch["labels"][:, 1:] != -100).sum()), ref)
 
 
 def test_lora_trains_through_the_chunked_loss(tmp_path):
@@ -214,10 +210,9 @@ def test_lora_trains_through_the_chunked_loss(tmp_path):
     _, ref, ref_grads = loss_and_grads(model, "logits", tmp_path, batch)
     trainer, got, grads_ = loss_and_grads(model, "chunked", tmp_path, batch)
     assert trainer._head is not None
-    assert got == pytest.approx(ref, rel=1e-5)
+    within("chunked_loss.trainer_step.loss", got, ref, label="lora")
     assert len(grads_) == 4 and grads_.keys() == ref_grads.keys()  # the LoRA matrices only
-    for name in ref_grads:
-        assert_rel(grads_[name], ref_grads[name])
+    within("chunked_loss.trainer_step.grads", grads_, ref_grads, label="lora")
 
 
 def test_a_head_it_cannot_reproduce_falls_back_under_auto_and_is_refused_when_asked(tmp_path, capsys):
@@ -242,12 +237,12 @@ def test_eval_sums_in_chunks_equal_from_logits(tmp_path):
     b = trainer_for(model, "logits", tmp_path)
     for t in (a, b):
         t.prediction_step(model, dict(batch), prediction_loss_only=True)
-    torch.testing.assert_close(a._eval_sums[0], b._eval_sums[0], rtol=1e-6, atol=1e-6)
+    within("chunked_loss.eval_sums_vs_logits", a._eval_sums[0], b._eval_sums[0])
     # No metric reads the logits (compute_metrics None): chunked too, and no logits returned; the logits path
     # returns them.
     assert a.prediction_step(model, dict(batch), prediction_loss_only=False) == (None, None, None)
     assert b.prediction_step(model, dict(batch), prediction_loss_only=False)[1].shape == (2, 48, 512)
-    torch.testing.assert_close(a._eval_sums[1], b._eval_sums[1], rtol=1e-6, atol=1e-6)
+    within("chunked_loss.eval_sums_vs_logits", a._eval_sums[1], b._eval_sums[1])
 
 
 class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
@@ -316,7 +311,7 @@ def test_the_head_runs_under_the_autocast_of_the_forward(tmp_path):
             loss[impl].backward()
         seen[impl] = mode.dtypes
     assert seen["logits"] == {torch.bfloat16} and seen["chunked"] == {torch.bfloat16}
-    torch.testing.assert_close(loss["chunked"], loss["logits"], rtol=1e-3, atol=1e-3)
+    within("chunked_loss.autocast_bf16.loss", loss["chunked"], loss["logits"])
     del model.forward
     with HeadDtypes(512) as mode:  # negative control: without the forward's autocast the head runs in fp32
         trainer.compute_loss(model, dict(batch))

@@ -11,6 +11,7 @@ from hftrain import losses
 from hftrain.config import DataSection, DataSource, ModelSection
 from hftrain.constants import IGNORE_INDEX
 from hftrain.data import build_datasets
+from tests.exactness import beyond, within
 from tests.support import free_port
 from hftrain.evaluate import greedy_answer, shard
 
@@ -40,9 +41,9 @@ def test_example_sums_one_row_per_example_padded_or_packed(spiky_model_dir, toke
                                 packed["labels"], packed["position_ids"])
     assert a.shape == (3, 2) and b.shape == (3, 2)  # a packed row's trailing padding is no example
     # Packing places the examples longest first: the same rows, in another order.
-    torch.testing.assert_close(a[a[:, 1].argsort()], b[b[:, 1].argsort()], rtol=1e-5, atol=1e-5)
+    within("eval.packed_vs_padded.example_sums", b[b[:, 1].argsort()], a[a[:, 1].argsort()])
     assert a[:, 1].tolist() == [sum(x != IGNORE_INDEX for x in ex["labels"][1:]) for ex in exs]
-    torch.testing.assert_close(a[:, 0].sum(), losses.loss_sum(
+    within("eval.example_sums_vs_loss_sum.loss", a[:, 0].sum(), losses.loss_sum(
         model(**{k: v for k, v in padded.items() if k != "labels"}).logits.detach(), padded["labels"]).double())
 
 
@@ -66,9 +67,9 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set_for_any_batch_size(eval_s
                                    report_to="none")
         trainer = SFTTrainer(model=model, args=args, eval_dataset=data.eval, data_collator=data.collator,
                              processing_class=tok)
-        assert trainer.evaluate()["eval_loss"] == pytest.approx(ref, rel=1e-5), bs
+        within("eval.eval_loss_vs_token_mean.loss", trainer.evaluate()["eval_loss"], ref, label=f"batch size {bs}")
         if bs < N_EVAL:  # negative control: the old number (a mean of per-batch means) is visibly off on this data
-            assert abs(old(bs) - ref) > 1e-3 * ref, bs
+            beyond("eval.eval_loss_vs_token_mean.loss", old(bs), ref, label=f"batch size {bs}")
 
 
 def test_exact_match_shards_count_each_example_once():
@@ -151,8 +152,8 @@ def test_eval_loss_and_exact_match_equal_on_1_and_2_processes(eval_runs, matched
     _, share, ref = matched_eval
     m, one = eval_runs[name], eval_runs["1p"]
     for key in ("initial_eval_loss", "final_eval_loss"):
-        assert m[key] == pytest.approx(ref, rel=1e-5, abs=1e-5), key
-        assert m[key] == pytest.approx(one[key], rel=1e-5, abs=1e-5), key
+        within("eval.eval_loss_vs_token_mean.loss", m[key], ref, label=key)
+        within("eval.processes_vs_one_process.loss", m[key], one[key], label=key)
     assert m["final_exact_match"] == pytest.approx(share) == one["final_exact_match"]
     if name != "zero3":  # no greedy answers before training under ZeRO-3's zero.Init (recipes/sft.py)
         assert m["initial_exact_match"] == pytest.approx(share)

@@ -12,9 +12,10 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.errors import ModelError
 from hftrain.losses import fused_ce
 from hftrain.losses.chunked_ce import HeadMath
+from tests.exactness import within
 
 from .test_bad_input import W, run_check, run_main, pin_launcher, snapshot
-from .test_chunked_loss import assert_rel, grads, loss_and_grads, problem, tiny_lm, trainer_case, trainer_for
+from .test_chunked_loss import grads, loss_and_grads, problem, tiny_lm, trainer_case, trainer_for
 
 
 class LigerStandIn(torch.nn.Module):
@@ -60,9 +61,10 @@ def test_on_a_cuda_machine_with_liger_the_fused_loss_runs_only_when_asked(impl, 
     out = capsys.readouterr().out
     assert ("hftrain: loss: hftrain's chunked cross-entropy over the target rows, no full logits (training.loss_impl: "
             f"{impl}; liger-kernel's fused loss only with training.loss_impl: fused)") in out
-    assert got == pytest.approx(ref, rel=1e-5)
+    within("chunked_loss.trainer_step.loss", got, ref, label=impl)
     _, fused, _ = loss_and_grads(model, "fused", tmp_path, batch)
-    assert len(cuda_with_liger) == 1 and fused == pytest.approx(got, rel=1e-5)
+    assert len(cuda_with_liger) == 1
+    within("fused_loss.vs_chunked.loss", fused, got)
     assert "hftrain: loss: liger-kernel's fused linear cross-entropy over the target rows (training.loss_impl: " \
         "fused)" in capsys.readouterr().out
 
@@ -75,10 +77,10 @@ def test_the_fused_loss_gets_only_the_target_rows_and_equals_the_chunked_loss(ca
     targets = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     assert targets < batch["labels"][:, 1:].numel()  # the batch has prompt rows: they must not reach the kernel
     assert cuda_with_liger == [((targets, model.config.hidden_size), 0)]
-    assert trainer._fused and got == pytest.approx(ref, rel=1e-5)
+    assert trainer._fused
+    within("fused_loss.vs_chunked.loss", got, ref)
     assert ref_grads.keys() == grads_.keys()
-    for name in ref_grads:
-        assert_rel(grads_[name], ref_grads[name])
+    within("fused_loss.vs_chunked.grads", grads_, ref_grads)
 
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["labels", "sequence-parallel-slice"])
@@ -95,9 +97,9 @@ def test_the_fused_sum_over_target_rows_equals_the_chunked_sum(aligned, cuda_wit
         sums = [losses.hidden_loss_sum(hidden, weight, bias, labels, chunk_size=4, fused=fused)
                 for fused in (False, True)]
     assert cuda_with_liger == [((int((targets != IGNORE_INDEX).sum()), hidden.shape[-1]), 0)]
-    assert_rel(sums[1], sums[0])
-    for a, b in zip(grads(sums[1], hidden, weight, bias), grads(sums[0], hidden, weight, bias)):
-        assert_rel(a, b)
+    within("fused_loss.sum_vs_chunked.sum", sums[1], sums[0])
+    within("fused_loss.sum_vs_chunked.grads", grads(sums[1], hidden, weight, bias),
+           grads(sums[0], hidden, weight, bias))
 
 
 def test_a_micro_batch_without_targets_gives_zero_and_zero_gradients(cuda_with_liger):

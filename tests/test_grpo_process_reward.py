@@ -15,6 +15,8 @@ from hftrain.methods.grpo.process_reward_model import ProcessRewardModel
 from hftrain.methods.grpo.rewards import Policy, load_rewards
 from hftrain.methods.reward.step_rows import tokenised_steps
 
+from tests.exactness import beyond, within
+
 from .test_grpo_reward_model import PROMPT, grpo_recipe, save_classifier, save_prm
 
 KEY = "grpo.rewards.0.model"
@@ -55,15 +57,23 @@ def test_scores_equal_a_token_classifier_read_at_the_separators_by_hand_min_and_
     time; blank pieces between separators are no steps, the last step ends with the separator too."""
     steps = [by_hand(prm, tokenizer, p, s) for (p, _), s in zip(CASES, STEPS)]
     # the last step is neither always the weakest nor always the strongest: min, last (and not max) are told apart
-    assert min(steps[0]) < steps[0][-1] - 1e-3 and max(steps[1]) > steps[1][-1] + 1e-3, steps
+    # (the controls: the wrong aggregate differs by more than the bound)
+    beyond("grpo_process_reward.batched_vs_alone.scores", min(steps[0]), steps[0][-1], label="min for last", scale=1.0)
+    beyond("grpo_process_reward.batched_vs_alone.scores", max(steps[1]), steps[1][-1], label="max for last", scale=1.0)
     prompts, completions = [p for p, _ in CASES], [c for _, c in CASES]
     for aggregate, expected in (("min", [min(s) for s in steps]), ("last", [s[-1] for s in steps])):
         reward = scorer(prm, tokenizer, aggregate)
         assert isinstance(reward.fn, ProcessRewardModel)
         got = reward(prompts, completions)
-        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), aggregate
-        assert [reward([p], [c])[0] for p, c in zip(prompts, completions)] == pytest.approx(got, rel=1e-5, abs=1e-6)
-    assert reward([PROMPT, PROMPT], ["\n \n", "c b a"]) == [None, pytest.approx(expected[2], rel=1e-5, abs=1e-6)]
+        within("grpo_process_reward.batched_vs_alone.scores", got, expected, scale=1.0,
+               label=f"{aggregate}: batched against by hand")
+        alone = [reward([p], [c])[0] for p, c in zip(prompts, completions)]
+        within("grpo_process_reward.batched_vs_alone.scores", alone, got, scale=1.0,
+               label=f"{aggregate}: one at a time against batched")
+    blank = reward([PROMPT, PROMPT], ["\n \n", "c b a"])
+    assert len(blank) == 2 and blank[0] is None, blank
+    within("grpo_process_reward.batched_vs_alone.scores", blank[1], expected[2], label="beside a blank completion",
+           scale=1.0)
     assert not reward.fn.model.training and not any(p.requires_grad for p in reward.fn.model.parameters())
 
 

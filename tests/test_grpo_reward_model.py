@@ -19,6 +19,8 @@ from hftrain.methods.grpo.reward_model import RewardModel
 from hftrain.methods.grpo.rewards import ModelReward, Policy, load_rewards
 from hftrain.tiny import train_tokenizer
 
+from tests.exactness import beyond, within
+
 from .conftest import DEMO_TRAIN, PY, SMALL, run
 
 KEY = "grpo.rewards.0.model"
@@ -79,12 +81,13 @@ def test_batched_scores_equal_one_at_a_time_forwards(rm, tokenizer):
     s = scorer(rm, tokenizer)
     got = s.score_ids(rows)
     expected = direct(rm, rows)
-    assert len(set(expected)) == 4 and got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert len(set(expected)) == 4
+    within("grpo_reward_model.scorer_vs_alone.scores", got, expected, scale=1.0)
     width = max(map(len, rows))  # left padding reads the same last real token (relative positions: rotary)
     ids = torch.tensor([[s.pad_token_id] * (width - len(r)) + r for r in rows])
     with torch.no_grad():
         left = s.model(input_ids=ids, attention_mask=(ids != s.pad_token_id).long()).logits[:, 0].tolist()
-    assert left == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    within("grpo_reward_model.left_padded_vs_alone.scores", left, expected, scale=1.0)
     assert not s.model.training and not any(p.requires_grad for p in s.model.parameters())
 
 
@@ -97,7 +100,8 @@ def test_the_same_tokenizer_scores_the_policys_own_tokens(rm, tokenizer):
     own = [tokenizer("reverse: a b")["input_ids"], tokenizer("a b c")["input_ids"]]
     s.rollout_ids = own  # as GroupTrainer hands them over: the prompts' text is then not read
     end = tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]  # cut short: the template's turn end added
-    assert s([PROMPT, PROMPT], ["x", "y"]) == pytest.approx(direct(rm, [r + end for r in own]), rel=1e-5, abs=1e-6)
+    within("grpo_reward_model.scorer_vs_alone.scores", s([PROMPT, PROMPT], ["x", "y"]),
+           direct(rm, [r + end for r in own]), scale=1.0)
 
 
 def test_a_rollout_is_scored_as_the_reward_model_read_the_conversation_in_training(rm, tokenizer):
@@ -116,8 +120,9 @@ def test_a_rollout_is_scored_as_the_reward_model_read_the_conversation_in_traini
     assert rendered[0][:len(ended)] == ended and rendered[1][:len(cut)] == cut  # the same tokens, up to the EOS
     s.rollout_ids = [ended, cut]
     expected = direct(rm, rendered)
-    assert s([PROMPT, PROMPT], answers) == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    assert direct(rm, [ended])[0] != pytest.approx(expected[0], rel=1e-3)  # the EOS position: another score
+    within("grpo_reward_model.scorer_vs_alone.scores", s([PROMPT, PROMPT], answers), expected, scale=1.0)
+    # the EOS position: another score
+    beyond("grpo_reward_model.scorer_vs_alone.scores", direct(rm, [ended])[0], expected[0], scale=1.0)
 
 
 def test_another_tokenizer_renders_the_conversation_with_its_own_template(tmp_path, tokenizer, capsys):
@@ -127,8 +132,8 @@ def test_another_tokenizer_renders_the_conversation_with_its_own_template(tmp_pa
     assert not s.same
     s.rollout_ids = [tokenizer("reverse: a b")["input_ids"]]  # the policy's tokens mean nothing to it: not used
     text = other.apply_chat_template(PROMPT + [{"role": "assistant", "content": "c b a"}], tokenize=False)
-    assert s([PROMPT], ["c b a"]) == pytest.approx(direct(path, [other(text, add_special_tokens=False)["input_ids"]]),
-                                                   rel=1e-5, abs=1e-6)
+    within("grpo_reward_model.scorer_vs_alone.scores", s([PROMPT], ["c b a"]),
+           direct(path, [other(text, add_special_tokens=False)["input_ids"]]), scale=1.0)
     assert s([[*PROMPT]], [[{"role": "assistant", "content": "c b a"}]]) == s([PROMPT], ["c b a"])
     scorer(path, tokenizer)
     assert capsys.readouterr().out.count("tokenizer differs from the policy's") == 1  # said once
@@ -164,7 +169,8 @@ def test_a_model_reward_plugs_into_the_rewards(rm, tokenizer):
     assert [r.__name__ for r in rewards] == ["exact_match", "model:rm", "model:rm_2"]
     assert isinstance(rewards[1], ModelReward)
     values = rewards[1]([PROMPT], ["c b a"], completion_ids=[[1]], reference=["c b a"])
-    assert values == pytest.approx(direct(rm, rewards[1].fn.render([PROMPT], ["c b a"])), rel=1e-5, abs=1e-6)
+    within("grpo_reward_model.scorer_vs_alone.scores", values, direct(rm, rewards[1].fn.render([PROMPT], ["c b a"])),
+           scale=1.0)
 
 
 # -- the refusals: `hftrain check` and the run alike -----------------------------------------------------------------
@@ -230,5 +236,7 @@ def test_a_grpo_run_with_reward_models_as_its_rewards(tmp_path, rm, tiny_model_d
     assert len(logged) == 2, logged
     for h in logged:
         outcome, process = h["rewards/model:rm/mean"], h["rewards/model:prm/mean"]
-        assert outcome != 0 and 0 < process < 1 and h["reward"] == pytest.approx(2 * outcome + process), h
+        assert outcome != 0 and 0 < process < 1, h
+        within("grpo_reward_model.logged_reward_vs_weighted_sum.reward", h["reward"], 2 * outcome + process,
+               label=str(h), scale=1.0)
         assert "rewards/model:rm/std" in h and "rewards/model:prm/std" in h

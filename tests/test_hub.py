@@ -26,6 +26,7 @@ from hftrain.hub.push import STAGE_DIR, push
 from hftrain.hub.stage import STAGE_MARKER
 from hftrain.config import HubSection, RecipeError
 from hftrain.methods import load_recipe
+from tests.exactness import within
 from tests.support import free_port
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_EVAL, DEMO_TRAIN, PY, REPO, run
@@ -174,7 +175,7 @@ def assert_received_equals_staged(received: dict, staged_dir):
         assert received[f] == staged[f], f
 
 
-def probe_equal(folder, info):
+def probe_equal(folder, info, label=""):
     from transformers import AutoModelForCausalLM
 
     from hftrain.constants import PROBE_IDS
@@ -182,8 +183,8 @@ def probe_equal(folder, info):
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     ids = torch.tensor(PROBE_IDS) % model.config.vocab_size
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
-                                   rtol=1e-5, atol=1e-5)
+        within("hub.pushed_vs_run.probe_logits", model(input_ids=ids).logits, torch.tensor(info["probe_logits"]),
+               label=label)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def test_run_pushes_exactly_the_validated_folder(pushed_run, hub, tmp_path):
     for f, data in received.items():
         (tmp_path / f).write_bytes(data)
     info = json.loads(received["run_info.json"])
-    probe_equal(tmp_path, info)
+    probe_equal(tmp_path, info, label="one process")
 
     # The card: metadata, the resolved recipe, the generated launcher config, the final metrics, the curves.
     card = ModelCard(received["README.md"].decode())
@@ -556,7 +557,7 @@ def test_zero3_two_ranks_pushes_full_weights_that_reload_with_equal_logits(tiny_
         assert set(got.keys()) == set(ref.keys())
         for k in ref.keys():
             assert got.get_slice(k).get_shape() == ref.get_slice(k).get_shape(), k
-    probe_equal(tmp_path / "reload", info)
+    probe_equal(tmp_path / "reload", info, label="zero3")
     card = received["README.md"].decode()
     assert "strategy: `zero3` (wrapper DeepSpeedEngine, zero_stage 3" in card and "world size: 2 process(es)" in card
     assert received["zero3.json"].decode().strip() in card

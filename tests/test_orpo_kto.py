@@ -16,6 +16,8 @@ from hftrain.config.sections import DataSection, DataSource
 from hftrain.methods.preference.unpaired import build_unpaired_data, read_unpaired, split_in_two
 from hftrain.errors import DataError
 
+from tests.exactness import beyond, within
+
 from .conftest import REPO
 
 PAIRS_TRAIN = os.path.join(REPO, "data", "demo", "preference_train.jsonl")
@@ -246,14 +248,14 @@ def test_orpo_loss_is_the_global_nll_mean_minus_the_mean_odds_ratio_term(tmp_pat
         odds.append(float(F.logsigmoid(log_odds)))
     want = nll / tokens - beta * sum(odds) / len(odds)
     counts = torch.tensor([4, tokens])
-    assert shares(trainer, rows, [4], counts) == pytest.approx(want, rel=1e-5)
-    assert shares(trainer, rows, [1, 3], counts) == pytest.approx(want, rel=1e-5)
+    within("orpo.loss_vs_formula.loss", shares(trainer, rows, [4], counts), want, label="one batch of 4")
+    within("orpo.loss_vs_formula.loss", shares(trainer, rows, [1, 3], counts), want, label="micro-batches of 1 and 3")
     from trl.experimental.orpo import ORPOTrainer
 
     with torch.no_grad():
         trl = [float(ORPOTrainer.compute_loss(trainer, trainer.model, trainer._prepare_inputs(trainer.data_collator(
             part)))) for part in (rows[:1], rows[1:])]
-    assert abs(sum(trl) / 2 - want) > 1e-3 * abs(want)  # the micro-batches' lengths differ: TRL's average is off
+    beyond("orpo.loss_vs_formula.loss", sum(trl) / 2, want)  # the micro-batches' lengths differ: TRL's average is off
 
 
 @pytest.mark.parametrize("reference", ["copy", "precompute", "lora"])
@@ -291,10 +293,11 @@ def test_kto_kl_point_and_loss_are_over_the_whole_step(tmp_path, spiky_model_dir
         losses.append(weights[r["label"]] * (1 - torch.sigmoid(torch.tensor(margin)).item()))
     micro = [trainer._prepare_inputs(trainer.data_collator(rows[i:i + 2])) for i in range(0, 8, 2)]
     trainer.step_kl = trainer._global_kl(micro)
-    assert float(trainer.step_kl) == pytest.approx(z, rel=1e-5)
-    assert shares(trainer, rows, [2, 2, 2, 2], torch.tensor(8)) == pytest.approx(sum(losses) / 8, rel=1e-5)
+    within("kto.step_kl_vs_formula.z", float(trainer.step_kl), z)
+    within("kto.loss_vs_formula.loss", shares(trainer, rows, [2, 2, 2, 2], torch.tensor(8)), sum(losses) / 8)
     per_micro = [max(0.0, sum(kl[i:i + 2]) / 2) for i in range(0, 8, 2)]
-    assert max(abs(k - z) for k in per_micro) > 0.1 * z, per_micro  # TRL's z of a micro-batch alone
+    # TRL's z of a micro-batch alone
+    beyond("kto.step_kl_vs_formula.z", per_micro, [z] * len(per_micro), label=f"per micro-batch {per_micro}")
 
 
 @pytest.mark.parametrize("preference, tag", [({"loss_type": "orpo"}, "orpo"), ({"loss_type": "kto"}, "kto"),

@@ -21,6 +21,7 @@ from hftrain.modeling import load_model, save_merged
 bnb = pytest.importorskip("bitsandbytes")
 
 from hftrain.quantization import FINGERPRINT_FILE, base_fingerprint  # noqa: E402  (needs bitsandbytes)
+from tests.exactness import within  # noqa: E402
 
 LAYER = "model.layers.0.self_attn.q_proj.weight"
 
@@ -61,7 +62,7 @@ def test_a_sharded_runs_merge_checks_the_base_it_quantised_again(tiny_model_dir,
                                                   dtype=torch.float32)
     with torch.no_grad():
         got = merged(input_ids=ids).logits
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    within("quantization.merged_vs_qlora.logits", got, want, label="sharded merge")
     recorded = json.load(open(out / FINGERPRINT_FILE))["layers"]
     assert recorded == base_fingerprint(qlora) and LAYER in recorded and len(recorded) == 14
     assert {layer["quantized_from"] for layer in recorded.values()} == {"float32"}

@@ -19,6 +19,7 @@ from hftrain.launch import check_recipe
 from hftrain.launch.plan import ModelFacts, format_plan, plan
 
 from .conftest import DEMO_TRAIN
+from .exactness import beyond, within
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 
@@ -53,10 +54,12 @@ def test_the_slices_add_up_to_the_rows_loss_and_counts(mode):
     weights = losses.weights_of(*whole, mode).reshape(shift.shape)
     parts = [(losses.aligned_ce(lg, tg) * w.reshape(-1)).sum()
              for lg, tg, w in zip(slices(logits, n), slices(shift, n), slices(weights, n))]
-    torch.testing.assert_close(sum(parts), losses.loss_sum(logits, labels, mode, pos))
+    within("sequence_parallel.slices_vs_rows.loss_sum", sum(parts), losses.loss_sum(logits, labels, mode, pos),
+           label=mode)
     chunked = [losses.aligned_hidden_loss_sum(h, head, None, tg, w.reshape(-1), chunk_size=3)
                for h, tg, w in zip(slices(hidden, n), slices(shift, n), slices(weights, n))]
-    torch.testing.assert_close(sum(chunked), losses.loss_sum(logits, labels, mode, pos))
+    within("sequence_parallel.chunked_slices_vs_rows.loss_sum", sum(chunked),
+           losses.loss_sum(logits, labels, mode, pos), label=mode)
     assert losses.counts_of(*whole) == losses.count_targets(labels, pos)
     tokens = sum(int((tg != IGNORE_INDEX).sum()) for tg in slices(shift, n))
     assert tokens == losses.count_targets(labels, pos)[0]
@@ -128,9 +131,11 @@ def test_per_example_attention_equals_the_packed_mask(tiny_model_dir, tokenizer)
             leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     finally:
         attention.uninstall()
-    torch.testing.assert_close(got_eval, expected)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(leaky, expected, atol=1e-3)
+    within("sequence_parallel.eval_dispatch_vs_packed_mask.logits", got_eval, expected)
+    within("sequence_parallel.document_attention_vs_packed_mask.logits", got, expected)
+    # the control: attention across the documents of a row (the mask dropped, no split by document)
+    beyond("sequence_parallel.eval_dispatch_vs_packed_mask.logits", leaky, expected, label="mask dropped")
+    beyond("sequence_parallel.document_attention_vs_packed_mask.logits", leaky, expected, label="mask dropped")
 
 
 def test_recipe_rules():
