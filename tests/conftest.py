@@ -316,11 +316,3 @@ def pytest_collection_modifyitems(session, config, items):
     tests that need them last (tests/op_build.py)."""
     if op_build.background_build_started() and not getattr(config.option, "numprocesses", None):
         items[:] = op_build.tests_needing_ops_last(items)
-
-
-def assert_close_rel(a: dict, b: dict, rel=1e-5):
-    # Savers differ only in whether they also write the tied lm_head.weight (equal to the embedding).
-    assert {k for k in a if k != "lm_head.weight"} == {k for k in b if k != "lm_head.weight"}
-    for k in set(a) & set(b):
-        err = (a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp(min=1e-12)
-        assert err <= rel, f"{k}: relative difference {err:.2e}"
