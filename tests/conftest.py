@@ -88,6 +88,20 @@ def reference_runs(tmp_path_factory, request):
     return ReferenceRuns(str(root), str(model_dir), launch)
 
 
+@pytest.fixture(autouse=True)
+def _forget_modules_of_temporary_folders(tmp_path_factory):
+    """A module a test wrote into its temporary folder and imported by name (a reward function, a tool, an
+    environment: `my_tools:add`) is forgotten after the test, with the folder's place on sys.path: another test's
+    module of the same name, in another folder, would otherwise be this one (an earlier test's envs.py made a later
+    test's envs:NoReset 'no function')."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if not p.startswith(base)]
+
+
 @pytest.fixture
 def in_process(monkeypatch):
     """For a recipe script's or the CLI's main(argv) run in the pytest process (a case whose process is not under

@@ -101,3 +101,43 @@ def run_with_micro_batch_means(trainer_class: type, main, argv) -> None:
         main(argv)
     finally:
         trainer_class._get_num_items_in_batch, trainer_class.step_share = counted, share
+
+
+# -- a resume against the uninterrupted run, for the methods whose tests launch their runs in a matrix ---------------
+RESUMED = {"optim": "adamw_torch", "learning_rate": 1e-3, "save_strategy": "steps", "save_steps": 2}
+
+
+def resume_variants(plan, tmp, model_dir, rows) -> dict:
+    """A whole model and a LoRA adapter, each trained 4 steps (micro-batch 2, GA2) with AdamW and a checkpoint at step
+    2, then resumed from it later in the same launch, and resumed from it with the weights only (the control: a fresh
+    optimizer). `plan(tmp, name, model_dir, rows, bs, ga, steps, model=..., training=...)` is the test module's own
+    variant of a matrix launch."""
+    out = {}
+    for kind, model in (("whole", {}), ("lora", {"lora": {"r": 4, "alpha": 8}})):
+        ck = str(tmp / f"resume_{kind}" / "checkpoint-2")
+        for name, more in (("", {}), ("_after", {"resume_from_checkpoint": ck}),
+                           ("_weights_only", {"resume_from_checkpoint": ck, "resume_weights_only": True})):
+            out[f"resume_{kind}{name}"] = plan(tmp, f"resume_{kind}{name}", model_dir, rows, 2, 2, 4, model=model,
+                                               training={**RESUMED, **more})
+    return out
+
+
+def assert_resume_exact(tmp, variants, kind: str, bounds: str) -> None:
+    """Steps 3-4 from checkpoint-2 (weights, AdamW state, data position) equal the uninterrupted run's (bounds
+    `<bounds>.resumed_vs_uninterrupted.*`); resuming the weights alone is the control."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.exactness import beyond, within
+
+    weights = "model.safetensors" if kind == "whole" else "adapter_model.safetensors"
+    runs = {}
+    for name in (f"resume_{kind}", f"resume_{kind}_after", f"resume_{kind}_weights_only"):
+        variants[name].check()
+        history = json.load(open(tmp / name / "trainer_state.json"))["log_history"]
+        runs[name] = ([h["loss"] for h in history if "loss" in h], load_file(str(tmp / name / weights)))
+    whole, after, control = runs[f"resume_{kind}"], runs[f"resume_{kind}_after"], runs[f"resume_{kind}_weights_only"]
+    within(f"{bounds}.resumed_vs_uninterrupted.losses", after[0][-2:], whole[0][-2:], label=kind)
+    within(f"{bounds}.resumed_vs_uninterrupted.weights", after[1], whole[1], label=kind)
+    beyond(f"{bounds}.resumed_vs_uninterrupted.weights", control[1], whole[1], label=f"{kind}, weights only")

@@ -99,18 +99,19 @@ def test_two_tools_of_one_name_are_refused_naming_both(tmp_path, monkeypatch):
     method) the model sees two schemas and one could never be called."""
     add = 'def add(a: int, b: int) -> str:\n    """Add.\n\n    Args:\n        a: One.\n        b: Two.\n    """\n' \
           '    return str(a + b)\n'
-    (tmp_path / "my_tools.py").write_text(add)
-    (tmp_path / "other_tools.py").write_text(add)
+    (tmp_path / "dup_a_tools.py").write_text(add)
+    (tmp_path / "dup_b_tools.py").write_text(add)
     method = "\n".join("    " + line for line in add.splitlines()).replace("(a: int", "(self, a: int")
-    (tmp_path / "envs.py").write_text(f"class Adder:\n    def reset(self, **row):\n        return None\n\n{method}\n")
+    (tmp_path / "adder_envs.py").write_text(f"class Adder:\n    def reset(self, **row):\n        return None\n\n"
+                                            f"{method}\n")
     monkeypatch.chdir(tmp_path)
     rewards = [RewardSpec(function="exact_match")]
-    with pytest.raises(RewardError, match=r"grpo\.tools\.1: other_tools:add is named 'add', as grpo\.tools\.0 is"):
-        load_tools(GrpoSection(rewards=rewards, tools=["my_tools:add", "other_tools:add"]))
-    with pytest.raises(RewardError, match=r"grpo\.tools\.0: my_tools:add is named 'add', as a method of "
-                                          r"grpo\.environment envs:Adder is"):
-        shown_tools(GrpoSection(rewards=rewards, tools=["my_tools:add"], environment="envs:Adder"))
-    assert [t.__name__ for t in shown_tools(GrpoSection(rewards=rewards, environment="envs:Adder"))] == ["add"]
+    with pytest.raises(RewardError, match=r"grpo\.tools\.1: dup_b_tools:add is named 'add', as grpo\.tools\.0 is"):
+        load_tools(GrpoSection(rewards=rewards, tools=["dup_a_tools:add", "dup_b_tools:add"]))
+    with pytest.raises(RewardError, match=r"grpo\.tools\.0: dup_a_tools:add is named 'add', as a method of "
+                                          r"grpo\.environment adder_envs:Adder is"):
+        shown_tools(GrpoSection(rewards=rewards, tools=["dup_a_tools:add"], environment="adder_envs:Adder"))
+    assert [t.__name__ for t in shown_tools(GrpoSection(rewards=rewards, environment="adder_envs:Adder"))] == ["add"]
 
 
 def test_only_a_template_whose_tool_calls_trl_parses_runs_tools(tiny_model_dir):
@@ -135,7 +136,7 @@ def test_only_a_template_whose_tool_calls_trl_parses_runs_tools(tiny_model_dir):
 ])
 def test_tool_keys_are_checked(override, expected):
     tree = json.loads(json.dumps(BASE))
-    tree["grpo"]["tools"] = ["my_tools:add"]
+    tree["grpo"]["tools"] = ["dup_a_tools:add"]
     found = parse_recipe(None, [override], raw=tree)[1]
     assert any(expected in p for p in found), found
 

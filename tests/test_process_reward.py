@@ -18,6 +18,7 @@ from hftrain.methods import parse_recipe
 
 from tests.exactness import beyond, within
 
+from .support import assert_resume_exact, resume_variants
 from .conftest import PY, launch_prefix, run, run_matrix
 
 
@@ -260,6 +261,7 @@ def one_rank(tmp_path_factory, spiky_model_dir, tiny_model_dir):
         "full": plan(tmp, "full", tiny_model_dir, learn, 8, 1, 40, data={"eval_fraction": 0.2},
                      training={"optim": "adamw_torch", "learning_rate": 0.01, "per_device_eval_batch_size": 5}),
         "lora": plan(tmp, "lora", tiny_model_dir, learn, 8, 1, 2, model={"lora": {"r": 4, "alpha": 8, "merge": True}}),
+        **resume_variants(plan, tmp, spiky_model_dir, sixteen),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900), (sixteen, held)
 
@@ -314,6 +316,13 @@ def test_a_pushed_process_reward_model_names_its_auto_class_and_loads_with_it(on
     tok = AutoTokenizer.from_pretrained(stage)
     model = AutoModelForTokenClassification.from_pretrained(stage)
     assert model(**tok("judge:\na b c\n", return_tensors="pt")).logits.shape[-1] == 2
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("kind", ["whole", "lora"])
+def test_a_resumed_process_reward_model_ends_where_the_uninterrupted_run_ends(one_rank, kind):
+    tmp, variants, _ = one_rank
+    assert_resume_exact(tmp, variants, kind, "process_reward")
 
 
 @pytest.fixture(scope="module")

@@ -147,10 +147,39 @@ def test_a_resume_restores_the_adapter_and_optimizer_exactly(runs):
     within("quantization.resumed_vs_uninterrupted.weights", whole, ref)
 
 
-def test_the_merged_model_of_a_two_rank_run_loads_and_matches_the_adapter(runs):
+def test_the_merged_model_of_a_two_rank_run_loads_and_matches_the_adapter(runs, tmp_path, monkeypatch):
     tmp, results = runs
     results["2x_ga1"].check()
     _assert_merged_matches_the_adapter(tmp / "2x_ga1")
+    # the upload check builds the base quantised as the recipe said: a right merged/ was refused (0.17 apart from the
+    # full-precision base), for the adapter and for the merged model alike
+    from hftrain.config import HubSection
+    from hftrain.hub.push import push
+
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    for merge in (False, True):
+        push(str(tmp / "2x_ga1"), HubSection(repo_id="me/qlora", merge_lora=merge), dry_run=True,
+             stage_dir=str(tmp_path / f"stage_{merge}"))
+
+
+def test_a_checkpoint_records_its_base_quantisation_and_a_resume_on_another_is_refused(runs, tiny_model_dir, capsys):
+    """A 4-bit adapter resumed with bits: 8 (or on an unquantised base) went on against other weights, silently:
+    the checkpoint said nothing of its base. check and the run refuse it now; the same quantisation is the control."""
+    from hftrain.cli import main
+
+    tmp, results = runs
+    results["resumed"].check()
+    ck = tmp / "resumed" / "checkpoint-2"
+    assert json.load(open(ck / "hftrain_checkpoint.json"))["quantization"] == {"bits": 4, "type": "nf4"}
+    for name, quant, said in (("bits8", {"bits": 8}, "loads it 8-bit"), ("fp4", dict(QUANT, type="fp4"), "4-bit fp4"),
+                              ("none", None, "loads it unquantised")):
+        rec = sft_recipe(tmp, f"resume_{name}", tiny_model_dir, quant=quant, resume_from_checkpoint=str(ck))
+        with pytest.raises(SystemExit) as e:
+            main(["check", rec, "--no-data"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "was trained against a 4-bit nf4 base" in err and said in err, err
+    assert main(["check", sft_recipe(tmp, "resume_same", tiny_model_dir, resume_from_checkpoint=str(ck)),
+                 "--no-data"]) == 0
 
 
 def _assert_merged_matches_the_adapter(out):

@@ -19,6 +19,7 @@ from hftrain.modeling import load_model
 
 from tests.exactness import beyond, within
 
+from .support import assert_resume_exact, resume_variants
 from .conftest import PY, REPO, launch_prefix, run, run_matrix
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}, "reward": {}}
@@ -209,6 +210,7 @@ def one_rank(tmp_path_factory, spiky_model_dir, tiny_model_dir):
                      training={"learning_rate": 0.05, "per_device_eval_batch_size": 5}),
         "lora": plan(tmp, "lora", tiny_model_dir, demo, 8, 1, 2, reward={},
                      model={"lora": {"r": 4, "alpha": 8, "merge": True}}),
+        **resume_variants(plan, tmp, spiky_model_dir, sixteen),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900), sixteen
 
@@ -225,6 +227,33 @@ def test_unequal_micro_batches_give_the_global_pair_mean_and_the_control_differs
     control_loss, control = outcome(variants["bs4_ga2_mean_of_means"], tmp / "bs4_ga2_mean_of_means", 1)
     beyond("reward.accumulated_vs_one_batch.loss", control_loss, one_loss)
     beyond("reward.accumulated_vs_one_batch.weights", control, one_weights)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("kind", ["whole", "lora"])
+def test_a_resumed_outcome_reward_model_ends_where_the_uninterrupted_run_ends(one_rank, kind):
+    """Its checkpoint was refused by the recipe that wrote it ('score.weight [1, 128] there, [2, 128] here'): now it
+    resumes, and steps 3-4 from checkpoint-2 (weights, AdamW state, data position) equal the uninterrupted run's;
+    resuming the weights alone (a fresh optimizer) is the control."""
+    tmp, variants, _ = one_rank
+    assert_resume_exact(tmp, variants, kind, "reward")
+
+
+@pytest.mark.launches
+def test_a_lora_reward_model_passes_the_upload_checks_and_its_card_loads_it(one_rank, tmp_path, monkeypatch):
+    """The upload check built the adapter's base with the base config's 2 labels and refused every LoRA outcome
+    reward model; the card's snippet did the same. Both build it with the run's one score now."""
+    from hftrain.config import HubSection
+    from hftrain.hub.push import push
+
+    tmp, variants, _ = one_rank
+    variants["lora"].check()
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    for merge in (False, True):
+        stage = push(str(tmp / "lora"), HubSection(repo_id="me/rm-lora", merge_lora=merge), dry_run=True,
+                     stage_dir=str(tmp_path / f"stage_{merge}"))
+        card = open(os.path.join(stage, "README.md")).read()
+        assert ("num_labels=1" in card) != merge and "apply_chat_template(messages" in card, card
 
 
 @pytest.mark.launches

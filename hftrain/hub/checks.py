@@ -19,7 +19,7 @@ from ..constants import PROBE_IDS, RECIPE_FILE, RUN_INFO_FILE
 from ..fileio import read_json
 from ..heads import Head
 from ..modeling import saved_shapes
-from ..quantization import bnb_config
+from ..quantization import bnb_config, keep_training_kernels
 
 
 def head_of_run(output_dir: str) -> Head:
@@ -226,6 +226,8 @@ def adapter_problems(path: str, merged: str | None, head: Head = Head.CAUSAL_LM,
 
         base = head.auto_class.from_pretrained(base_path, **{"dtype": torch.float32, "device_map": "cpu",
                                                              **(base_options or {})})
+        if "quantization_config" in (base_options or {}):  # the kernel it trained through, not a bf16 inference one
+            base = keep_training_kernels(base)
         adapted = PeftModel.from_pretrained(base, path).eval()
     except Exception as e:
         return [f"the adapter does not load onto its base {base_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"]

@@ -249,6 +249,10 @@ def launch_problems(recipe: Recipe, strategy: StrategySection, script: list[str]
 
 
 def _held_port(strategy: StrategySection) -> list[tuple[str, str]]:
+    """held_port_problem of the launch, where the launch can start at all: on several machines without this
+    machine's rank or machine 0's address, `hftrain launch` refuses it before any port matters."""
+    if (strategy.num_machines or 1) > 1 and (strategy.machine_rank is None or not strategy.main_process_ip):
+        return []
     port, machines, rank = (STRATEGY_DEFAULTS[k] if getattr(strategy, k) is None else getattr(strategy, k)
                             for k in ("main_process_port", "num_machines", "machine_rank"))
     problem = held_port_problem(port, machines, rank, chosen=strategy.main_process_port is not None)
