@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.exactness import beyond, within
 
+from .support import RESUMED, assert_resume_exact
 from .conftest import DEMO_TRAIN, PY, SMALL, launch_prefix, run, run_matrix
 
 STEPS = 2
@@ -227,8 +228,20 @@ def one_rank(tmp_path_factory, models):
                                        per_device_train_batch_size=4))]),
         "on_policy": variant(tmp, "on_policy", models, data, 2, 4, distill=ON_POLICY),
         "lmbda": variant(tmp, "lmbda", models, data, 2, 4, distill=LMBDA),
+        **on_policy_resume_variants(tmp, models, data),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=600), data
+
+
+def on_policy_resume_variants(tmp, models, data) -> dict:
+    """on_policy (its samples seeded by the step: a resume must draw what the uninterrupted run drew), 4 steps with
+    AdamW and a checkpoint at step 2; resumed from it, and resumed with the weights only (the control)."""
+    ck = str(tmp / "resume_whole" / "checkpoint-2")
+    training = {**RESUMED, "max_steps": 4}
+    return {f"resume_whole{name}": variant(tmp, f"resume_whole{name}", models, data, 2, 2, distill=ON_POLICY,
+                                           **training, **more)
+            for name, more in (("", {}), ("_after", {"resume_from_checkpoint": ck}),
+                               ("_weights_only", {"resume_from_checkpoint": ck, "resume_weights_only": True}))}
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +353,12 @@ def test_on_policy_trains_on_the_students_samples(one_rank):
     history = json.load(open(tmp / "on_policy" / "trainer_state.json"))["log_history"]
     counted = [h["target_tokens_per_step"] for h in history if "loss" in h]
     assert len(counted) == STEPS and all(0 < c <= 8 * 3 for c in counted), history
+
+
+@pytest.mark.launches
+def test_a_resumed_on_policy_run_samples_and_ends_as_the_uninterrupted_one(one_rank):
+    tmp, variants, _ = one_rank
+    assert_resume_exact(tmp, variants, "whole", "distill.on_policy")
 
 
 @pytest.mark.launches

@@ -24,6 +24,8 @@ def _names_used() -> set[str]:
             text = open(os.path.join(TESTS, f), encoding="utf-8").read()
             used |= {a or b for a, b in NAME.findall(text)}
             used |= set(re.findall(r'"([a-z0-9_]+(?:\.[a-z0-9_]+)+)"', text)) & set(BOUNDS)  # names kept in variables
+            for prefix in re.findall(r'assert_resume_exact\([^)]*"([a-z0-9_.]+)"\)', text):  # tests/support.py's
+                used |= {f"{prefix}.resumed_vs_uninterrupted.{what}" for what in ("losses", "weights")}
     return used
 
 

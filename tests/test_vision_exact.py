@@ -24,6 +24,7 @@ from hftrain.vision.processor import load_processor
 from tests.exactness import beyond, within
 
 from .conftest import launch_prefix, run_matrix
+from .support import RESUMED, assert_resume_exact
 
 FAMILIES = ["qwen2_5_vl", "llava"]
 COLOURS = ["red", "blue", "green", "yellow"]
@@ -76,14 +77,14 @@ def setup(tmp_path_factory):
     return root, models, write_rows(root, 16), write_rows(root, 4, first=16)
 
 
-def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False):
+def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, **training):
     _, models, rows, held = setup
     tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa"},
             "data": {"sources": [{"path": rows}], "eval_sources": [{"path": held}], "max_length": 256,
                      "packing": packing},
             "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
                          "logging_steps": 1, "save_strategy": "no", "per_device_train_batch_size": bs,
-                         "per_device_eval_batch_size": 2, "gradient_accumulation_steps": ga, **EXACT}}
+                         "per_device_eval_batch_size": 2, "gradient_accumulation_steps": ga, **EXACT, **training}}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return module, [str(path)]
@@ -110,7 +111,20 @@ def one_rank(tmp_path_factory, setup):
         variants[f"{f}_1x_bs8_packed"] = variant(tmp, f"{f}_1x_bs8_packed", setup, f, 8, 1, packing=True)
         variants[f"{f}_naive_1x_ga4"] = variant(tmp, f"{f}_naive_1x_ga4", setup, f, 2, 4,
                                                 module="tests.vision_mean_of_means")
+    # a packed image run resumed from its checkpoint at step 2 (and, the control, with its weights only)
+    ck = str(tmp / "resume_whole" / "checkpoint-2")
+    for name, more in (("", {}), ("_after", {"resume_from_checkpoint": ck}),
+                       ("_weights_only", {"resume_from_checkpoint": ck, "resume_weights_only": True})):
+        variants[f"resume_whole{name}"] = variant(tmp, f"resume_whole{name}", setup, FAMILIES[0], 4, 1, packing=True,
+                                                  **RESUMED, max_steps=4, **more)
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900)
+
+
+@pytest.mark.launches
+def test_a_resumed_image_run_ends_where_the_uninterrupted_run_ends(one_rank):
+    """Packed image rows, AdamW, a checkpoint at step 2: steps 3-4 resumed from it equal the uninterrupted run."""
+    tmp, variants = one_rank
+    assert_resume_exact(tmp, variants, "whole", "vision")
 
 
 @pytest.fixture(scope="module")
