@@ -75,11 +75,13 @@ class Method:
         their paths as it checks the policy's, under their own keys, before anything loads."""
         return [spec for spec in self.models(recipe) if spec.role is not Role.POLICY]
 
-    def load_frozen(self, spec: ModelSpec):
+    def load_frozen(self, spec: ModelSpec, packing: bool = False):
         """A model the method holds but does not train (a teacher, a reward model), through the policy's safe path
         (safetensors only, trust_remote_code as its section says, messages naming spec.key): in eval mode, no
-        gradients, so no optimizer state is ever made for it."""
-        model = load_model(spec.section, head=spec.head, key=spec.key).eval()
+        gradients, so no optimizer state is ever made for it. `packing`: it is fed the policy's packed rows, so it is
+        loaded with the same options (no KV cache, packed rows joined for a kernel that reads them so): loaded
+        without them, every example after the first of a row attended to the ones before it."""
+        model = load_model(spec.section, packing=packing, head=spec.head, key=spec.key).eval()
         model.requires_grad_(False)
         return model
 

@@ -8,20 +8,19 @@ on_policy: before the step's tokens are counted, the rows GKD's lambda picks (pe
 holds it: on_policy.py, which says where this differs from TRL's GKDTrainer) are made the student's own samples for
 their prompts (each row's tokens before its first completion token), so the count is of the sampled tokens.
 
-The teacher is frozen (Method.load_frozen), never in the optimizer, and placed as the student's strategy places a
-frozen model, by TRL's own functions for its reference and teacher models (`_placed`): under ZeRO-3 a DeepSpeed
-inference engine sharding it across the ranks (trl.models.prepare_deepspeed, as TRL's GKDTrainer does), under FSDP2
-fully_shard over the ranks (trl.models.prepare_fsdp, as TRL's GRPOTrainer does for its reference model: sharded at
-rest, gathered whole for its forward and resharded after it), under DDP whole on each rank."""
+The teacher is frozen (Method.load_frozen), never in the optimizer, and placed as the student's strategy places the
+student (methods/frozen.py): under ZeRO-3 a DeepSpeed inference engine partitioning it across the ranks, under FSDP2
+sharded per layer as accelerate shards the student (gathered a unit at a time for its forward), under DDP whole on
+each rank."""
 
 from __future__ import annotations
 
 import torch
-from trl.models import prepare_deepspeed, prepare_fsdp
 
 from ...constants import IGNORE_INDEX
 from ...distributed import print0
 from ...losses import target_ce
+from ..frozen import largest_gathered, place_frozen
 from ..sft import SFTTrainer
 from .divergence import DivergenceSpec, divergence_sum, token_divergences
 from .distill_section import DistillSection
@@ -53,15 +52,11 @@ class DistillTrainer(SFTTrainer):
         self.teacher = self._placed(teacher)
 
     def _placed(self, teacher):
-        """The teacher sharded as the student will be (the module docstring); frozen, so no optimizer is passed."""
-        if self.is_deepspeed_enabled:
-            teacher, how = prepare_deepspeed(teacher, self.accelerator), "a DeepSpeed inference engine"
-        elif self.is_fsdp_enabled:
-            teacher, how = prepare_fsdp(teacher, self.accelerator), "fully_shard (FSDP2)"
-        else:
-            how = "whole on each rank"
-        held, total = held_parameters(teacher)
-        print0(f"hftrain: distill.teacher: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters")
+        """The teacher placed as the student will be (methods/frozen.py); frozen, so no optimizer is passed."""
+        teacher, how = place_frozen(teacher, self)
+        held, total, unit = *held_parameters(teacher), largest_gathered(teacher)
+        print0(f"hftrain: distill.teacher: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters"
+               + (f", at most {unit:,} gathered at once" if unit is not None else ""))
         return teacher
 
     def _chunked_head(self, loss_impl: str):
@@ -103,6 +98,28 @@ class DistillTrainer(SFTTrainer):
         if self.ce_weight:
             total = total + self.ce_weight * target_ce(outputs.logits, labels[:, 1:]).sum()
         return outputs, total
+
+    # -- evaluation: the divergence it trains on is the eval loss (as TRL's GKDTrainer reports it) --------------------
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The exact loop's (losses.exact), with `<prefix>_loss` the divergence to the teacher per completion token
+        of the eval set (each row once, over every rank) and the student's cross-entropy kept as `<prefix>_ce`: what
+        metric_for_best_model, early stopping and the curves follow is what the run trains on."""
+        self._eval_divergences = []
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self._eval_divergences:
+            total = torch.cat(self._eval_divergences).sum(0)
+            output.metrics[f"{metric_key_prefix}_ce"] = output.metrics.get(f"{metric_key_prefix}_loss")
+            output.metrics[f"{metric_key_prefix}_loss"] = float(total[0] / total[1].clamp(min=1))
+        self._eval_divergences = []
+        return output
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if inputs.get("labels") is not None:  # eval rows are padded, one per example (losses.exact)
+            rows = self.row_divergences(model, self._prepare_inputs(inputs))
+            self._eval_divergences.append(self.accelerator.gather_for_metrics(rows).cpu())
+        return out
 
     @torch.no_grad()
     def row_divergences(self, model, inputs: dict) -> torch.Tensor:
