@@ -66,3 +66,38 @@ def test_a_method_registered_from_outside_checks_and_trains_through_the_house(tm
 
     model = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "LlamaForSequenceClassification"
+
+
+BAD_PLUGINS = {  # entry-point name: (module source, what the refusal says)
+    "broken": ("import no_such_package_here\n", "fails to import (ModuleNotFoundError"),
+    "taken": ('from hftrain.methods.registry import MethodEntry\nENTRY = MethodEntry("grpo", "grpo", "mine", None, '
+              '"x.y")\n', "registers method 'grpo', which is already registered"),
+    "data": ('from hftrain.methods.registry import MethodEntry\nENTRY = MethodEntry("my_data", "my_data", "data", '
+             'None, "x.y", "label_text.section:LabelTextSection")\n', "its section 'data' is the recipe's own"),
+    "not_entry": ("ENTRY = 42\n", "it is int, not a hftrain.methods.registry.MethodEntry"),
+}
+
+
+def test_a_plugin_that_cannot_be_a_method_is_left_out_named_and_hftrain_works(tmp_path, tiny_model_dir):
+    """A plugin that fails to import or registers a taken name made every command, --help included, end in a
+    traceback; one declaring the section `data` silently replaced the recipe's own data: section. Each is left out
+    with a line naming it and why; the commands, and a plain SFT recipe, work; the good plugin beside them too."""
+    site = tmp_path / "site"
+    env = installed_plugin(site)
+    points = "".join(f"bad_{name} = bad_{name}:ENTRY\n" for name in BAD_PLUGINS)
+    (site / "label_text-0.1.dist-info" / "entry_points.txt").write_text(
+        "[hftrain.methods]\nlabel_text = label_text:ENTRY\n" + points)
+    for name, (source, _) in BAD_PLUGINS.items():
+        (site / f"bad_{name}.py").write_text(source)
+    helped = run([PY, "-m", "hftrain.cli", "--help"], env=env, real=True)
+    assert helped.returncode == 0 and "Traceback" not in helped.stderr, helped.stderr[-3000:]
+    assert "label_text" in helped.stdout
+    for name, (_, said) in BAD_PLUGINS.items():
+        assert f"the method plugin bad_{name} = bad_{name}:ENTRY (hftrain.methods) is left out: " in helped.stderr
+        assert said in helped.stderr, (name, helped.stderr)
+    sft = tmp_path / "sft.yaml"
+    demo = os.path.join(REPO, "data", "demo", "train.jsonl")
+    sft.write_text(yaml.safe_dump({"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": demo}]},
+                                   "training": {"output_dir": str(tmp_path / "o")}}))
+    checked = run([PY, "-m", "hftrain.cli", "check", str(sft)], env=env, real=True)
+    assert checked.returncode == 0 and "Traceback" not in checked.stderr, checked.stderr[-3000:]

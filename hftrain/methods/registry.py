@@ -12,7 +12,9 @@ its METHOD, its section) and one entry here; a method outside hftrain registers 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -71,24 +73,51 @@ BUILT_IN: tuple[MethodEntry, ...] = (SFT, DPO, SIMPO, ORPO, KTO, GRPO, REWARD, P
 PLUGIN_GROUP = "hftrain.methods"  # the entry-point group a method outside hftrain registers its MethodEntry in
 
 
-def plugins() -> tuple[MethodEntry, ...]:
-    """The methods other packages register (entry points of group `hftrain.methods`, each a MethodEntry); a name
-    that is already taken is an error naming the package, not a silent override."""
-    found = []
+# The recipe's own sections (model, data, training, ...): no method's section may take one of their keys.
+CORE_SECTIONS = frozenset(f.name for f in dataclasses.fields(Recipe))
+
+
+def _plugin_problem(entry, found: list[MethodEntry]) -> str | None:
+    """Why a plugin's entry cannot be a method beside the others, or None."""
+    if not isinstance(entry, MethodEntry):
+        return f"it is {type(entry).__name__}, not a hftrain.methods.registry.MethodEntry"
+    if entry.name in {e.name for e in (*BUILT_IN, *found)}:
+        return f"it registers method {entry.name!r}, which is already registered: rename it"
+    if entry.section in CORE_SECTIONS or entry.section is None:
+        return (f"its section {entry.section!r} is the recipe's own" if entry.section else "it declares no recipe "
+                "section to select it (a recipe without one trains with sft)") + ": give it a section of its own"
+    owners = {e.section: e for e in (*BUILT_IN, *found) if e.section}
+    if entry.section in owners and owners[entry.section].section_class != entry.section_class:
+        return f"its section {entry.section!r} is method {owners[entry.section].name!r}'s: give it one of its own"
+    entry.load_section()  # a section class that does not import would break the reading of every recipe
+    return None
+
+
+def plugins() -> tuple[tuple[MethodEntry, ...], tuple[str, ...]]:
+    """(the methods other packages register: entry points of group `hftrain.methods`, each a MethodEntry; why each
+    refused one was left out). A plugin is a guest: one that fails to import, is not a MethodEntry, takes a taken
+    name, or a section of the recipe's own or of another method, is left out and named, and the rest of hftrain
+    works (it made every command, --help included, end in a traceback, or silently replaced the recipe's data:)."""
+    found, refused = [], []
     for point in entry_points(group=PLUGIN_GROUP):
-        entry = point.load()
-        if not isinstance(entry, MethodEntry):
-            raise RuntimeError(f"entry point {point.value} ({PLUGIN_GROUP}) is {type(entry).__name__}, not a "
-                               "hftrain.methods.registry.MethodEntry")
-        if entry.name in {e.name for e in (*BUILT_IN, *found)}:
-            raise RuntimeError(f"entry point {point.value} ({PLUGIN_GROUP}) registers method {entry.name!r}, which "
-                               "is already registered: rename it")
-        found.append(entry)
-    return tuple(found)
+        try:
+            entry = point.load()
+            problem = _plugin_problem(entry, found)
+        except Exception as e:  # noqa: BLE001 - whatever a guest's import raises
+            problem = f"it fails to import ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        if problem:
+            refused.append(f"hftrain: the method plugin {point.name} = {point.value} ({PLUGIN_GROUP}) is left out: "
+                           f"{problem}")
+        else:
+            found.append(entry)
+    return tuple(found), tuple(refused)
 
 
+_PLUGINS, REFUSED_PLUGINS = plugins()
+for _line in REFUSED_PLUGINS:
+    print(_line, file=sys.stderr, flush=True)
 # Every method; SFT, the method of a recipe with no method section, first: its script is the default command's.
-METHODS: tuple[MethodEntry, ...] = (*BUILT_IN, *plugins())
+METHODS: tuple[MethodEntry, ...] = (*BUILT_IN, *_PLUGINS)
 BY_NAME = {e.name: e for e in METHODS}  # the table a recipe section's `method` is looked up in
 DEFAULT = SFT
 SCRIPTS = tuple(dict.fromkeys(e.script for e in METHODS))  # hftrain sft / dpo / grpo
