@@ -94,7 +94,7 @@ def test_the_separator_comes_from_the_training_run_or_the_recipe(tmp_path, token
     policy = Policy(tokenizer, None, True, ModelSection(name_or_path="p", dtype="float32"))
     spec = RewardSpec(model=bare, aggregate="min", step_separator=";")
     assert load_rewards(GrpoSection(rewards=[spec]), policy=policy)[0].fn.separator == ";"
-    with pytest.raises(RewardError, match=r"grpo.rewards.0.step_separator: 'ab c' is 3 tokens"):
+    with pytest.raises(RewardError, match=r"grpo.rewards.0.step_separator: 'ab c' tokenises to 3 tokens"):
         spec = RewardSpec(model=bare, aggregate="min", step_separator="ab c")
         load_rewards(GrpoSection(rewards=[spec]), policy=policy)
 
@@ -141,5 +141,49 @@ def test_check_and_the_run_refuse_a_separator_of_several_tokens(tmp_path, tokeni
             command()
         err = capsys.readouterr().err
         assert e.value.code == 2 and "Traceback" not in err, err
-        assert "grpo.rewards.0.step_separator: 'ab c' is 3 tokens" in err, err
+        assert "grpo.rewards.0.step_separator: 'ab c' tokenises to 3 tokens" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# Qwen2's (and Llama 3's) pre-tokeniser pattern: punctuation takes the newlines after it (" ?[^\s\p{L}\p{N}]+[\r\n]*")
+GPT4_STYLE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+
+
+def merging_tokenizer(folder):
+    """A byte-level BPE trained here with Qwen2's pre-tokeniser: ".\n" is one piece, and one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT4_STYLE), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    texts = [f"step {w}.\nthen {w} again.\nso {w}.\n" for w in ("one", "two", "three", "four", "five")] * 50
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.save_pretrained(folder)
+    return tok
+
+
+def test_a_separator_a_gpt4_style_pre_tokeniser_merges_is_read_where_it_was_trained(tmp_path):
+    """With Qwen2's and Llama 3's pre-tokeniser the default separator "\n" merges with the "." before it (the
+    control: the joined text holds no "\n" token at all): training refused such rows, GRPO's scoring read the merged
+    token. Both read each step alone and its separator as its own token now: the training row, the rollout's row
+    and the PRM's scores at the separators agree."""
+    tok = merging_tokenizer(tmp_path / "tok")
+    newline, merged = tok.convert_tokens_to_ids("Ċ"), tok.convert_tokens_to_ids(".Ċ")
+    joined = tok("step one.\nthen one again.\n", add_special_tokens=False)["input_ids"]
+    assert merged in joined and newline not in joined  # the control: no separator token of its own
+    steps = ["step one.", "then one again."]
+    row = tokenised_steps({"prompt": "so", "completions": steps, "labels": [True, False]}, tok, "\n", {})
+    assert [row["input_ids"][i] for i in row["step_ends"]] == [newline, newline]
+    prm = save_prm(tmp_path / "prm", tok)
+    fn = scorer(prm, tok, "min").fn
+    assert fn.step_row("so", "step one.\nthen one again.") == (row["input_ids"], row["step_ends"])
+    model = AutoModelForTokenClassification.from_pretrained(prm).eval()
+    with torch.no_grad():
+        read = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, row["step_ends"]].softmax(-1)[:, 1]
+    within("grpo_process_reward.batched_vs_alone.scores", fn(["so"], ["step one.\nthen one again."]),
+           [float(read.min())], scale=1.0, label="min over the separators of a merging tokenizer")

@@ -82,7 +82,7 @@ def test_every_bad_row_is_named_at_once_by_file_row_and_key(tmp_path, tiny_model
 
 @pytest.mark.parametrize("separator, said", [
     ("\n\n", "reward.step_separator: '\\n\\n' tokenises to 2 tokens ['Ċ', 'Ċ']"),
-    (" ", "completions[0]: the step separator ' ' merges with neighbouring text: ' b' tokenises to ['Ġb']")])
+    ("ab c", "reward.step_separator: 'ab c' tokenises to 3 tokens")])
 def test_a_separator_without_a_token_of_its_own_is_refused_naming_its_tokens(tmp_path, tiny_model_dir, separator,
                                                                              said):
     rows = write_rows(tmp_path / "r.jsonl", [{"prompt": "p:", "completions": ["a", "b"], "labels": [True, True]}])

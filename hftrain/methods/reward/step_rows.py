@@ -2,16 +2,13 @@
 (`{"prompt": str, "completions": [step, ...], "labels": [bool, ...]}`; the prompt may be a list of messages, rendered
 with the chat template and its generation prompt), checked row by row and tokenised before the model loads.
 
-The text of a row is the prompt followed by each step and the step separator (reward.step_separator), the last step
-included, as TRL's trainer built it (with the tokenizer's BOS before a text prompt). Only the separator token at each
-step's end carries the step's label (1 correct, 0 not); every other token is -100. TRL tokenised each step on its
-own and appended the separator's ids: the ids it trained on were not those of the joined text a user scores later
-whenever the tokenizer merges across a step's edges. Here the joined text is tokenised once, and each separator must
-be exactly one token of it (found by the tokenizer's character offsets): a separator the tokenizer splits into
-several tokens or merges with neighbouring text has no one position to label, and is refused naming the separator,
-what it tokenises to, and the row. TRL has no such check, nor any of the row checks below: they are written here.
-A row longer than data.max_length is left out (counted and named: cutting it would drop its last steps' labels);
-none left is an error naming data.max_length."""
+A row is read as methods/step_reading.py reads a prompt and its steps, the one contract GRPO's scoring shares: the
+prompt, then each step tokenised alone and followed by the separator's one token (reward.step_separator), as TRL's
+trainer built its rows. Only the separator token at each step's end carries the step's label (1 correct, 0 not);
+every other token is -100. A separator that is not one token by itself is refused naming what it tokenises to; a
+step holding the separator is refused by row. TRL has no such checks, nor any of the row checks below: they are
+written here. A row longer than data.max_length is left out (counted and named: cutting it would drop its last
+steps' labels); none left is an error naming data.max_length."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from ...data.sources import column_map, read_rows
 from ...distributed import print0
 from ...errors import DataError
 from ..base import has_template
+from .. import step_reading
 from ..pairs import messages_of
 
 IGNORED = -100  # the label of every token that is not a step's end
@@ -66,20 +64,10 @@ def steps_of_row(row: dict, roles: dict[str, str]) -> dict:
     return {"prompt": prompt, "completions": steps, "labels": labels}
 
 
-def separator_tokens(tokenizer, separator: str) -> list[str]:
-    return tokenizer.convert_ids_to_tokens(tokenizer.encode(separator, add_special_tokens=False))
-
-
 def separator_problem(tokenizer, separator: str) -> str | None:
-    """Why `separator` cannot mark a step's end with this tokenizer (it is not one token), or None."""
-    if not getattr(tokenizer, "is_fast", False):
-        return ("reward.step_separator: finding each step's end needs a fast tokenizer (character offsets); "
-                f"{type(tokenizer).__name__} is not one: save the model with its tokenizers-backed tokenizer")
-    tokens = separator_tokens(tokenizer, separator)
-    if len(tokens) != 1:
-        return (f"reward.step_separator: {separator!r} tokenises to {len(tokens)} tokens {tokens}, so a step's end "
-                "has no one token to label: choose a separator that is a single token (e.g. '\\n')")
-    return None
+    """Why `separator` cannot mark a step's end with this tokenizer (methods/step_reading.py), or None."""
+    problem = step_reading.separator_problem(tokenizer, separator)
+    return f"reward.step_separator: {problem}" if problem else None
 
 
 def pad_problem(tokenizer, key: str) -> str | None:
@@ -91,51 +79,17 @@ def pad_problem(tokenizer, key: str) -> str | None:
     return None
 
 
-def rendered_prompt(prompt, tokenizer, template_kwargs: dict) -> tuple[str, list[int]]:
-    """(text, ids before it): a text prompt after the tokenizer's BOS (as TRL's PRMTrainer), a conversation rendered
-    with the chat template and its generation prompt (the template writes its own special tokens)."""
-    if isinstance(prompt, str):
-        return prompt, [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    try:
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs), []
-    except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja raise_exception), named by row
-        raise DataError(f"the chat template refuses the prompt: {type(e).__name__}: {e}") from None
-
-
-def separator_token(enc, text: str, start: int, end: int) -> int | None:
-    """The index of the one token whose characters are exactly text[start:end] (the separator), else None."""
-    token = enc.char_to_token(start)
-    return token if token is not None and tuple(enc.offset_mapping[token]) == (start, end) else None
-
-
 def tokenised_steps(row: dict, tokenizer, separator: str, template_kwargs: dict) -> dict:
-    """One checked row as ids: the prompt, then each step followed by the separator, tokenised as one text; each
-    step's end is its separator's token (step_ends), with the step's label (step_labels, 1 or 0)."""
-    head, before = rendered_prompt(row["prompt"], tokenizer, template_kwargs)
-    text, spans = head, []
+    """One checked row as ids, as methods/step_reading.py reads a prompt and its steps (GRPO's scoring reads a
+    rollout the same way); each step's end is its separator's token (step_ends), with the step's label
+    (step_labels, 1 or 0)."""
     for i, step in enumerate(row["completions"]):
         if separator in step:
             raise DataError(f"completions[{i}]: holds the step separator {separator!r}, so the text would read as "
                             "more steps than it has labels: join the step's lines otherwise, or choose another "
                             "reward.step_separator")
-        text += step + separator
-        spans.append((len(text) - len(separator), len(text)))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ends = []
-    for i, (start, end) in enumerate(spans):
-        token = separator_token(enc, text, start, end)
-        if token is None:
-            near = enc.char_to_token(start)
-            cut = tuple(enc.offset_mapping[near]) if near is not None else (start, end)
-            said = tokenizer.convert_ids_to_tokens([enc.input_ids[near]]) if near is not None else "no token"
-            raise DataError(f"completions[{i}]: the step separator {separator!r} merges with neighbouring text: "
-                            f"{text[cut[0]:cut[1]]!r} tokenises to {said}, so the step's end has no token of its own "
-                            "to label: choose a reward.step_separator the tokenizer keeps apart (e.g. '\\n')")
-        ends.append(token + len(before))
-    first = enc.char_to_token(len(head))
-    return {"input_ids": before + enc.input_ids, "prompt_tokens": len(before) + (first if first is not None else 0),
-            "step_ends": ends, "step_labels": [int(label) for label in row["labels"]]}
+    return {**step_reading.step_row(row["prompt"], row["completions"], tokenizer, separator, template_kwargs),
+            "step_labels": [int(label) for label in row["labels"]]}
 
 
 def _named(bad: list[str], key: str) -> str:
