@@ -194,6 +194,31 @@ def grpo_recipe(tmp_path, model, rewards, **training):
     return str(rec)
 
 
+def test_check_refuses_a_reward_model_that_is_damaged_or_too_large_for_the_plan(tmp_path, rm, tiny_model_dir):
+    """Reward models are models the method holds (GRPO.models): their folders are checked as the policy's (a
+    truncated model.safetensors passed check, the run refused it after the policy loaded) and the fit check counts
+    them whole on every rank (a 70B-shaped one passed check on a small machine, the same folder was refused as a
+    teacher); the reward model as it is passes (the control)."""
+    import shutil
+
+    from hftrain.config import RecipeError
+    from hftrain.launch.preflight import check_recipe
+
+    cut = shutil.copytree(rm, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(RecipeError, match=r"grpo.rewards.0.model.name_or_path: .*model.safetensors"):
+        check_recipe(grpo_recipe(tmp_path, tiny_model_dir, [{"model": str(cut)}]))
+    huge = shutil.copytree(rm, tmp_path / "huge")
+    config = json.load(open(huge / "config.json"))
+    (huge / "config.json").write_text(json.dumps({**config, "hidden_size": 8192, "intermediate_size": 28672,
+                                                  "num_hidden_layers": 80, "num_attention_heads": 64,
+                                                  "num_key_value_heads": 8, "head_dim": 128}))
+    with pytest.raises(RecipeError, match=r"grpo.rewards.0.model: .* does not fit the memory plan"):
+        check_recipe(grpo_recipe(tmp_path, tiny_model_dir, [{"model": str(huge)}]))
+    check_recipe(grpo_recipe(tmp_path, tiny_model_dir, [{"model": rm}]))
+
+
 def test_check_and_the_run_refuse_what_cannot_score(tmp_path, misfits, rm, tiny_model_dir, capsys):
     from hftrain.cli import main as cli_main
     from hftrain.recipes import grpo

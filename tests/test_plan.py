@@ -149,3 +149,47 @@ def test_a_frozen_model_adds_its_weights_sharded_as_the_policy_s_and_no_gradient
     assert taught["zero3_offload"].cpu_per_node - alone["zero3_offload"].cpu_per_node == PSI  # offloaded with them
     for s in alone:
         assert (taught[s].gpu_grads, taught[s].gpu_optimizer) == (alone[s].gpu_grads, alone[s].gpu_optimizer)
+
+
+def test_a_model_held_whole_on_every_gpu_adds_its_weights_whole_under_every_strategy():
+    """GRPO's reward models are loaded whole on every rank whatever the strategy: counted whole, not sharded."""
+    scorer = ModelFacts(params=PSI // 2, trainable=0, largest_layer=0, hidden=2048, layers=16, vocab=32000,
+                        weight_bytes=2)
+    alone = by_name(plan(FACTS, 8, 1, 1, 512, True, True))
+    scored = by_name(plan(FACTS, 8, 1, 1, 512, True, True, whole=[scorer]))
+    assert all(scored[s].gpu_params - alone[s].gpu_params == PSI for s in alone)
+
+
+def _written(tmp_path, tree) -> str:
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def test_grpo_reward_models_and_the_dpo_reference_copy_are_in_the_plan(tmp_path, tiny_model_dir, capsys):
+    """They were loaded but not declared: the plan and the fit check ignored them. A GRPO reward model is counted
+    whole on every GPU, DPO's frozen reference copy sharded as the policy; a LoRA policy (the adapter disabled is
+    the reference) or precomputed log-probs keep no copy (the controls)."""
+    from hftrain.cli import main
+    from hftrain.launch.plan import recipe_plan
+    from hftrain.methods import load_recipe
+
+    base = {"model": {"name_or_path": tiny_model_dir}, "data": {"sources": [{"path": "d.jsonl"}]},
+            "training": {"output_dir": str(tmp_path / "o")}}
+    grpo = _written(tmp_path, {**base, "grpo": {"beta": 0.0, "rewards": [{"model": tiny_model_dir}]}})
+    planned = recipe_plan(load_recipe(grpo), 8, 1)
+    (spec, facts), = planned.frozen
+    assert spec.key == "grpo.rewards.0.model" and spec.whole and spec.num_labels == 1
+    gained = {r.strategy: r.gpu_params - a.gpu_params for r, a in zip(planned.rows, planned.policy_rows)}
+    assert len(set(gained.values())) == 1 and gained["zero3"] > 0  # the same whole weights under every strategy
+    assert main(["plan", grpo, "--gpus-per-node", "8"]) == 0
+    assert "reward (grpo.rewards.0.model)" in capsys.readouterr().out
+    dpo = {**base, "preference": {"loss_type": "sigmoid"}}
+    (ref, _), = recipe_plan(load_recipe(_written(tmp_path, dpo)), 8, 1).frozen
+    assert ref.role.value == "reference" and not ref.whole
+    for other in ({**dpo, "model": {**dpo["model"], "lora": {"r": 4}}},
+                  {**dpo, "preference": {"loss_type": "sigmoid", "precompute_ref_log_probs": True}},
+                  {**dpo, "preference": {"loss_type": "orpo"}}):
+        assert recipe_plan(load_recipe(_written(tmp_path, other)), 8, 1).frozen == []

@@ -16,8 +16,8 @@ def _plan(ns) -> int:
     print(f"{m.name_or_path}: {facts.params / 1e6:.1f}M parameters{active}, {facts.trainable / 1e6:.1f}M trained; "
           f"{ns.gpus_per_node} GPU(s) x {ns.nodes} node(s); micro-batch {micro} x {recipe.data.max_length} tokens"
           + (f", each sequence split across {sp} GPUs" if sp > 1 else "")
-          + "".join(f"; {o.key} {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
-                    for o, x in planned.frozen))
+          + "".join(f"; {o.role.value} ({o.key}) {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
+                    + (", whole on every GPU" if o.whole else "") for o, x in planned.frozen))
     print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp, refused_strategies(recipe)),
           kernels_here(m, facts), sep="\n")
     return 0

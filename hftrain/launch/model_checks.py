@@ -67,7 +67,9 @@ def other_model_problems(recipe: Recipe) -> list[tuple[str, str]]:
         others = method_of(recipe).others(recipe)
     except RecipeError:  # two method sections: config's rules say so
         return []
-    return [problem for spec in others for problem in path_problems(spec.section, key=spec.key)]
+    # a frozen copy of the policy (a reference) is the policy's own section: its paths are checked as the policy's
+    return [problem for spec in others if spec.section is not recipe.model
+            for problem in path_problems(spec.section, key=spec.key)]
 
 
 def setting_problems(recipe: Recipe, skip: set[str]) -> list[tuple[str, str]]:

@@ -132,9 +132,11 @@ def frozen_bytes(frozen: list[ModelFacts]) -> float:
 
 
 def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: int, checkpointing: bool,
-         mixed: bool, sequence_parallel: int = 1, frozen: list[ModelFacts] = ()) -> list[Row]:
+         mixed: bool, sequence_parallel: int = 1, frozen: list[ModelFacts] = (),
+         whole: list[ModelFacts] = ()) -> list[Row]:
     """One row per strategy; with `sequence_parallel` N the strategies that run it hold s/N tokens' activations;
-    `frozen`: the facts of the models beside the policy (frozen_bytes)."""
+    `frozen`: the facts of the models beside the policy, placed as the policy (frozen_bytes); `whole`: those held
+    whole on every device whatever the strategy (GRPO's reward models)."""
     n = gpus_per_node * nodes
     full = activation_bytes(f, micro_batch, seq, checkpointing)
     split = activation_bytes(f, micro_batch, -(-seq // sequence_parallel), checkpointing)
@@ -158,6 +160,7 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
         else:  # zero_infinity
             swap = swap_buffer_bytes(f.largest_tensor, n) * gpus_per_node
             gpu, cpu, nvme = (layer, 0.0, 0.0), G / nodes + swap, (P + Opt) / nodes
+        gpu = (gpu[0] + frozen_bytes(whole), *gpu[1:])
         rows.append(Row(s, *gpu, act, cpu, nvme))
     return rows
 
@@ -216,7 +219,8 @@ def recipe_plan(recipe: Recipe, gpus_per_node: int, nodes: int) -> RecipePlan:
     t = recipe.typed_training
     shape = (gpus_per_node, nodes, t.per_device_train_batch_size, recipe.data.max_length, m.gradient_checkpointing,
              bool(t.bf16 or t.fp16), recipe.strategy.resolved_sequence_parallel())
-    return RecipePlan(facts, frozen, plan(facts, *shape, [f for _, f in frozen]), plan(facts, *shape))
+    sharded, whole = ([f for spec, f in frozen if spec.whole is w] for w in (False, True))
+    return RecipePlan(facts, frozen, plan(facts, *shape, sharded, whole), plan(facts, *shape))
 
 
 def kernels_here(model: ModelSection, facts: ModelFacts) -> str:

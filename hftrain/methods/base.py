@@ -26,6 +26,7 @@ class ModelSpec:
     section: ModelSection
     key: str = "model"
     num_labels: int | None = None  # a classifier's classes (a reward model's one score); None: its config's own
+    whole: bool = False  # held whole on every rank whatever the strategy (GRPO's reward models, scored on each rank)
 
 
 @dataclass(frozen=True)

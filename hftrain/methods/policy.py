@@ -9,9 +9,9 @@ import dataclasses
 from ..config import DataSection, ModelSection, Problems, Recipe
 from ..config.fields import is_number
 from ..constants import QUANTIZED_STRATEGIES
-from ..heads import Head
+from ..heads import Head, Role
 from ..modeling import load_model, lora_config
-from .base import Method
+from .base import Method, ModelSpec
 
 # data: options of supervised fine-tuning that mean nothing to the TRL-based methods (their value when unset).
 SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
@@ -78,6 +78,14 @@ class PreferenceMethod(Method):
     # ORPO's log odds of the chosen answer over the rejected and its NLL; KTO's KL reference point.
     reported = ("eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen", "eval_rewards/rejected",
                 "eval_log_odds_chosen", "eval_nll_loss", "eval_kl", "eval_loss")
+
+    def models(self, recipe: Recipe) -> list[ModelSpec]:
+        """The policy, and the frozen copy TRL keeps as the reference where the loss has one and neither LoRA (the
+        adapter disabled is the reference) nor precomputed log-probs stand for it: the plan counts it."""
+        p, m = recipe.preference, recipe.model
+        policy = ModelSpec(Role.POLICY, Head.CAUSAL_LM, m)
+        copy = getattr(p, "copies_the_reference", False) and getattr(m, "lora", None) is None
+        return [policy, ModelSpec(Role.REFERENCE, Head.CAUSAL_LM, m, key="model")] if copy else [policy]
 
     def model(self, run):
         policy = self.policy(run.recipe)

@@ -29,7 +29,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from ... import distributed
-from ...config import HFTrainOptions, Recipe
+from ...config import HFTrainOptions, ModelSection, Recipe
+from ...heads import Head, Role
 from .prompts import PromptData, build_prompt_data, preview_prompts
 from ...data.templates import template_kwargs
 from ...errors import DataError, LaunchError, RewardError
@@ -40,7 +41,8 @@ from ...trainer import RUN_MIXINS
 from .. import registry
 from ..policy import load_policy, policy_peft_config
 from ...evaluate import greedy_answer
-from ..base import Method
+from ..base import Method, ModelSpec
+from .grpo_section import RewardSpec
 from ..sft import exact_match_metrics
 from .environments import load_environment, shown_tools
 from .tools import (ToolAnswer, load_tools, suffix_after_stop, tool_template_problem,
@@ -203,6 +205,23 @@ class GRPO(Method):
     and after, SFT's measure (sft.exact_match_metrics; no held-out loss: the Trainer gets no eval dataset)."""
 
     reported = ()
+
+    def models(self, recipe):
+        """The policy, and each reward model of grpo.rewards: held whole on every rank (each scores its own
+        rollouts), with the policy's dtype, as RewardModel.load loads it; the plan and the fit check count them."""
+        out = [ModelSpec(Role.POLICY, Head.CAUSAL_LM, recipe.model)]
+        if getattr(recipe.grpo, "beta", 0) and recipe.model.lora is None:  # TRL's frozen copy for the KL term
+            out.append(ModelSpec(Role.REFERENCE, Head.CAUSAL_LM, recipe.model, key="model"))
+        rewards = recipe.grpo.rewards if isinstance(getattr(recipe.grpo, "rewards", None), list) else []
+        for i, r in enumerate(rewards):
+            if isinstance(r, RewardSpec) and isinstance(r.model, str) and r.model:
+                process = r.aggregate is not None
+                section = ModelSection(name_or_path=r.model, dtype=recipe.model.dtype, kernels="none",
+                                       trust_remote_code=recipe.model.trust_remote_code)
+                head = Head.TOKEN_CLASSIFICATION if process else Head.SEQUENCE_CLASSIFICATION
+                out.append(ModelSpec(Role.REWARD, head, section, key=f"grpo.rewards.{i}.model",
+                                     num_labels=2 if process else 1, whole=True))
+        return out
 
     def model(self, run):
         policy = self.policy(run.recipe)

@@ -42,6 +42,12 @@ class PreferenceSection(MethodSection):
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable examples' losses.")
 
     @property
+    def copies_the_reference(self) -> bool:
+        """Whether TRL keeps a frozen copy of the policy as the reference for this section (its loss has a reference
+        and no precomputed log-probs stand for it; with LoRA the adapter disabled is the reference, no copy)."""
+        return self.loss_type not in REFERENCE_FREE and not self.precompute_ref_log_probs
+
+    @property
     def method(self) -> str:
         """The method this section selects (registry.METHODS), by its loss. An unknown loss_type is a problem the
         recipe's checks report; until then DPO, the section's default loss's method, stands for it."""
