@@ -113,6 +113,19 @@ def test_both_layouts_give_the_same_examples(vlm_dirs, image_dir, family):
     assert parts.train[1]["images"] == [str(image_dir / "blue.png"), str(image_dir / "green.png")]
 
 
+def test_image_rows_left_out_for_length_are_counted_and_named(vlm_dirs, image_dir, capsys):
+    """Text, pair and step rows left out for length were counted and named, image rows silently dropped."""
+    path = _write(image_dir / "parts.jsonl", part_rows())
+    _, everything = _examples(vlm_dirs["llava"], "llava", path)
+    lengths = sorted(len(ids) for ids in everything.train["input_ids"])
+    capsys.readouterr()
+    _, kept = _examples(vlm_dirs["llava"], "llava", path, max_length=lengths[-1] - 1, truncation="drop")
+    err = capsys.readouterr().err
+    assert len(kept.train) == len(lengths) - 1
+    assert f"data.sources.0: 1 of {len(lengths)} image rows of {path} are left out: longer than data.max_length=" \
+           f"{lengths[-1] - 1} tokens" in err and f"{path}:" in err, err
+
+
 @pytest.mark.parametrize("spoil, said", [
     (lambda d: os.remove(d / "blue.png"), "image 0: image {d}/blue.png does not exist"),
     (lambda d: (d / "blue.png").write_text("not an image"), "is not an image PIL can read"),

@@ -44,6 +44,7 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     rows = read_rows(src, key)
     fmt, rename = image_layout(rows, src, key)  # format and columns as the text sources read them
     base, out = base_folder(src.path), []
+    too_long, untrainable = [], []
     for index, (where, row) in enumerate(rows.iterate()):
         at = f"{key} ({where})"
         canon = canonical_image_row({rename.get(k, k): v for k, v in row.items()}, at, base, fmt, src.roles)
@@ -51,12 +52,14 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
                                 cfg.train_turns)
         if len(example["input_ids"]) > cfg.max_length:
             if cfg.truncation == "drop":
+                too_long.append(where)
                 continue
             raise DataError(f"{at}: {len(example['input_ids'])} tokens (its images' tokens included) is more than "
                             f"data.max_length={cfg.max_length}, and image rows are never cut (an image's tokens cut "
                             "would not match its pixels); raise data.max_length or set data.truncation: drop")
         if trainable_tokens(example["labels"]) == 0:
             if cfg.skip_untrainable:
+                untrainable.append(where)
                 continue
             raise DataError(f"{at}: the row has no trainable token (no assistant turn); fix it or set "
                             "data.skip_untrainable: true")
@@ -64,6 +67,13 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     if not out:
         raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
     print0(f"hftrain: {key} ({src.path}): image rows, layout {fmt}, {rows.count} rows", file=sys.stderr)
+    for left, why, fix in ((too_long, f"longer than data.max_length={cfg.max_length} tokens, their images' included "
+                            "(data.truncation: drop)", "raise data.max_length to keep them"),
+                           (untrainable, "no trainable token (data.skip_untrainable)", "give them an assistant turn")):
+        if left:
+            shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            print0(f"hftrain: {key}: {len(left)} of {rows.count} image rows of {src.path} are left out: {why} "
+                   f"({shown}); {fix}", file=sys.stderr)
     return out, rows.count
 
 
