@@ -185,7 +185,9 @@ def save_final(trainer, recipe: Recipe, strategy: StrategySection, tokenizer, me
     if distributed.is_main_process():
         if recipe.model.lora is not None and recipe.model.lora.merge:
             with loading_outside_zero3(trainer.args):
-                save_merged(trainer.model, tokenizer, out, recipe.model, sharded=strategy.name in SHARDED)
+                # the trainer's processing class: a vision-language model's processor (its merged/ held none)
+                save_merged(trainer.model, trainer.processing_class or tokenizer, out, recipe.model,
+                            sharded=strategy.name in SHARDED)
         atomic_write(os.path.join(out, RUN_INFO_FILE), json.dumps(info, indent=2) + "\n")
     distributed.barrier()
     check_ranks_agree(info)

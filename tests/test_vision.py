@@ -113,6 +113,26 @@ def test_both_layouts_give_the_same_examples(vlm_dirs, image_dir, family):
     assert parts.train[1]["images"] == [str(image_dir / "blue.png"), str(image_dir / "green.png")]
 
 
+def test_a_saved_qwen_vl_processor_names_the_family_class_and_loads_without_torchvision(vlm_dirs, tmp_path):
+    """On this CPU stack (no torchvision) hftrain builds Qwen-VL's processor without its video processor; saved, its
+    tokenizer_config.json named that class of hftrain's own (Qwen2_5_VLProcessorImagesOnly), which nothing could
+    load. It names the family's class now, and `hftrain.vision.processor.load_processor(folder)` reads it back."""
+    import json
+
+    from hftrain.vision.processor import load_processor
+
+    import shutil
+
+    processor = load_processor(vlm_dirs["qwen2_5_vl"])
+    processor.save_pretrained(tmp_path / "saved")  # as a run saves it beside the model and its config.json
+    shutil.copy(os.path.join(vlm_dirs["qwen2_5_vl"], "config.json"), tmp_path / "saved")
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        config = json.load(open(tmp_path / "saved" / name))
+        assert config.get("processor_class") == "Qwen2_5_VLProcessor", (name, config.get("processor_class"))
+    again = load_processor(str(tmp_path / "saved"))
+    assert type(again).__name__ == "Qwen2_5_VLProcessor" and again.image_token == processor.image_token
+
+
 def test_image_rows_left_out_for_length_are_counted_and_named(vlm_dirs, image_dir, capsys):
     """Text, pair and step rows left out for length were counted and named, image rows silently dropped."""
     path = _write(image_dir / "parts.jsonl", part_rows())

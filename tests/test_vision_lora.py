@@ -126,3 +126,13 @@ def test_a_lora_run_saves_an_adapter_that_loads_back_and_merges(vlm_dirs, tmp_pa
     assert not torch.allclose(before, after)  # the adapter trained
     within("vision.lora_merged_vs_adapted.logits", whole, after)
     beyond("vision.lora_merged_vs_adapted.logits", before, after)  # a merge that lost the adapter would be seen
+    # merged/ is a whole model with its processor (it held the tokenizer only), and the card's adapter snippet
+    # (PeftModel over the base: AutoPeftModel refuses an adapter with a task type) loads the adapter
+    from hftrain.heads import Head
+    from hftrain.vision.processor import load_processor
+
+    assert type(load_processor(str(out / "merged"))).__name__ == "Qwen2_5_VLProcessor"
+    snippet = Head.IMAGE_TEXT_TO_TEXT.usage(str(out), adapter=True)
+    names = {}
+    exec(snippet.split("processor = ")[0], names)  # the loading lines; AutoProcessor needs torchvision for Qwen-VL
+    assert type(names["model"]).__name__.startswith("PeftModel")  # peft picks its task type's class

@@ -11,7 +11,8 @@ from transformers import AutoProcessor, ProcessorMixin
 from transformers.utils import is_torchvision_available
 
 from ..heads import Head
-from .families import model_type_of, processor_class
+from .families import CHECKED, model_type_of
+from .families import processor_class as class_of_family
 
 
 def images_only(processor_class: type) -> type:
@@ -29,12 +30,12 @@ def images_only(processor_class: type) -> type:
             self.video_token)
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    def to_dict(self) -> dict:
-        # Saved as the family's own class: AutoProcessor builds that one where torchvision is installed.
-        return dict(processor_class.to_dict(self), processor_class=processor_class.__name__)
-
-    return type(f"{processor_class.__name__}ImagesOnly", (processor_class,),
-                {"__init__": __init__, "to_dict": to_dict, "__doc__": images_only.__doc__})
+    # Named as the family's own class: a save writes that name into processor_config.json and tokenizer_config.json
+    # (ProcessorMixin names the tokenizer's processor class after its own), so AutoProcessor builds the family's class
+    # where torchvision is installed, and load_processor this one where it is not; a name of hftrain's own there was
+    # a class nothing else could load.
+    return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "__doc__": images_only.__doc__,
+                                                               "__module__": __name__})
 
 
 def needs_video_processor(processor_class: type) -> bool:
@@ -42,8 +43,13 @@ def needs_video_processor(processor_class: type) -> bool:
 
 
 def load_processor(name_or_path: str, processor_class: type | None = None, **kwargs):
-    """The model's processor from its folder: AutoProcessor's, or (`processor_class` given: the family's class,
-    which needs a video processor, without torchvision here) that class without its video processor."""
+    """The model's processor from its folder (a run's output_dir too): AutoProcessor's, or, where the family's class
+    (`processor_class`, else the one of the folder's model type) needs a video processor and torchvision is not
+    installed, that class without its video processor. The documented call for a saved Qwen-VL folder on such a
+    machine: `from hftrain.vision import load_processor; load_processor(folder)`."""
+    if processor_class is None:
+        model_type = model_type_of(name_or_path)
+        processor_class = class_of_family(model_type) if model_type in CHECKED else None
     if processor_class is None or not needs_video_processor(processor_class) or is_torchvision_available():
         return AutoProcessor.from_pretrained(name_or_path, **kwargs)
     return images_only(processor_class).from_pretrained(name_or_path, **kwargs)
@@ -52,7 +58,7 @@ def load_processor(name_or_path: str, processor_class: type | None = None, **kwa
 def processor_of(section):
     """The processor of a model section's image-text-to-text model (a family hftrain has checked)."""
     kwargs = {"revision": section.revision} if getattr(section, "revision", None) else {}
-    return load_processor(section.name_or_path, processor_class(model_type_of(section.name_or_path)), **kwargs)
+    return load_processor(section.name_or_path, class_of_family(model_type_of(section.name_or_path)), **kwargs)
 
 
 def arguments_for(head: Head, kwargs: dict) -> dict:
