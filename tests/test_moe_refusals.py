@@ -53,6 +53,13 @@ CASES = [
     ("expert_parallel_with_fsdp_offload", "mixtral",
      lambda w: both(_ep(), set_("strategy", {"name": "fsdp", "num_processes": 2, "fsdp_offload_params": True})),
      ["strategy.fsdp_offload_params: cannot be combined with moe.expert_parallel_size > 1", "mixes CPU and GPU"]),
+    ("per_expert_names_on_fused_experts", "qwen3_moe",
+     lambda w: set_("model.lora", {"r": 4, "target_parameters": ["experts.gate_proj", "experts.up_proj",
+                                                                 "experts.down_proj"]}),
+     ["model.lora.target_parameters: 'experts.gate_proj', 'experts.up_proj' name no parameter of",
+      "mlp.experts.gate_up_proj"]),
+    ("upcycle_an_moe_model", "mixtral", lambda w: set_("moe", {"upcycle": {"num_experts": 4}}),
+     ["moe.upcycle: ", "is already a mixture-of-experts model (mixtral, 3 MoE blocks)", "remove moe.upcycle"]),
     ("experts_implementation_under_expert_parallelism", "mixtral",
      lambda w: both(_ep(), set_("model.experts_implementation", "grouped_mm")),
      ["model.experts_implementation: 'grouped_mm' is not used with moe.expert_parallel_size",
@@ -91,6 +98,25 @@ def test_what_each_family_can_honour_passes(family_dirs, tmp_path, capsys):
         (tmp_path / family).mkdir()
         code, err = run_check([w.recipe(edit)], capsys)
         assert code == 0, err[-3000:]
+
+
+def test_a_biased_router_lora_wraps_is_balanced(family_dirs, tmp_path, capsys, monkeypatch):
+    """peft's all-linear wraps DeepSeek-V3's router (a ParamWrapper): check passed, the run then refused the bias
+    rate ('no router with an expert bias'). The wrapped router is found through its wrapper: check and the run pass,
+    and its biases move (they start at 0)."""
+    from safetensors.torch import load_file
+
+    from hftrain.moe.balance import BIAS
+
+    w = W(str(tmp_path), family_dirs["deepseek_v3"])
+    rec = w.recipe(both(set_("moe", {"bias_update_rate": 0.05}), set_("model.lora", {"r": 4, "dropout": 0.0, "merge": True}),
+                        set_("training.max_steps", 2)))
+    code, err = run_check([rec], capsys)
+    assert code == 0, err[-3000:]
+    assert run_main([rec], {}, monkeypatch) == 0, capsys.readouterr().err[-3000:]
+    merged = load_file(str(tmp_path / "out" / "merged" / "model.safetensors"))
+    biases = [v for k, v in merged.items() if k.endswith(BIAS)]
+    assert biases and any(v.abs().max() > 0 for v in biases)
 
 
 class _Trainer:

@@ -43,7 +43,9 @@ from ..heads import Head
 from ..losses import fused_ce
 from ..methods import policy_head
 from ..modeling import local_config, lora_config
+from ..modeling.lora import unmatched_target_parameters
 from ..moe.balance import bias_rate_problem
+from ..moe.blocks import moe_blocks
 from ..moe.capabilities import section_problems
 from .machines import held_port_problem
 from .resume import meta_model
@@ -278,6 +280,10 @@ def moe_problems(recipe: Recipe, world: int) -> list[tuple[str, str]]:
     if config is None or any(k.startswith("moe.") for k in recipe.invalid):
         return out
     model = _policy_on_meta(recipe, config)
+    if moe.upcycle is not None and moe_blocks(model):  # refused only after the model loaded, by the upcycling
+        return out + [("moe.upcycle", f"{recipe.model.name_or_path} is already a mixture-of-experts model "
+                       f"({config.model_type}, {len(moe_blocks(model))} MoE blocks): remove moe.upcycle to train it "
+                       "as it is")]
     if moe.upcycle is not None:
         problem = bias_rate_problem(model, moe.bias_update_rate)
         return out + ([("moe.bias_update_rate", problem.split(": ", 1)[1])] if problem else [])
@@ -325,6 +331,17 @@ def _try_lora(model_section, config, head: Head) -> str | None:
     return None
 
 
+def _unmatched(missing: list[str], model, name: str) -> str:
+    """The refusal of target_parameters entries that match nothing, with the model's own parameter names that are
+    no Linear module's weight (what target_parameters is for: fused experts)."""
+    linear = {f"{n}.weight" for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    own = sorted({n.split(".", 3)[-1] if n.count(".") > 3 else n for n, _ in model.named_parameters()
+                  if n not in linear and "experts" in n})
+    return (f"{', '.join(repr(t) for t in missing)} name{'s' if len(missing) == 1 else ''} no parameter of {name} "
+            f"(peft would adapt the others and ignore {'it' if len(missing) == 1 else 'them'}); its experts' "
+            f"parameters are {', '.join(own[:6]) or 'none'}: name those (fused ones adapt every expert's matrices)")
+
+
 def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, problem) for what peft refuses of model.lora on this model (a target module it does not have, a dropout
     torch refuses, ...): peft's get_peft_model on the model built from its config on the meta device (no weights)."""
@@ -335,6 +352,10 @@ def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     if config is None:
         return []
     head = policy_head(recipe)
+    missing = unmatched_target_parameters(meta_model(config, m.trust_remote_code, head), m.lora.target_parameters)
+    if missing:
+        return [("model.lora.target_parameters", _unmatched(missing, meta_model(config, m.trust_remote_code, head),
+                                                            m.name_or_path))]
     why = _try_lora(m, config, head)
     if why is None:
         return []

@@ -25,6 +25,14 @@ def lora_config(cfg: ModelSection, head: Head = Head.CAUSAL_LM):
                       modules_to_save=cfg.lora.modules_to_save, target_parameters=cfg.lora.target_parameters)
 
 
+def unmatched_target_parameters(model, targets: list[str] | None) -> list[str]:
+    """model.lora.target_parameters entries that name no parameter of `model` (peft matches a parameter's full name
+    or its dotted suffix, and ignores an entry that matches nothing as long as another matches: the Hub's per-expert
+    names `experts.gate_proj` on a family whose experts hold `gate_up_proj` fused adapted only `down_proj`)."""
+    names = [n for n, _ in model.named_parameters()]
+    return [t for t in targets or [] if not any(n == t or n.endswith("." + t) for n in names)]
+
+
 def _family(cfg: ModelSection) -> str:
     """The family of an image-text-to-text model (its parts: model_parts.PARTS); the head is only chosen for a local
     model of a family hftrain has checked (vision.families.head_of), so it is there."""

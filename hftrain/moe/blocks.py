@@ -10,8 +10,14 @@ ROUTER_NAMES = ("gate", "router")  # gpt-oss calls its block's router `router`; 
 
 def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
     """The router child of an MoE block. Every family's router (transformers 5) returns (logits, top-k weights, top-k
-    expert ids)."""
-    return next((r for r in (getattr(block, n, None) for n in ROUTER_NAMES) if isinstance(r, torch.nn.Module)), None)
+    expert ids). A router LoRA adapts (peft's all-linear wraps DeepSeek-V3's and GLM-4.5's in a ParamWrapper) is the
+    router it wraps, which still runs in its forward and holds the expert bias: seen through the wrapper, bias
+    balancing, the aux losses and the load counts find it (they found none: 'no router with an expert bias')."""
+    router = next((r for r in (getattr(block, n, None) for n in ROUTER_NAMES) if isinstance(r, torch.nn.Module)), None)
+    if router is not None and hasattr(router, "lora_A") and isinstance(getattr(router, "base_layer", None),
+                                                                         torch.nn.Module):
+        return router.base_layer
+    return router
 
 
 def moe_blocks(model) -> list[torch.nn.Module]:
