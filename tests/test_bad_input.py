@@ -234,7 +234,11 @@ CASES = [
     ("loss_impl_chunked_lora_head",
      lambda w: [w.recipe(both(set_("model.lora", {"r": 4, "target_modules": ["lm_head"]}),
                               set_("training.loss_impl", "chunked")))],
-     ["model.lora.target_modules: holds lm_head, which training.loss_impl: chunked cannot compute through"]),
+     ["model.lora.target_modules: reaches lm_head, which training.loss_impl: chunked cannot compute through"]),
+    ("loss_impl_chunked_lora_head_by_a_pattern",  # peft's regular expression: it passed check, failed in the run
+     lambda w: [w.recipe(both(set_("model.lora", {"r": 4, "target_modules": ".*(q_proj|lm_head)"}),
+                              set_("training.loss_impl", "chunked")))],
+     ["model.lora.target_modules: reaches lm_head, which training.loss_impl: chunked cannot compute through"]),
     ("loss_impl_unknown", lambda w: [w.recipe(set_("training.loss_impl", "liger"))],
      ["training.loss_impl", "'liger'", "'chunked'", "'fused'"]),
     ("launcher_strategy_mismatch", lambda w: [w.recipe(set_("strategy.name", "fsdp"))],

@@ -214,6 +214,6 @@ def test_lora_on_lm_head_is_refused_with_either_head_loss(impl):
 
     raw = {"model": {"name_or_path": "m", "lora": {"r": 4, "target_modules": ["lm_head"]}},
            "data": {"sources": [{"path": "d.jsonl"}]}, "training": {"loss_impl": impl}}
-    with pytest.raises(RecipeError, match=f"model.lora.target_modules: holds lm_head, which training.loss_impl: {impl} "
-                       "cannot compute through"):
+    with pytest.raises(RecipeError, match=f"model.lora.target_modules: reaches lm_head, which training.loss_impl: "
+                       f"{impl} cannot compute through"):
         load_recipe(None, [], raw=raw)

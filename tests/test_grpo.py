@@ -50,6 +50,7 @@ def test_shipped_recipe_parses():
     ("training.train_sampling_strategy=group_by_length", "training.train_sampling_strategy: GRPO samples prompts"),
     ("training.include_num_input_tokens_seen=all", "training.include_num_input_tokens_seen: GRPO's batches"),
     ("model.lora.target_modules=[lm_head]", "model.lora: GRPO computes log-probs from lm_head's weight"),
+    ("model.lora.target_modules=.*", "model.lora: GRPO computes log-probs from lm_head's weight"),
     ("preference.beta=0.1", "grpo: a recipe trains one method"),
     ("strategy.name=zero1", "strategy.name: GRPO runs under ddp, fsdp, zero2, zero3"),
 ])

@@ -109,8 +109,8 @@ def test_a_biased_router_lora_wraps_is_balanced(family_dirs, tmp_path, capsys, m
     from hftrain.moe.balance import BIAS
 
     w = W(str(tmp_path), family_dirs["deepseek_v3"])
-    rec = w.recipe(both(set_("moe", {"bias_update_rate": 0.05}), set_("model.lora", {"r": 4, "dropout": 0.0, "merge": True}),
-                        set_("training.max_steps", 2)))
+    rec = w.recipe(both(set_("moe", {"bias_update_rate": 0.05}),
+                        set_("model.lora", {"r": 4, "dropout": 0.0, "merge": True}), set_("training.max_steps", 2)))
     code, err = run_check([rec], capsys)
     assert code == 0, err[-3000:]
     assert run_main([rec], {}, monkeypatch) == 0, capsys.readouterr().err[-3000:]

@@ -59,11 +59,10 @@ def _loss_impl_problems(recipe: Recipe) -> Problems:
     out: Problems = []
     impl, m = recipe.typed_training.loss_impl, recipe.model
     lora = m.lora if m is not None else None
-    if isinstance(lora, LoraSection) and impl in ("chunked", "fused"):
-        for key in ("target_modules", "modules_to_save"):
-            if isinstance(getattr(lora, key), list) and "lm_head" in getattr(lora, key):
-                out.append((f"model.lora.{key}", f"holds lm_head, which training.loss_impl: {impl} cannot compute "
-                            "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
+    if isinstance(lora, LoraSection) and impl in ("chunked", "fused") and lora.reaches("lm_head"):
+        key = "modules_to_save" if "lm_head" in (lora.modules_to_save or []) else "target_modules"
+        out.append((f"model.lora.{key}", f"reaches lm_head, which training.loss_impl: {impl} cannot compute "
+                    "through (a wrapped head); use training.loss_impl: auto or logits, or leave lm_head out"))
     if impl != "fused":
         return out
     if recipe.typed_training.loss_averaging != "token":

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +34,21 @@ class LoraSection:
         help="Image-text-to-text models: parts beside the language model that get adapters too, [projector] and/or "
         "vision_tower (as model.freeze names them); by default the language model alone is adapted. Needs "
         "target_modules: all-linear.", factory=list)
+
+    def reaches(self, module: str) -> bool:
+        """Whether target_modules or modules_to_save reach the top-level module `module` (lm_head) as peft matches
+        them: a name in a list; a string other than all-linear (which leaves the output layer out) as a regular
+        expression the whole name must match (re.fullmatch). A pattern `.*` reached lm_head past the list check."""
+        lists = [v for v in (self.target_modules, self.modules_to_save) if isinstance(v, list)]
+        if any(module in v for v in lists):
+            return True
+        pattern = self.target_modules
+        if not isinstance(pattern, str) or pattern == "all-linear":
+            return False
+        try:
+            return re.fullmatch(pattern, module) is not None
+        except re.error:  # peft refuses it (launch.libraries.lora_problems)
+            return False
 
 
 @dataclass

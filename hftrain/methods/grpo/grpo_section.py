@@ -204,8 +204,7 @@ def _other_section_problems(recipe: Recipe) -> Problems:
                     "random (shuffled) or sequential, not "
                     f"{recipe.typed_training.train_sampling_strategy!r}"))
     lora = recipe.model.lora if recipe.model is not None else None
-    if isinstance(lora, LoraSection) and any(isinstance(v, list) and "lm_head" in v
-                                             for v in (lora.target_modules, lora.modules_to_save)):
+    if isinstance(lora, LoraSection) and lora.reaches("lm_head"):
         out.append(("model.lora", "GRPO computes log-probs from lm_head's weight directly, so an adapter on lm_head "
                     "would never train: leave lm_head out of target_modules and modules_to_save"))
     return out
