@@ -71,7 +71,7 @@ CASES = [
     ("nan_source_weight", lambda w: [w.recipe(set_("data.sources", [{"path": w.file("a.jsonl", _rows(4))},
                                                                      {"path": w.file("b.jsonl", _rows(4)),
                                                                       "weight": float("nan")}]))],
-     ["data.sources.1.weight: must be a finite number > 0, got nan"]),
+     ["data.sources.1.weight: expected a finite number, got nan"]),
     ("eval_fraction_of_two_rows", lambda w: [two_rows(w), "data.eval_fraction=0.9",
                                              "training.per_device_train_batch_size=1"],
      ["data.eval_fraction: 0.9 of the 2 rows of data.sources.0", "leaves no row to train on",

@@ -372,7 +372,8 @@ def test_held_out_loss_and_divergence_before_and_after_and_the_card(one_rank):
     assert metrics["final_eval_loss"] < metrics["initial_eval_loss"], metrics
     assert metrics["final_eval_ce"] != metrics["final_eval_loss"] and "final_eval_divergence" not in metrics
     evals = [h for h in json.load(open(tmp / "held_out" / "trainer_state.json"))["log_history"] if "eval_loss" in h]
-    assert [h["step"] for h in evals] == [2, 4] and all("eval_ce" in h for h in evals)
+    # the evaluations before and after (steps 0 and 4) beside the scheduled ones (steps 2 and 4)
+    assert [h["step"] for h in evals] == [0, 2, 4, 4] and all("eval_ce" in h for h in evals)
     assert evals[-1]["eval_loss"] == pytest.approx(metrics["final_eval_loss"], rel=1e-6)
     assert "distillation from" in info["method"]["description"] and "logits mode" in info["method"]["description"]
     assert info["method"]["tag"] == "knowledge-distillation"

@@ -179,7 +179,7 @@ def test_check_refuses_a_head_liger_cannot_compute(tmp_path, monkeypatch):
     """Cohere's logit scale, read from the model built from its config on the meta device, before anything loads."""
     from hftrain.config import Recipe
     from hftrain.config.sections import ModelSection
-    from hftrain.launch.libraries import fused_loss_problems
+    from hftrain.launch.model_libraries import fused_loss_problems
 
     _pretend(monkeypatch, True, True)
     tiny_lm(kind="cohere").config.save_pretrained(tmp_path / "cohere")

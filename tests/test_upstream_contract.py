@@ -46,7 +46,7 @@ CONTRACT = [
     # transformers.Trainer: read or replaced
     ("transformers:Trainer", "_get_output_dir", ["trial"], "patches.transformers: the staging folder"),
     ("transformers:PreTrainedModel", "_can_set_experts_implementation", [],
-     "launch.libraries.experts_problems: model.experts_implementation refused for a model without experts"),
+     "launch.model_libraries.experts_problems: model.experts_implementation refused for a model without experts"),
     ("transformers:Trainer", "_prepare_inputs", ["inputs"], "exact_loss.prediction_step"),
     ("transformers:Trainer", "_tr_loss", None, "step_guard: a skipped step's loss (set in _inner_training_loop)"),
     ("transformers:PretrainedConfig", "_attn_implementation", None, "modeling, moe.upcycle"),

@@ -47,7 +47,7 @@ class LoraSection:
             return False
         try:
             return re.fullmatch(pattern, module) is not None
-        except re.error:  # peft refuses it (launch.libraries.lora_problems)
+        except re.error:  # peft refuses it (launch.model_libraries.lora_problems)
             return False
 
 

@@ -15,7 +15,7 @@ from ..vision.families import family_problem, head_of, model_type_of, strategy_p
 from ..vision.freezing import freeze_problems
 from ..vision.image_sources import image_data_problems
 from ..vision.lora_parts import lora_part_problems
-from . import libraries
+from . import libraries, model_libraries
 
 
 def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple[str, str]]:
@@ -43,11 +43,11 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         else:  # what the Trainer, torch's DataLoader and the optimizer/scheduler factories would refuse in train()
             out += libraries.trainer_problems(recipe, accelerator_available())
     if model_ok and not any(k.startswith("model.lora") for k in skip):
-        out += libraries.lora_problems(recipe)
+        out += model_libraries.lora_problems(recipe)
     if model_ok and m.experts_implementation is not None and "model.experts_implementation" not in skip:
-        out += libraries.experts_problems(recipe)
+        out += model_libraries.experts_problems(recipe)
     if model_ok and recipe.typed_training.loss_impl == "fused" and "training.loss_impl" not in skip:
-        out += libraries.fused_loss_problems(recipe)
+        out += model_libraries.fused_loss_problems(recipe)
     if model_ok and m.kernels == "liger" and "model.kernels" not in skip:
         config = local_config(m)
         problem = liger_problem(getattr(config, "model_type", None)) if config is not None else None

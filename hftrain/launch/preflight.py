@@ -20,7 +20,7 @@ from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES
 from ..errors import RecipeError
 from ..methods import parse_recipe
-from . import libraries
+from . import libraries, model_libraries
 from .memory_checks import frozen_fit_problems
 from .model_checks import model_problems, setting_problems
 from .output_checks import output_problems
@@ -70,7 +70,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
                         f"the {world} processes (data-parallel groups of {sp} ranks share each sequence); launch a "
                         f"multiple of {sp} processes")
     strategy = replace(s, name=name)
-    problems += [_message(recipe, k, m) for k, m in libraries.moe_problems(recipe, world)]
+    problems += [_message(recipe, k, m) for k, m in model_libraries.moe_problems(recipe, world)]
     for section in recipe.method_sections().values():  # the method's own, over these processes and this machine
         problems += [_message(recipe, k, m) for k, m in section.launch_problems(recipe, world, environment)]
     if environment:
