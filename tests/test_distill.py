@@ -19,14 +19,15 @@ from .conftest import DEMO_TRAIN, PY, SMALL, launch_prefix, run, run_matrix
 STEPS = 2
 
 
-def write_rows(path, n, seed=0):
-    """Conversations whose answers are 1 to 12 letters long: very uneven completion lengths in every batch."""
+def write_rows(path, n, seed=0, lengths=(1, 2, 8, 12)):
+    """Conversations whose answers are 1 to 12 letters long (`lengths`): very uneven completion lengths in every
+    batch."""
     rng = random.Random(seed)
 
     def word(k):
         return " ".join(rng.choice("abcdefghij") for _ in range(k))
     rows = [{"messages": [{"role": "user", "content": f"reverse: {word(3)}"},
-                          {"role": "assistant", "content": word(rng.choice([1, 2, 8, 12]))}]} for _ in range(n)]
+                          {"role": "assistant", "content": word(rng.choice(lengths))}]} for _ in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -238,6 +239,8 @@ def one_rank(tmp_path_factory, models):
     """Every one-process run of this module in one launch: (folder, {name: variant}, data)."""
     tmp = tmp_path_factory.mktemp("distill_one_rank")
     data, held = write_rows(tmp / "rows.jsonl", 16), write_rows(tmp / "held.jsonl", 6, seed=1)
+    # rows are packed up to the batch's longest example: short answers beside long ones, so most rows hold two or three
+    packable = write_rows(tmp / "packable.jsonl", 16, seed=2, lengths=(1, 1, 2, 20))
     variants = {
         "1x_ga4": variant(tmp, "1x_ga4", models, data, 2, 4),
         "1x_bs8": variant(tmp, "1x_bs8", models, data, 8, 1),
@@ -251,8 +254,9 @@ def one_rank(tmp_path_factory, models):
                                        per_device_train_batch_size=4))]),
         "on_policy": variant(tmp, "on_policy", models, data, 2, 4, distill=ON_POLICY),
         "lmbda": variant(tmp, "lmbda", models, data, 2, 4, distill=LMBDA),
-        "packed_1x_bs8": variant(tmp, "packed_1x_bs8", models, data, 8, 1, packing=True),
-        "packed_unpacked_teacher": variant(tmp, "packed_unpacked_teacher", models, data, 8, 1, packing=True,
+        "padded_1x_bs8": variant(tmp, "padded_1x_bs8", models, packable, 8, 1),
+        "packed_1x_bs8": variant(tmp, "packed_1x_bs8", models, packable, 8, 1, packing=True),
+        "packed_unpacked_teacher": variant(tmp, "packed_unpacked_teacher", models, packable, 8, 1, packing=True,
                                            module="tests.distill_unpacked_teacher"),
         **on_policy_resume_variants(tmp, models, data),
     }
@@ -397,7 +401,7 @@ def test_packed_rows_distill_as_padded_ones(one_rank):
     batch of the same 8 rows; the teacher loaded without the packing options (each example after the first in a row
     distilled against a teacher that saw the examples before it) is the control."""
     tmp, variants, _ = one_rank
-    ref_loss, ref = outcome(variants, tmp, "1x_bs8")
+    ref_loss, ref = outcome(variants, tmp, "padded_1x_bs8")
     losses, final = outcome(variants, tmp, "packed_1x_bs8")
     within("distill.packed_vs_padded.losses", losses, ref_loss)
     within("distill.packed_vs_padded.weights", *saved_alike(final, ref))

@@ -166,6 +166,9 @@ def uneven_pairs(path, n, seed=0):
     return write_rows(path, rows)
 
 
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0}  # no dropout: its masks would differ between 1 and 2 ranks
+
+
 def plan(tmp, name, model_dir, rows, bs, ga, steps, module="hftrain.recipes.reward", reward=None, **extra):
     """One variant of a matrix launch: `hftrain reward` (or a test driver) on its own recipe, in tmp/name; plain SGD
     in fp32, so that the weights follow the losses' gradients exactly."""
@@ -211,6 +214,7 @@ def one_rank(tmp_path_factory, spiky_model_dir, tiny_model_dir):
         "lora": plan(tmp, "lora", tiny_model_dir, demo, 8, 1, 2, reward={},
                      model={"lora": {"r": 4, "alpha": 8, "merge": True}}),
         **resume_variants(plan, tmp, spiky_model_dir, sixteen),
+        "1x_ga4_lora": plan(tmp, "1x_ga4_lora", spiky_model_dir, sixteen, 2, 4, 2, model={"lora": LORA}),
     }
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900), sixteen
 
@@ -307,7 +311,9 @@ def two_ranks(request, tmp_path_factory, spiky_model_dir, one_rank):
             if strategy.startswith("zero"):
                 request.getfixturevalue("deepspeed_ops")
             tmp = tmp_path_factory.mktemp(f"reward_two_ranks_{strategy}")
-            variants = {"2x_ga2": plan(tmp, "2x_ga2", spiky_model_dir, one_rank[2], 2, 2, 2)}
+            variants = {"2x_ga2": plan(tmp, "2x_ga2", spiky_model_dir, one_rank[2], 2, 2, 2),
+                        "2x_ga2_lora": plan(tmp, "2x_ga2_lora", spiky_model_dir, one_rank[2], 2, 2, 2,
+                                            model={"lora": LORA})}
             launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
                                                  timeout=900)
         return launches[strategy]
@@ -325,3 +331,24 @@ def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy):
     losses, final = outcome(variants["2x_ga2"], tmp / "2x_ga2", 2, strategy)
     within("reward.two_ranks_vs_one.losses", losses, ref_loss, label=strategy)
     within("reward.two_ranks_vs_one.weights", final, ref, label=strategy)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_a_lora_reward_model_on_two_ranks_equals_one_rank(one_rank, two_ranks, strategy):
+    """A LoRA outcome reward model (the adapter and its score head, trained whole: modules_to_save) was tested on one
+    rank only: 2 ranks x GA2 under DDP, FSDP2 and ZeRO-3 give 1 rank x GA4's losses and adapter. (Every micro-batch
+    here holds 2 pairs, so the per-micro-batch mean would agree too: its control is that of
+    test_unequal_micro_batches_give_the_global_pair_mean_and_the_control_differs, on uneven micro-batches.)"""
+    tmp1, variants1, _ = one_rank
+    tmp, variants = two_ranks(strategy)
+    runs = {}
+    for folder, found, name in ((tmp1, variants1, "1x_ga4_lora"), (tmp, variants, "2x_ga2_lora")):
+        found[name].check()
+        history = json.load(open(folder / name / "trainer_state.json"))["log_history"]
+        runs[name] = ([h["loss"] for h in history if "loss" in h],
+                      load_file(str(folder / name / "adapter_model.safetensors")))
+    (ref_loss, ref), (losses, adapter) = runs["1x_ga4_lora"], runs["2x_ga2_lora"]
+    assert any(".score." in k for k in adapter)  # the head, saved whole with the adapter
+    within("reward.lora_two_ranks_vs_one.losses", losses, ref_loss, label=strategy)
+    within("reward.lora_two_ranks_vs_one.weights", adapter, ref, label=strategy)

@@ -77,9 +77,13 @@ def setup(tmp_path_factory):
     return root, models, write_rows(root, 16), write_rows(root, 4, first=16)
 
 
-def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, **training):
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "vision_parts": ["projector"]}  # no dropout: masks differ by rank
+
+
+def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, lora=None, **training):
     _, models, rows, held = setup
-    tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa"},
+    tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa",
+                      **({"lora": lora} if lora else {})},
             "data": {"sources": [{"path": rows}], "eval_sources": [{"path": held}], "max_length": 256,
                      "packing": packing},
             "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
@@ -117,6 +121,7 @@ def one_rank(tmp_path_factory, setup):
                        ("_weights_only", {"resume_from_checkpoint": ck, "resume_weights_only": True})):
         variants[f"resume_whole{name}"] = variant(tmp, f"resume_whole{name}", setup, FAMILIES[0], 4, 1, packing=True,
                                                   **RESUMED, max_steps=4, **more)
+    variants["lora_1x_ga4"] = variant(tmp, "lora_1x_ga4", setup, FAMILIES[0], 2, 4, lora=LORA)
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900)
 
 
@@ -144,6 +149,9 @@ def two_ranks(request, tmp_path_factory, setup):
                 variants[f"{f}_naive_2x_ga2"] = variant(tmp, f"{f}_naive_2x_ga2", setup, f, 2, 2,
                                                         module="tests.vision_mean_of_means")
                 variants[f"{f}_2x_bs4_packed"] = variant(tmp, f"{f}_2x_bs4_packed", setup, f, 4, 1, packing=True)
+            variants["lora_2x_ga2"] = variant(tmp, "lora_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA)
+            variants["lora_naive_2x_ga2"] = variant(tmp, "lora_naive_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA,
+                                                    module="tests.vision_mean_of_means")
             launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
                                                  timeout=900)
         return launches[strategy]
@@ -224,3 +232,27 @@ def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, setup, strategy):
         within("vision.two_ranks_vs_one.saved_logits", got, want, label=family)
         beyond("vision.two_ranks_vs_one.saved_logits", naive_logits, want, label=family)  # the per-micro-batch mean
         _differs(naive, ref_loss, ref, ref_eval, "2x_ga2", "2x_bs4_packed")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_a_lora_vision_model_on_two_ranks_equals_one_rank(one_rank, two_ranks, strategy):
+    """A LoRA vision-language model (the language model and the projector adapted) was tested on one rank only: 2 ranks
+    x GA2 under DDP, FSDP2 and ZeRO-3 give 1 rank x GA4's losses and adapter; each micro-batch's own token mean
+    averaged (the control) does not."""
+    tmp1, variants1 = one_rank
+    tmp, variants = two_ranks(strategy)
+    runs = {}
+    for folder, found, name in ((tmp1, variants1, "lora_1x_ga4"), (tmp, variants, "lora_2x_ga2"),
+                                (tmp, variants, "lora_naive_2x_ga2")):
+        found[name].check()
+        history = json.load(open(folder / name / "trainer_state.json"))["log_history"]
+        runs[name] = ([h["loss"] for h in history if "loss" in h],
+                      load_file(str(folder / name / "adapter_model.safetensors")))
+    (ref_loss, ref), (losses, adapter) = runs["lora_1x_ga4"], runs["lora_2x_ga2"]
+    assert any(".visual.merger." in k for k in adapter)
+    within("vision.lora_two_ranks_vs_one.losses", losses, ref_loss, label=strategy)
+    within("vision.lora_two_ranks_vs_one.weights", adapter, ref, label=strategy)
+    control_loss, control = runs["lora_naive_2x_ga2"]
+    beyond("vision.lora_two_ranks_vs_one.losses", control_loss, ref_loss, label=strategy)
+    beyond("vision.lora_two_ranks_vs_one.weights", control, ref, label=strategy)

@@ -51,7 +51,7 @@ _NOT_PROBED = ("fp16", "bf16", "tf32", "fp16_full_eval", "bf16_full_eval", "half
                "output_dir", "logging_dir", "push_to_hub", "hub_model_id", "report_to")
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -73,7 +73,7 @@ def single_process():
     try:
         # stdout is what `hftrain check` prints the resolved recipe on: libraries imported here (DeepSpeed's
         # accelerator detection, through accelerate) say their piece on stderr instead.
-        with mock.patch.dict(os.environ, env, clear=True), warnings.catch_warnings(), _quiet(), \
+        with mock.patch.dict(os.environ, env, clear=True), warnings.catch_warnings(), quiet(), \
                 contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")
             yield
@@ -84,7 +84,7 @@ def single_process():
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -134,7 +134,7 @@ def _probe_trainer(kwargs: dict, has_eval: bool) -> str | None:
                 trainer.get_eval_dataloader()
             trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps if args.max_steps > 0 else 10)
     except Exception as e:  # whatever the libraries raise for these values is the user's to fix
-        return _one_line(e)
+        return one_line(e)
     return None
 
 
@@ -169,11 +169,11 @@ def generation_problem(max_new_tokens) -> str | None:
     from transformers import GenerationConfig
 
     try:
-        with warnings.catch_warnings(), _quiet():
+        with warnings.catch_warnings(), quiet():
             warnings.simplefilter("ignore")
             GenerationConfig().update(**greedy_settings(max_new_tokens))
     except Exception as e:
-        return (f"eval.max_new_tokens: transformers' generate() refuses {max_new_tokens!r} ({_one_line(e)}); set a "
+        return (f"eval.max_new_tokens: transformers' generate() refuses {max_new_tokens!r} ({one_line(e)}); set a "
                 "number of tokens > 0")
     return None
 
@@ -188,7 +188,7 @@ def num_proc_problem(num_proc) -> str | None:
     try:
         datasets.Dataset.from_dict({"x": []}).map(lambda row: row, num_proc=num_proc)
     except Exception as e:
-        return (f"data.num_proc: datasets' map refuses {num_proc!r} ({_one_line(e)}); set a number of processes "
+        return (f"data.num_proc: datasets' map refuses {num_proc!r} ({one_line(e)}); set a number of processes "
                 ">= 1, or remove it")
     return None
 
@@ -215,7 +215,7 @@ def _try_launch(recipe: Recipe, strategy: StrategySection, script: list[str]) ->
     except SystemExit as e:  # argparse and the launcher's own exits
         return f"SystemExit({e.code})"
     except Exception as e:
-        return _one_line(e)
+        return one_line(e)
     return None
 
 

@@ -19,7 +19,7 @@ from ..modeling.lora import unmatched_target_parameters
 from ..moe.balance import bias_rate_problem
 from ..moe.blocks import moe_blocks
 from ..moe.capabilities import section_problems
-from .libraries import _one_line, _quiet, blame
+from .libraries import one_line, quiet, blame
 from .resume import meta_model
 
 
@@ -85,11 +85,11 @@ def _try_lora(model_section, config, head: Head) -> str | None:
     from peft import get_peft_model  # optional dependency: LoRA runs only
 
     try:
-        with warnings.catch_warnings(), _quiet():
+        with warnings.catch_warnings(), quiet():
             warnings.simplefilter("ignore")
             get_peft_model(meta_model(config, model_section.trust_remote_code, head), lora_config(model_section, head))
     except Exception as e:  # whatever peft (or torch, building the adapter's layers) raises for these values
-        return _one_line(e)
+        return one_line(e)
     return None
 
 
