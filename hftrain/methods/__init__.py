@@ -1,13 +1,18 @@
-"""The training methods, one module each (sft; dpo: DPO and IPO; simpo; orpo; kto; grpo), each owning its trainer,
-its TRL config where it has one, its data phase and how `hftrain data` shows its rows (base.Method); policy.py holds
-the policy the TRL-based methods share; preference_section.py and grpo_section.py the recipe sections that select
-them, with their rules (recipe.py: the Recipe with them, and how every recipe is read).
+"""The training methods, one package each (preference/: DPO and IPO, SimPO, ORPO, KTO; grpo/; reward/: outcome and
+process reward models; distill/), SFT a module (sft.py); each owns its trainer, its TRL config where it has one, its
+recipe section with its rules, its data phase and how `hftrain data` shows its rows (base.Method). Shared here, at the
+top: base.py (Method, ModelSpec: every model a method holds, by role and head), policy.py (the policy and LoRA config
+of the TRL-based methods), frozen.py (a frozen model placed as the strategy places the policy), step_reading.py (how
+a process reward model reads a solution, for training and GRPO scoring alike), pairs.py (prompt / chosen / rejected
+rows), recipe.py (the Recipe: config's sections and one per method section, and how every recipe is read).
 
 registry.py is what the CLI, the run's set-up and preflight ask: each method's light entry, selected by the recipe
 section that names it (`entry_of`). A method's module, and the trainer library it imports (TRL), loads only when
 `method_of` is asked for the method itself: `hftrain --help`, `config` and `check` of an SFT recipe import no TRL
 trainer. Adding a method is a package here (its module with its METHOD, its section) and its entry in registry.py
-(the entry names the section too: recipe.py builds the Recipe from the registry)."""
+(the entry names the section too: recipe.py builds the Recipe from the registry); a method outside hftrain registers
+its entry in the `hftrain.methods` entry-point group and is a guest (registry.plugins: one that cannot be a method is
+left out and named)."""
 
 from ..heads import Head
 from .base import Method, ModelSpec
