@@ -27,7 +27,7 @@ class ExactLossMixin(GlobalBatchMixin):
     def __init__(self, *args, **kwargs):
         # name -> (fn(outputs) -> scalar tensor, coefficient); see losses.aux_loss_term (MoeMixin registers some)
         self.aux_losses: dict[str, tuple[Callable, float]] = {}
-        self._step_counts: list[tuple[int, int]] = []  # (targets, sequences) of each step since the last log
+        self._counts_since_log: list[tuple[int, int]] = []  # (targets, sequences) of each step since the last log
         self._last_counts: tuple[int, int] | None = None
         self._aux_logged: dict[str, list[float]] = {}
         self._eval_sums: list[torch.Tensor] = []  # per-example (CE sum, targets) of the evaluation in progress
@@ -58,7 +58,7 @@ class ExactLossMixin(GlobalBatchMixin):
         self._last_counts = None
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self._last_counts is not None:
-            self._step_counts.append(self._last_counts)
+            self._counts_since_log.append(self._last_counts)
         return batch_samples, num_items
 
     # -- loss ------------------------------------------------------------------------------------------------
@@ -84,12 +84,12 @@ class ExactLossMixin(GlobalBatchMixin):
 
     def log(self, logs: dict, start_time=None) -> None:
         if "loss" in logs:  # a training log (every rank logs it): the step's global counts and aux terms
-            if self._step_counts:
-                tokens = [c[0] for c in self._step_counts]
+            if self._counts_since_log:
+                tokens = [c[0] for c in self._counts_since_log]
                 logs["target_tokens_per_step"] = sum(tokens) / len(tokens)
                 if self.args.loss_averaging == "sequence":
-                    logs["sequences_per_step"] = sum(c[1] for c in self._step_counts) / len(self._step_counts)
-                self._step_counts.clear()
+                    logs["sequences_per_step"] = sum(c[1] for c in self._counts_since_log) / len(self._counts_since_log)
+                self._counts_since_log.clear()
             for name, values in self._aux_logged.items():
                 logs[name] = sum(values) / len(values)
             self._aux_logged.clear()

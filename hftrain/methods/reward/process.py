@@ -78,25 +78,25 @@ class StepMetricsMixin:
     """Held-out step accuracy, F1 of the correct-step class and the exact mean loss over every labelled step of
     every rank: each evaluated row's counts gathered (gather_for_metrics), summed after the loop."""
 
-    _step_counts: list | None = None
+    _labelled_step_tallies: list | None = None
 
     def record_steps(self, logits, labels, ce):
-        if self._step_counts is None:
+        if self._labelled_step_tallies is None:
             return
         labelled, predicted = labels != IGNORED, logits.argmax(-1)
         right, wrong = labels == 1, labels == 0
         per_row = torch.stack([ce.float().sum(1), labelled.sum(1), ((predicted == labels) & labelled).sum(1),
                                ((predicted == 1) & right).sum(1), ((predicted == 1) & wrong).sum(1),
                                ((predicted != 1) & right).sum(1)], dim=1).double()
-        self._step_counts.append(self.accelerator.gather_for_metrics(per_row).cpu())
+        self._labelled_step_tallies.append(self.accelerator.gather_for_metrics(per_row).cpu())
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        self._step_counts = []
+        self._labelled_step_tallies = []
         try:  # the loss only: the per-token logits are read here, not collected by the Trainer
             output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         finally:
-            counts, self._step_counts = self._step_counts, None
+            counts, self._labelled_step_tallies = self._labelled_step_tallies, None
         if counts:
             loss, steps, correct, tp, fp, fn = torch.cat(counts).sum(0).tolist()
             output.metrics[f"{metric_key_prefix}_loss"] = loss / steps if steps else float("nan")
