@@ -51,9 +51,11 @@ CONTRACT = [
     ("transformers:Trainer", "_tr_loss", None, "step_guard: a skipped step's loss (set in _inner_training_loop)"),
     ("transformers:PretrainedConfig", "_attn_implementation", None, "modeling, moe.upcycle"),
     ("transformers:PreTrainedModel", "_no_split_modules", None,
-     "modeling.loaded_names: FSDP2's wrap classes (accelerate reads them) kept to those the model holds"),
+     "modeling.wrap_classes_and_renamings: FSDP2's wrap classes (accelerate reads them) kept to those the model "
+     "holds"),
     ("transformers:PreTrainedModel", "_weight_conversions", None,
-     "modeling.loaded_names: the renamings a save reverts kept to those the load applied (ZeRO-3 kept all)"),
+     "modeling.wrap_classes_and_renamings: the renamings a save reverts kept to those the load applied (ZeRO-3 "
+     "kept all)"),
     # TRL
     ("trl:DPOTrainer", "_precompute_ref_logps", ["dataset", "name", "batch_size"], "preference: SimPO's constant"),
     ("trl:DPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "preference: the pair count"),

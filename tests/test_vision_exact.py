@@ -217,7 +217,8 @@ def saved_logits(folders, model_dir, family, held) -> list[torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, setup, strategy):
     """Under FSDP2 LLaVA was refused at prepare (its wrap classes named one it lacks) and under ZeRO-3 both families
-    saved keys with a doubled prefix (modeling/loaded_names.py); the saved weights and their logits check both."""
+    saved keys with a doubled prefix (modeling/wrap_classes_and_renamings.py); the saved weights and their logits
+    check both."""
     tmp1, variants1 = one_rank
     tmp, variants = two_ranks(strategy)
     _, models, _, held = setup

@@ -1,5 +1,5 @@
 """Held-out rows split off a source (data.eval_fraction), one rule for every method: SFT's examples (data/build.py),
-and the rows of every other method, through the one loop over the sources (gather.py: pairs, KTO's examples, GRPO's
+and the rows of every other method, through the one loop over the sources (source_loop.py: pairs, KTO's examples, GRPO's
 prompts). The rows are drawn as datasets' train_test_split draws them (the first ceil(fraction x n)
 of numpy's default_rng(seed) permutation are held out), and a fraction that leaves no training row, or no held-out
 row, is the user's to fix, said with the key and the source."""

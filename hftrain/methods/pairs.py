@@ -24,7 +24,7 @@ from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
 from ..data.sources import column_map, read_rows
-from ..data.gather import PLACE, gather_sources
+from ..data.source_loop import PLACE, read_sources
 
 PAIR = ("chosen", "rejected")
 
@@ -221,6 +221,6 @@ def build_preference_data(cfg: DataSection, has_template: bool, seed: int = 42, 
             return ds
         return measure(ds.remove_columns(PLACE), ds[PLACE], tokenizer, cfg.max_length, key, src.path)
 
-    gathered = gather_sources(cfg, seed, read, finish)
-    evald = datasets.concatenate_datasets(gathered.held) if gathered.held else None
-    return PreferenceData(gathered.train, evald, bool(kinds.get(True)))
+    split = read_sources(cfg, seed, read, finish)
+    evald = datasets.concatenate_datasets(split.held) if split.held else None
+    return PreferenceData(split.train, evald, bool(kinds.get(True)))

@@ -14,7 +14,7 @@ from ..moe.upcycle import upcycle
 from ..quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, placement, prepare_for_training,
                             record_fingerprint)
 from .before_loading import path_problems
-from .loaded_names import keep_present_no_split_modules, keep_used_weight_conversions
+from .wrap_classes_and_renamings import keep_present_no_split_modules, keep_used_weight_conversions
 from .lora import lora_config
 from .paths import (raise_if, resolved_name_or_path,
                     warn_remote_code)
@@ -87,7 +87,7 @@ def load_base(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, k
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
         raise ModelError(f"{key}.name_or_path: cannot load {cfg.name_or_path} ({type(e).__name__}: {str(e)[:300]}); "
                          "check the folder (config.json and the weights) or save it again") from None
-    keep_present_no_split_modules(model)  # FSDP2's wrap policy refuses a class the model lacks (loaded_names)
+    keep_present_no_split_modules(model)  # FSDP2's wrap policy refuses a class the model lacks
     keep_used_weight_conversions(model)  # a ZeRO-3 load kept them all: its save wrote doubled prefixes
     if head.scores_last_token:
         score_pad_token(model, cfg, key)

@@ -55,7 +55,8 @@ def family_problem(model_type: str | None) -> str | None:
 
 # The strategies an image-text-to-text model is proven exact under (tests/test_vision_exact.py: 2 ranks x GA2, packed
 # or not, against 1 rank x GA4 in losses, saved weights and the saved folder's logits, both families). FSDP2 and
-# ZeRO-3 needed modeling/loaded_names.py (LLaVA's wrap classes named one it lacks; ZeRO-3 saved doubled key prefixes).
+# ZeRO-3 needed modeling/wrap_classes_and_renamings.py (LLaVA's wrap classes named one it lacks; ZeRO-3 saved
+# doubled key prefixes).
 # The others (ZeRO-1/2, ZeRO-3 with offload or NVMe: DeepSpeed's own Adam) and sequence parallelism (image tokens split
 # over ranks) have not been run with images: refused until each is proven, rather than accepted and wrong.
 PROVEN_STRATEGIES = ("ddp", "fsdp", "zero3")

@@ -23,7 +23,7 @@ from ...config import DataSection, DataSource
 from ...distributed import print0
 from ...errors import DataError
 from ...data.layouts import read_canonical
-from ...data.gather import gather_sources
+from ...data.source_loop import read_sources
 from ...data.templates import apply, template_kwargs
 from .tools import example_trajectory
 
@@ -139,13 +139,13 @@ def build_prompt_data(cfg: DataSection, tokenizer, max_completion_length: int, s
                             f"{kinds[not conversational]} holds the other kind; use one kind in a run")
         return datasets.Dataset.from_list(rows)
 
-    gathered = gather_sources(cfg, seed, read)
-    held = [row for part in gathered.held for row in part]
+    split = read_sources(cfg, seed, read)
+    held = [row for part in split.held for row in part]
     examples = _eval_examples(held)[:exact_match]
     if exact_match and not examples:
         raise DataError("eval.exact_match: no held-out prompt has a reference answer to compare with; give the "
                         "held-out rows their answers (the last assistant turn, or the completion)")
-    return PromptData(gathered.train, None, examples, bool(kinds.get(True)))
+    return PromptData(split.train, None, examples, bool(kinds.get(True)))
 
 
 def preview_prompts(cfg: DataSection, tokenizer, max_completion_length: int, examples: int = 2,

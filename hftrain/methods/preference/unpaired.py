@@ -25,7 +25,7 @@ from ...distributed import print0
 from ...errors import DataError
 from ..pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
 from ...data.sources import column_map, read_rows
-from ...data.gather import PLACE, gather_sources
+from ...data.source_loop import PLACE, read_sources
 
 EXAMPLE = ("prompt", "completion", "label")
 POSITION = "__hftrain_position"
@@ -163,9 +163,9 @@ def build_unpaired_data(cfg: DataSection, has_template: bool, seed: int = 42, to
             examples = check_example_lengths(examples, tokenizer, cfg.max_length, key, src.path)
         return examples.remove_columns(PLACE)
 
-    gathered = gather_sources(cfg, seed, read, finish)
-    eval_parts = gathered.held
-    train = gathered.train.shuffle(seed=seed)
+    split = read_sources(cfg, seed, read, finish)
+    eval_parts = split.held
+    train = split.train.shuffle(seed=seed)
     _both_labels(train, "data.sources", "add examples of the other label, or train with a paired loss on pairs")
     evald = None
     if eval_parts:

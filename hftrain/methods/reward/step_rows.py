@@ -20,7 +20,7 @@ from typing import Any
 import datasets
 
 from ...config import Recipe
-from ...data.gather import PLACE, gather_sources
+from ...data.source_loop import PLACE, read_sources
 from ...data.sources import column_map, read_rows
 from ...distributed import print0
 from ...errors import DataError
@@ -144,7 +144,7 @@ def read_step_source(src, key: str, recipe: Recipe, tokenizer, templated: bool):
 
 def build_step_data(recipe: Recipe, tokenizer, seed: int) -> StepData:
     """Every source's rows checked and tokenised, held out (data.eval_fraction, data.eval_sources) and mixed by
-    weight (data.gather); the separator and pad-token problems and every bad row are refused together."""
+    weight (data.source_loop); the separator and pad-token problems and every bad row are refused together."""
     where = "model.tokenizer_name_or_path" if recipe.model.tokenizer_name_or_path else "model.name_or_path"
     problems = [p for p in (separator_problem(tokenizer, recipe.reward.step_separator), pad_problem(tokenizer, where))
                 if p]
@@ -164,11 +164,10 @@ def build_step_data(recipe: Recipe, tokenizer, seed: int) -> StepData:
         return within_max_length(rows.remove_columns(PLACE).to_list(), rows[PLACE], recipe.data.max_length, key,
                                  src.path)
 
-    gathered = gather_sources(recipe.data, seed,
-                              lambda src, key, group: read_step_source(src, key, recipe, tokenizer, templated),
-                              measured)
-    held = datasets.concatenate_datasets(gathered.held) if gathered.held else None
-    return StepData(gathered.train, held)
+    split = read_sources(recipe.data, seed,
+                         lambda src, key, group: read_step_source(src, key, recipe, tokenizer, templated), measured)
+    held = datasets.concatenate_datasets(split.held) if split.held else None
+    return StepData(split.train, held)
 
 
 def labelled(rows, last_step_only: bool):

@@ -27,7 +27,7 @@ FinishRows = Callable[[datasets.Dataset, str, DataSource], datasets.Dataset]
 
 
 @dataclass
-class Gathered:
+class SourceRows:
     train: datasets.Dataset  # the training sources mixed by weight
     held: list[datasets.Dataset]  # held-out parts: split off each training source, then each eval source, in order
 
@@ -36,7 +36,7 @@ def _as_is(rows: datasets.Dataset, key: str, src: DataSource) -> datasets.Datase
     return rows
 
 
-def gather_sources(cfg: DataSection, seed: int, read: ReadSource, finish: FinishRows = _as_is) -> Gathered:
+def read_sources(cfg: DataSection, seed: int, read: ReadSource, finish: FinishRows = _as_is) -> SourceRows:
     """Every source of `cfg` read by `read`, held out and mixed (the module docstring)."""
     train_parts, held_parts, weights = [], [], []
     groups = [("sources", s, i) for i, s in enumerate(cfg.sources)] + [
@@ -52,4 +52,4 @@ def gather_sources(cfg: DataSection, seed: int, read: ReadSource, finish: Finish
             held_parts.append(finish(held, key, src))
         train_parts.append(finish(rows, key, src))
         weights.append(src.weight)
-    return Gathered(mix(train_parts, weights, seed), held_parts)
+    return SourceRows(mix(train_parts, weights, seed), held_parts)

@@ -1,7 +1,7 @@
-"""The two lists transformers attaches to a loaded model, as hftrain leaves them (hftrain/modeling/loaded_names.py):
-FSDP2's wrap classes only those the model holds, and the renamings a save reverts only those its load applied. The
-2-rank launches of tests/test_vision_exact.py prove both end to end (FSDP2 and ZeRO-3 against one rank); these show
-each in process, per family."""
+"""The two lists transformers attaches to a loaded model, as hftrain leaves them
+(hftrain/modeling/wrap_classes_and_renamings.py): FSDP2's wrap classes only those the model holds, and the renamings
+a save reverts only those its load applied. The 2-rank launches of tests/test_vision_exact.py prove both end to end
+(FSDP2 and ZeRO-3 against one rank); these show each in process, per family."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from hftrain.config import ModelSection
 from hftrain.heads import Head
 from hftrain.modeling import load_model
-from hftrain.modeling.loaded_names import keep_used_weight_conversions
+from hftrain.modeling.wrap_classes_and_renamings import keep_used_weight_conversions
 
 from .test_vision import FAMILIES, vlm_dirs  # noqa: F401  (the session's tiny models)
 
