@@ -12,7 +12,7 @@ from transformers.utils import get_json_schema
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
 from hftrain.methods.grpo.environments import guarded_environment, load_environment
-from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.user_code import CallCounts, TimeLimit
 
 BASE = {"model": {"name_or_path": "m"}, "data": {"sources": [{"path": "d.jsonl"}]}}
 

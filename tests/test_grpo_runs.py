@@ -124,7 +124,7 @@ def layout_runs(tmp, sft_model, world, strategy, names):
             assert [h["tools/calls_per_rollout"] for h in logged] == [0.5, 0.5], logged
             crashes = 1 if name == "environment" else 0  # the stuck environment of each step's place 0
             assert all(h["tools/errors"] == crashes for h in logged), logged
-            assert all(h["tools/timeouts"] == crashes for h in logged), logged  # one set of counters (sandbox.py)
+            assert all(h["tools/timeouts"] == crashes for h in logged), logged  # one set of counters (user_code.py)
             assert all(h.get("tools/env_crashes", 0) == crashes for h in logged), logged
     return weights
 

@@ -19,7 +19,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from hftrain.methods.grpo.grpo import GroupTrainer
-from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.user_code import CallCounts, TimeLimit
 from hftrain.methods.grpo.tools import guarded, suffix_after_stop, tool_template_problem
 
 from .template_families import FAMILIES, tokenizer_for

@@ -11,7 +11,7 @@ import torch
 
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
 from hftrain.errors import RewardError
-from hftrain.methods.grpo.sandbox import CallCounts, TimeLimit
+from hftrain.methods.grpo.user_code import CallCounts, TimeLimit
 from hftrain.methods.grpo.environments import shown_tools
 from hftrain.methods.grpo.tools import guarded, load_tools, tool_template_problem
 

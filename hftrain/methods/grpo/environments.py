@@ -8,9 +8,9 @@ TRL calls all of these directly: an environment that raises in `reset` or `get_r
 hangs hangs the rank. Here TRL is handed a stand-in class (`guarded_environment`) with the same public methods, names,
 signatures and docstrings, holding the user's instance:
 
-- every call (constructor, `reset`, methods, `get_reward`) runs in the user-code sandbox (sandbox.call_user_code:
+- every call (constructor, `reset`, methods, `get_reward`) runs in the user-code guard (user_code.call_user_code:
   copies of its arguments, its prints on stderr, grpo.tool_timeout); a method call is counted as a tool's is, by the
-  sandbox's one set of counters (tools/errors, tools/timeouts); one that raises an Exception answers the model
+  guard's one set of counters (tools/errors, tools/timeouts); one that raises an Exception answers the model
   "error: ..." (the environment refused the action, e.g. an illegal move);
 - the environment **crashes** when its constructor, `reset` or `get_reward` raises, `get_reward` returns what is not
   a finite number, or a method runs past the time limit or exits (its state is then unknown): the rollout's later
@@ -18,7 +18,7 @@ signatures and docstrings, holding the user's instance:
   counted (tools/env_crashes); the next `reset` builds a fresh instance. Reward functions see it as
   `environments[i].crashed` (TRL passes `environments`, the stand-ins), and the instance's own attributes through
   the stand-in. A call stuck in C code past the limit ends the rank, named,
-  by the sandbox's watchdog (a new process per call could not hold the instance's state).
+  by the guard's watchdog (a new process per call could not hold the instance's state).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 
 from .grpo_section import GrpoSection
 from ...errors import RewardError
-from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
+from .user_code import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
 from .tools import load_tools, schema_problem, text_answer
 
 RESERVED = ("reset", "get_reward")
@@ -61,7 +61,7 @@ class _Guarded:
             self._crash(f"{self._cls.__name__}() {e.reason}")
 
     def _run(self, fn, what: str, args: tuple = (), kwargs: dict | None = None, counts: CallCounts | None = None):
-        """fn(*args, **kwargs) in the user-code sandbox (sandbox.call_user_code), counted in `counts` where given."""
+        """fn(*args, **kwargs) in the user-code guard (user_code.call_user_code), counted in `counts` where given."""
         return call_user_code(fn, f"the environment's {what}", args, kwargs, limit=self._limit, counts=counts)
 
     def __getattr__(self, name: str):

@@ -36,7 +36,7 @@ from ...data.templates import template_kwargs
 from ...errors import DataError, LaunchError, RewardError
 from ...patches.transformers import mark_fsdp_managed
 from .rewards import ModelReward, Policy, dry_run, load_rewards
-from .sandbox import CallCounts
+from .user_code import CallCounts
 from ...trainer import RUN_MIXINS
 from .. import registry
 from ..policy import load_policy, policy_peft_config

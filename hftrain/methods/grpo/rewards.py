@@ -11,11 +11,11 @@ Each is called as TRL's GRPOTrainer 1.16 calls reward functions: fn(prompts, com
 trainer_state, log_extra, log_metric), with completions as text, or as [{"role": "assistant", "content": ...}] for
 conversation prompts; it returns one number per completion (None: does not apply). Why hftrain checks: TRL checks
 only the length (a bare ValueError), turns None into NaN and hands anything else to torch.tensor, and a function that
-raises on one rank leaves the others waiting in the rewards' all-gather. Here each call runs in the user-code sandbox
-(sandbox.call_user_code: copies of the data, prints on stderr, grpo.reward_timeout), and a function that raises,
+raises on one rank leaves the others waiting in the rewards' all-gather. Here each call runs in the user-code guard
+(user_code.call_user_code: copies of the data, prints on stderr, grpo.reward_timeout), and a function that raises,
 exits, returns the wrong number of values or a non-number, or runs past its limit is reported with its name, and
 (`defer`) the error is held until after the all-gather, where every rank raises it (GroupTrainer). A function stuck
-in C code past the limit ends the rank, named, by the sandbox's watchdog. `dry_run` calls every function on the data
+in C code past the limit ends the rank, named, by the guard's watchdog. `dry_run` calls every function on the data
 before the model loads, so what can be caught before any weight moves is.
 """
 
@@ -32,7 +32,7 @@ from .grpo_section import GrpoSection, RewardSpec
 from ...errors import RewardError
 from .process_reward_model import ProcessRewardModel
 from .reward_model import RewardModel, model_folder, text_of, trained_separator
-from .sandbox import UserCodeFailure, call_user_code, import_function, limit_of
+from .user_code import UserCodeFailure, call_user_code, import_function, limit_of
 
 
 def exact_match(prompts, completions, reference, **_):
@@ -114,7 +114,7 @@ class Reward:
 
 class ModelReward(Reward):
     """A reward model (reward_model.RewardModel) as a reward: hftrain's own code, called directly (not in the
-    user-code sandbox, whose time limit is for the user's functions), its values checked and its errors deferred as
+    user-code guard, whose time limit is for the user's functions), its values checked and its errors deferred as
     any reward's."""
 
     def _call(self, prompts, completions, kwargs: dict):

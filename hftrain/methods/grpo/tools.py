@@ -3,11 +3,11 @@
 in the context and masked out of the loss, then generation goes on) within limits TRL does not set.
 
 TRL calls a tool directly and turns an exception into an error result, but a tool that hangs hangs the rank, and a
-result that is not text is passed through str(). Here each call runs in the user-code sandbox (sandbox.call_user_code:
+result that is not text is passed through str(). Here each call runs in the user-code guard (user_code.call_user_code:
 copies of its arguments, its prints on stderr, grpo.tool_timeout); a call that raises, exits, runs past the limit or
-returns no text gives the model one line, "error: ...", and is counted (sandbox.CallCounts: tools/errors,
+returns no text gives the model one line, "error: ...", and is counted (user_code.CallCounts: tools/errors,
 tools/timeouts in the logs; an environment's methods count the same way). A call stuck in C code past the limit ends
-the rank, named, by the sandbox's watchdog. The wrapper keeps the function's name, signature and docstring
+the rank, named, by the guard's watchdog. The wrapper keeps the function's name, signature and docstring
 (functools.wraps), from which transformers builds the JSON schema the template shows.
 """
 
@@ -23,7 +23,7 @@ from ...data.preview import marked
 from ...data.templates import stop_ids, template_kwargs
 from ...errors import RewardError
 from ...evaluate import greedy_continuation, prompt_ids
-from .sandbox import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
+from .user_code import CallCounts, TimeLimit, UserCodeFailure, call_user_code, import_function, limit_of
 
 
 def unanswered_calls(completions: list[list[dict]]) -> int:

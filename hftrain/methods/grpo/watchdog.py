@@ -1,7 +1,7 @@
-"""The hard part of the user-code time limit (sandbox.py): a small watchdog process that ends this process when a
+"""The hard part of the user-code time limit (user_code.py): a small watchdog process that ends this process when a
 call of the user's code is still running past its deadline, even a call stuck in C code that holds the GIL.
 
-Why a process: the time limit's first part, SIGALRM (sandbox.time_limit), works only where the call gives control
+Why a process: the time limit's first part, SIGALRM (user_code.time_limit), works only where the call gives control
 back to the interpreter (Python code, `time.sleep`, `re`, which check for signals): a signal's Python handler runs
 between bytecodes, so a C function that loops holding the GIL (`sum(range(10**12))`, a C extension's long call) is
 never interrupted, and a watchdog *thread* would need that GIL too. A second process needs nothing of this one.

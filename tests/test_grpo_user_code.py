@@ -1,4 +1,4 @@
-"""The one user-code sandbox (hftrain/methods/grpo/sandbox.py, watchdog.py) that GRPO's reward functions, tools and
+"""The one user-code guard (hftrain/methods/grpo/user_code.py, watchdog.py) that GRPO's reward functions, tools and
 environments run in, fast and in-process but for one forked case: a tool and an environment method that time out
 or raise are counted alike by the one set of counters; Python code past its limit stops there (a time-out) in and
 out of the main thread; a call stuck in C code holding the GIL, which no signal interrupts, ends its process within
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hftrain.methods.grpo.environments import guarded_environment
-from hftrain.methods.grpo.sandbox import GRACE_S, CallCounts, TimeLimit, UserCodeFailure, call_user_code
+from hftrain.methods.grpo.user_code import GRACE_S, CallCounts, TimeLimit, UserCodeFailure, call_user_code
 from hftrain.methods.grpo.tools import guarded
 
 LIMIT = TimeLimit(0.5, "grpo.tool_timeout")

@@ -1,6 +1,7 @@
-"""The one sandbox for the user's code that GRPO runs: reward functions (rewards.py), tools (tools.py) and an
+"""The one guard for the user's code that GRPO runs: reward functions (rewards.py), tools (tools.py) and an
 environment's constructor and methods (environments.py), each imported and called the same way, counted by one set
-of counters.
+of counters. It isolates nothing: the code runs in the rank's own process, with its rights and its memory (copies of
+the inputs, a time limit and exits caught are what it gives).
 
 - `import_function`: `module:function` or `path/to/file.py:function`, from the working folder; an import that fails
   or exits, a name that is not there or not a plain function, is an error naming the recipe key.
