@@ -24,6 +24,7 @@ from ..constants import ROLES
 from ..distributed import print0
 from ..errors import DataError
 from ..data.sources import column_map, read_rows
+from ..data.left_out import first_places, none_left, say_left_out
 from ..data.source_loop import PLACE, read_sources
 
 PAIR = ("chosen", "rejected")
@@ -156,10 +157,6 @@ def trl_prepared(ds, tokenizer, max_length: int | None, name: str = "preference"
     return DPOTrainer._prepare_dataset(SimpleNamespace(_tokenizer=tokenizer), indexed, tokenizer, args, name)
 
 
-def _shown(rows: list[str]) -> str:
-    return ", ".join(rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-
-
 def check_lengths(ds, places: list[str], tokenizer, max_length: int, key: str, path: str):
     """The pairs of one source that truncation to data.max_length leaves something to train on: a pair whose prompt
     fills max_length (TRL drops it) is counted and left out here, before the model loads; none left is a DataError
@@ -170,20 +167,20 @@ def check_lengths(ds, places: list[str], tokenizer, max_length: int, key: str, p
     dropped = sorted(set(range(len(ds))) - set(kept))
     if not kept:
         shortest = min(len(ids) for ids in trl_prepared(ds, tokenizer, None, key)["prompt_ids"])
-        raise DataError(f"{key}: every one of the {len(ds)} pairs of {path} has a prompt of data.max_length="
-                        f"{max_length} tokens or more, so truncation would leave none of their answers to train on "
-                        f"(the shortest prompt has {shortest} tokens); raise data.max_length above {shortest}")
-    if dropped:
-        print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} pairs of {path} are left out: their prompt alone fills "
-               f"data.max_length={max_length} tokens, so nothing of their answers would be trained "
-               f"({_shown([places[i] for i in dropped])}); raise data.max_length to keep them", file=sys.stderr)
+        raise none_left(key, path, len(ds), "pairs",
+                        f"has a prompt of data.max_length={max_length} tokens or more, so truncation would leave none "
+                        f"of their answers to train on (the shortest prompt has {shortest} tokens)",
+                        f"raise data.max_length above {shortest}")
+    say_left_out(key, path, [places[i] for i in dropped], len(ds), "pairs",
+                 f"their prompt alone fills data.max_length={max_length} tokens, so nothing of their answers would be "
+                 "trained")
     same = [places[r] for r, p, c, j in zip(kept, prepared["prompt_ids"], prepared["chosen_ids"],
                                             prepared["rejected_ids"])
             if c[:max_length - len(p)] == j[:max_length - len(p)]]
     if same:
         print0(f"hftrain: {key}: {len(same)} of {len(ds)} pairs of {path} have the same chosen and rejected tokens "
                f"within data.max_length={max_length} (they differ only after the cut): they state no preference "
-               f"({_shown(same)}); raise data.max_length", file=sys.stderr)
+               f"({first_places(same)}); raise data.max_length", file=sys.stderr)
     return ds.select(kept) if dropped else ds
 
 

@@ -21,6 +21,7 @@ import datasets
 from trl.data_utils import unpair_preference_dataset
 
 from ...config import DataSection, DataSource
+from ...data.left_out import first_places, none_left
 from ...distributed import print0
 from ...errors import DataError
 from ..pairs import PreferenceData, check_kind, is_empty, messages_of, pair_of_row
@@ -121,15 +122,15 @@ def check_example_lengths(ds: datasets.Dataset, tokenizer, max_length: int, key:
         unbounded = KTOTrainer._prepare_dataset(trainer, indexed, tokenizer, SimpleNamespace(**{
             **vars(args), "max_length": None}), key)
         shortest = min(len(ids) for ids in unbounded["prompt_ids"])
-        raise DataError(f"{key}: every one of the {len(ds)} examples of {path} has a prompt of data.max_length="
-                        f"{max_length} tokens or more, so truncation would leave none of their completions to train "
-                        f"on (the shortest prompt has {shortest} tokens); raise data.max_length above {shortest}")
-    if dropped:
-        shown = list(dict.fromkeys(names[i] for i in dropped))
+        raise none_left(key, path, len(ds), "examples",
+                        f"has a prompt of data.max_length={max_length} tokens or more, so truncation would leave none "
+                        f"of their completions to train on (the shortest prompt has {shortest} tokens)",
+                        f"raise data.max_length above {shortest}")
+    if dropped:  # a pair split in two is one place: named once
         print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} examples of {path} are left out: their prompt alone "
                f"fills data.max_length={max_length} tokens, so nothing of their completions would be trained "
-               f"({', '.join(shown[:5])}{f' and {len(shown) - 5} more' if len(shown) > 5 else ''}); raise "
-               "data.max_length to keep them", file=sys.stderr)
+               f"({first_places(list(dict.fromkeys(names[i] for i in dropped)))}); raise data.max_length to keep "
+               "them", file=sys.stderr)
     return ds.select(kept) if dropped else ds
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from trl import RewardTrainer
 
 from ...config import Recipe
-from ...distributed import print0
+from ...data.left_out import none_left, say_left_out
 from ...errors import DataError
 from ..base import has_template
 from ..pairs import ROW, PreferenceData, build_preference_data
@@ -48,14 +48,12 @@ def measured(ds, places: list[str], tokenizer, max_length: int, key: str, path: 
     if len(dropped) == len(ds):
         every = trl_tokenised(ds, tokenizer, None, key)
         shortest = min(max(len(c), len(r)) for c, r in zip(every["chosen_ids"], every["rejected_ids"]))
-        raise DataError(f"{key}: every one of the {len(ds)} pairs of {path} has a side longer than data.max_length="
-                        f"{max_length} tokens, and a reward model scores whole sequences (the shortest pair's longer "
-                        f"side has {shortest} tokens); raise data.max_length to {shortest} or more")
-    if dropped:
-        shown = ", ".join(places[i] for i in dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5
-                                                             else "")
-        print0(f"hftrain: {key}: {len(dropped)} of {len(ds)} pairs of {path} are left out: a side is longer than "
-               f"data.max_length={max_length} tokens ({shown}); raise data.max_length to keep them", file=sys.stderr)
+        raise none_left(key, path, len(ds), "pairs",
+                        f"has a side longer than data.max_length={max_length} tokens, and a reward model scores whole "
+                        f"sequences (the shortest pair's longer side has {shortest} tokens)",
+                        f"raise data.max_length to {shortest} or more")
+    say_left_out(key, path, [places[i] for i in dropped], len(ds), "pairs",
+                 f"a side is longer than data.max_length={max_length} tokens")
     return prepared.remove_columns(ROW)
 
 

@@ -22,6 +22,7 @@ import datasets
 from ...config import Recipe
 from ...data.source_loop import PLACE, read_sources
 from ...data.sources import column_map, read_rows
+from ...data.left_out import none_left, say_left_out
 from ...distributed import print0
 from ...errors import DataError
 from ..base import has_template
@@ -103,15 +104,12 @@ def within_max_length(rows: list[dict], places: list[str], max_length: int | Non
     too_long = {i for i, r in enumerate(rows) if max_length is not None and len(r["input_ids"]) > max_length}
     if len(too_long) == len(rows):
         shortest = min(len(r["input_ids"]) for r in rows)
-        raise DataError(f"{key}: every one of the {len(rows)} step rows of {path} is longer than data.max_length="
-                        f"{max_length} tokens, and cutting a row would lose its last steps' labels (the shortest has "
-                        f"{shortest} tokens); raise data.max_length to {shortest} or more")
-    if too_long:
-        shown = [places[i] for i in sorted(too_long)]
-        print0(f"hftrain: {key}: {len(too_long)} of {len(rows)} step rows of {path} are left out: longer than "
-               f"data.max_length={max_length} tokens ({', '.join(shown[:5])}"
-               f"{f' and {len(shown) - 5} more' if len(shown) > 5 else ''}); raise data.max_length to keep them",
-               file=sys.stderr)
+        raise none_left(key, path, len(rows), "step rows",
+                        f"is longer than data.max_length={max_length} tokens, and cutting a row would lose its last "
+                        f"steps' labels (the shortest has {shortest} tokens)",
+                        f"raise data.max_length to {shortest} or more")
+    say_left_out(key, path, [places[i] for i in sorted(too_long)], len(rows), "step rows",
+                 f"longer than data.max_length={max_length} tokens")
     return datasets.Dataset.from_list([r for i, r in enumerate(rows) if i not in too_long])
 
 
