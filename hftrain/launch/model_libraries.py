@@ -19,7 +19,7 @@ from ..modeling.lora import unmatched_target_parameters
 from ..moe.balance import bias_rate_problem
 from ..moe.blocks import moe_blocks
 from ..moe.capabilities import section_problems
-from .libraries import one_line, quiet, blame
+from .libraries import blame, one_line, quiet
 from .resume import meta_model
 
 
@@ -114,10 +114,10 @@ def lora_problems(recipe: Recipe) -> list[tuple[str, str]]:
     if config is None:
         return []
     head = policy_head(recipe)
-    missing = unmatched_target_parameters(meta_model(config, m.trust_remote_code, head), m.lora.target_parameters)
+    model = meta_model(config, m.trust_remote_code, head)
+    missing = unmatched_target_parameters(model, m.lora.target_parameters)
     if missing:
-        return [("model.lora.target_parameters", _unmatched(missing, meta_model(config, m.trust_remote_code, head),
-                                                            m.name_or_path))]
+        return [("model.lora.target_parameters", _unmatched(missing, model, m.name_or_path))]
     why = _try_lora(m, config, head)
     if why is None:
         return []

@@ -14,6 +14,7 @@ import datasets
 
 from ..config import DataSection, DataSource
 from ..data import Datasets, mix, read_rows
+from ..data.left_out import say_left_out
 from ..data.render import trainable_tokens
 from ..data.split import split_rows
 from ..distributed import print0
@@ -70,10 +71,7 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
     for left, why, fix in ((too_long, f"longer than data.max_length={cfg.max_length} tokens, their images' included "
                             "(data.truncation: drop)", "raise data.max_length to keep them"),
                            (untrainable, "no trainable token (data.skip_untrainable)", "give them an assistant turn")):
-        if left:
-            shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
-            print0(f"hftrain: {key}: {len(left)} of {rows.count} image rows of {src.path} are left out: {why} "
-                   f"({shown}); {fix}", file=sys.stderr)
+        say_left_out(key, src.path, left, rows.count, "image rows", why, fix)
     return out, rows.count
 
 
