@@ -410,3 +410,20 @@ def test_the_memory_plan_counts_the_vision_tower(vlm_dirs, family):
     head = head_of(type("Section", (), {"name_or_path": vlm_dirs[family]})())
     assert head is Head.IMAGE_TEXT_TO_TEXT and vision > 0
     assert model_facts(vlm_dirs[family], head=head).params == whole
+
+
+@pytest.mark.parametrize("method,section", [
+    ("dpo", {"preference": {"loss_type": "sigmoid", "beta": 0.1}}),
+    ("distill", {"distill": {"teacher": {"name_or_path": "TEACHER", "dtype": "float32"}}}),
+])
+def test_a_method_that_does_not_train_images_refuses_an_image_model(vlm_dirs, tmp_path, capsys, monkeypatch,
+                                                                    method, section):
+    """A method trains the modalities it names (methods/modality.py; SFT: text and images): an image-text-to-text
+    policy under another is refused under model.name_or_path by check and the run alike, before anything loads,
+    rather than loaded as a text model (distillation inherited SFT's image rows and read them so)."""
+    model = vlm_dirs["qwen2_5_vl"]
+    section = json.loads(json.dumps(section).replace("TEACHER", model))
+    checked, ran = refusals_of_check_and_run(tmp_path, model, lambda tree: tree.update(section), capsys, monkeypatch)
+    said = (f"model.name_or_path: {model} reads images (an image-text-to-text model); the {method} method trains "
+            "text only")
+    assert said in checked and said in ran, checked

@@ -10,10 +10,9 @@ from ..kernels import liger_problem
 from ..methods import method_of
 from ..modeling import local_config, path_problems
 from ..quantization import bitsandbytes_problem
-from ..heads import Head
-from ..vision.families import family_problem, head_of, model_type_of, strategy_problems
+from ..methods.modality import modality_problems
+from ..vision.families import family_problem, model_type_of
 from ..vision.freezing import freeze_problems
-from ..vision.image_sources import image_data_problems
 from ..vision.lora_parts import lora_part_problems
 from . import libraries, model_libraries
 
@@ -28,12 +27,9 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         family = family_problem(model_type_of(m.name_or_path))  # an image-text-to-text family not checked
         if family:
             out.append(("model.name_or_path", family))
-        out += strategy_problems(model_type_of(m.name_or_path), getattr(recipe.strategy, "name", None),
-                                 getattr(recipe.strategy, "sequence_parallel", None))  # image models: proven ones
         out += freeze_problems(m)  # model.freeze: parts the family has
         out += lora_part_problems(m)  # model.lora.vision_parts: parts beside the language model adapted
-        if recipe.data is not None and head_of(m) is Head.IMAGE_TEXT_TO_TEXT:
-            out += image_data_problems(recipe.data)  # data keys image rows cannot honour
+        out += policy_modality_problems(recipe)  # a modality the method does not train; its keys it cannot honour
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (
             recipe.data is not None and m is not None):
@@ -58,6 +54,17 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
         if missing:
             out.append(("model.quantization", missing))
     return out
+
+
+def policy_modality_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """What the policy reads (text, images: methods/modality.py) against what the recipe's method trains, and the keys
+    that modality cannot honour (image rows: the strategies proven, the data keys); a method whose section is not
+    readable yet names none."""
+    try:
+        method = method_of(recipe)
+    except RecipeError:  # two method sections: config's rules say so
+        return []
+    return modality_problems(method, recipe)
 
 
 def other_model_problems(recipe: Recipe) -> list[tuple[str, str]]:

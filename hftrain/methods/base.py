@@ -41,6 +41,8 @@ class Method:
     arguments: Callable | None = None  # (recipe, **TrainingArguments values) -> the run's arguments (TRL's config)
     trainer_class: type | None = None
     hub_tag: str | None = None  # the model card's method tag, as the Hub's model pages name methods (default: name)
+    # What its policy may read (modality.py, by name: "text", "images"); another is refused by preflight.
+    modalities: tuple[str, ...] = ("text",)
     # The held-out metrics reported before and after training, as the trainer's evaluate() names them.
     reported: ClassVar[tuple[str, ...]] = ("eval_loss",)
 

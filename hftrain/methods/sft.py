@@ -9,8 +9,6 @@ from transformers import Trainer
 
 from ..config import HFTrainingArguments, Recipe
 from ..constants import SHARDED, ZERO3
-from ..data import build_datasets
-from ..data.preview import preview
 from ..evaluate import exact_match, greedy_answer
 from ..data.stream_position import StreamPositionMixin
 from ..losses import ChunkedLossMixin, ExactLossMixin
@@ -18,17 +16,12 @@ from ..modeling import load_model
 from ..moe.expert_parallel import expert_parallel_size
 from ..moe.mixin import MoeMixin
 from ..sequence_parallel import SequenceParallelMixin
-from ..heads import Head, Role
+from ..heads import Role
 from ..trainer import RUN_MIXINS
 from ..vision.families import head_of
-from ..vision.freezing import freeze_section_parts
-from ..vision.image_datasets import build_image_datasets
-from ..vision.image_preview import image_preview
-from ..vision.packing import pack_image_rows
-from ..vision.unreached import freeze_unreached
-from ..vision.processor import arguments_for, processor_of
 from . import registry
 from .base import Method, ModelSpec
+from .modality import modality_of
 
 
 class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMixin, ExactLossMixin,
@@ -38,9 +31,8 @@ class SFTTrainer(StreamPositionMixin, *RUN_MIXINS, MoeMixin, SequenceParallelMix
 
 
 def read(recipe: Recipe, tokenizer, world_size: int, seed: int):
-    if head_of(recipe.model) is Head.IMAGE_TEXT_TO_TEXT:  # image rows, rendered by the model's processor (vision/)
-        return build_image_datasets(recipe.data, processor_of(recipe.model), seed, recipe.eval.exact_match)
-    return build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+    """The rows of the policy's modality (text, or image rows rendered by the model's processor: modality.py)."""
+    return modality_of(recipe.model).read(recipe, tokenizer, seed)
 
 
 def exact_match_metrics(run, trainer, data, before: bool, answer=greedy_answer) -> dict:
@@ -66,12 +58,7 @@ class SFT(Method):
         policy = self.policy(run.recipe)
         model = load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
                            sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
-        freeze_section_parts(model, policy.section)  # model.freeze: vision tower, projector
-        if policy.head is Head.IMAGE_TEXT_TO_TEXT:
-            freeze_unreached(model)  # LLaVA's vision tower above its feature layer: no gradient (DDP waits for it)
-            if run.recipe.data.packing:
-                pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
-        return model
+        return modality_of(policy.section).prepare(model, run.recipe, run.recipe.data.packing)
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
@@ -88,11 +75,12 @@ class SFT(Method):
 
 def show(recipe: Recipe, tokenizer, n: int) -> str:
     """What `hftrain data` prints: the rows as they train, image rows with their images as placeholders."""
-    if head_of(recipe.model) is Head.IMAGE_TEXT_TO_TEXT:
-        return image_preview(recipe.data, processor_of(recipe.model), n)
-    return preview(recipe.data, tokenizer, n)
+    return modality_of(recipe.model).show(recipe, tokenizer, n)
 
 
-METHOD = SFT(entry=registry.SFT, read=read, show=show,
-             arguments=lambda recipe, **kwargs: HFTrainingArguments(**arguments_for(head_of(recipe.model), kwargs)),
-             trainer_class=SFTTrainer)
+def arguments(recipe: Recipe, **kwargs) -> HFTrainingArguments:
+    return HFTrainingArguments(**modality_of(recipe.model).arguments(kwargs))
+
+
+METHOD = SFT(entry=registry.SFT, read=read, show=show, arguments=arguments, trainer_class=SFTTrainer,
+             modalities=("text", "images"))

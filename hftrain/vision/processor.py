@@ -10,7 +10,6 @@ from __future__ import annotations
 from transformers import AutoProcessor, ProcessorMixin
 from transformers.utils import is_torchvision_available
 
-from ..heads import Head
 from .families import CHECKED, model_type_of
 from .families import processor_class as class_of_family
 
@@ -59,12 +58,3 @@ def processor_of(section):
     """The processor of a model section's image-text-to-text model (a family hftrain has checked)."""
     kwargs = {"revision": section.revision} if getattr(section, "revision", None) else {}
     return load_processor(section.name_or_path, class_of_family(model_type_of(section.name_or_path)), **kwargs)
-
-
-def arguments_for(head: Head, kwargs: dict) -> dict:
-    """TrainingArguments values for a policy of this head: image rows keep their images column (the Trainer would
-    drop a column the model's forward does not take)."""
-    if head is Head.IMAGE_TEXT_TO_TEXT:
-        kwargs = dict(kwargs)
-        kwargs.setdefault("remove_unused_columns", False)
-    return kwargs

@@ -1,0 +1,108 @@
+"""The modality axis: what a policy reads, text or images with text, chosen by the policy's model (an
+image-text-to-text model of a family hftrain has checked reads images: vision.families.head_of) and carried by one
+object a method asks instead of branching on images. A modality owns the data phase (rows read, rendered, labelled,
+collated and packed), `hftrain data`'s preview, the TrainingArguments it needs, what it does to the model once loaded
+(parts frozen, packed rows' hooks) and the preflight refusals of keys it cannot honour.
+
+A method says which modalities it trains (Method.modalities, by name); a recipe whose policy reads another is refused
+under model.name_or_path by `hftrain check` and the run, before anything loads (modality_problems), rather than
+trained as a text model: a method gains images by naming them and asking its modality, without code outside its
+package."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Recipe
+from ..data import build_datasets
+from ..data.preview import preview
+from ..heads import Head
+from ..vision.families import head_of, model_type_of, strategy_problems
+from ..vision.freezing import freeze_section_parts
+from ..vision.image_datasets import build_image_datasets
+from ..vision.image_preview import image_preview
+from ..vision.image_sources import image_data_problems
+from ..vision.packing import pack_image_rows
+from ..vision.processor import processor_of
+from ..vision.unreached import freeze_unreached
+
+
+@dataclass(frozen=True)
+class Modality:
+    """Text: data/'s rows through the tokenizer's chat template (the base every modality shares)."""
+
+    name: str = "text"
+    described: str = "text"  # how a message names what the policy reads
+
+    def read(self, recipe: Recipe, tokenizer, seed: int):
+        """The run's data (train, eval, collator, held-out prompts), every row read and checked."""
+        return build_datasets(recipe.data, tokenizer, seed=seed, exact_match=recipe.eval.exact_match)
+
+    def show(self, recipe: Recipe, tokenizer, n: int) -> str:
+        """What `hftrain data` prints: the first n rows as they train."""
+        return preview(recipe.data, tokenizer, n)
+
+    def arguments(self, kwargs: dict) -> dict:
+        """TrainingArguments values this modality needs beside the recipe's."""
+        return kwargs
+
+    def prepare(self, model, recipe: Recipe, packing: bool):
+        """The policy once loaded: model.freeze's parts left untrained (refused by preflight on a model without
+        parts), and what this modality's rows need of the model."""
+        freeze_section_parts(model, recipe.model)
+        return model
+
+    def problems(self, recipe: Recipe) -> list[tuple[str, str]]:
+        """(key, message) of the recipe's keys this modality cannot honour."""
+        return []
+
+
+@dataclass(frozen=True)
+class Images(Modality):
+    """Images with text: vision/'s rows rendered and labelled by the model's processor, collated with their pixel
+    values, packed per example."""
+
+    name: str = "images"
+    described: str = "images (an image-text-to-text model)"
+
+    def read(self, recipe, tokenizer, seed):
+        return build_image_datasets(recipe.data, processor_of(recipe.model), seed, recipe.eval.exact_match)
+
+    def show(self, recipe, tokenizer, n):
+        return image_preview(recipe.data, processor_of(recipe.model), n)
+
+    def arguments(self, kwargs):
+        """Image rows keep their images column (the Trainer drops a column the model's forward does not take)."""
+        return {**kwargs, "remove_unused_columns": kwargs.get("remove_unused_columns", False)}
+
+    def prepare(self, model, recipe, packing):
+        model = super().prepare(model, recipe, packing)
+        freeze_unreached(model)  # LLaVA's vision tower above its feature layer: no gradient (DDP waits for it)
+        if packing:
+            pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
+        return model
+
+    def problems(self, recipe):
+        """Strategies not proven with images, and data keys image rows cannot honour."""
+        out = strategy_problems(model_type_of(recipe.model.name_or_path), getattr(recipe.strategy, "name", None),
+                                getattr(recipe.strategy, "sequence_parallel", None))
+        return out + (image_data_problems(recipe.data) if recipe.data is not None else [])
+
+
+TEXT, IMAGES = Modality(), Images()
+
+
+def modality_of(section) -> Modality:
+    """What the model of a recipe's model section reads."""
+    return IMAGES if head_of(section) is Head.IMAGE_TEXT_TO_TEXT else TEXT
+
+
+def modality_problems(method, recipe: Recipe) -> list[tuple[str, str]]:
+    """A policy whose modality the method does not train, under model.name_or_path (its own rules then unasked);
+    else the modality's own refusals."""
+    modality = modality_of(recipe.model)
+    if modality.name not in method.modalities:
+        return [("model.name_or_path", f"{recipe.model.name_or_path} reads {modality.described}; the {method.name} "
+                 f"method trains {' or '.join(method.modalities)} only: choose a model that reads "
+                 f"{' or '.join(method.modalities)}, or a method that trains {modality.name}")]
+    return modality.problems(recipe)
