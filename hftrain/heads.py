@@ -7,10 +7,11 @@ causal LM's Auto class or its pipeline tag)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import dataclass
 from enum import Enum
-
-import transformers
+from typing import ClassVar
 
 # How a snippet on the card prompts each head's model once it is loaded (`model`, `tokenizer`).
 _PROMPTS = {
@@ -41,76 +42,82 @@ _PROMPTS = {
 }
 
 
-class Head(str, Enum):
-    """A model's head kind; its value is how run_info.json records it."""
+@dataclass(frozen=True, eq=False)
+class Head:
+    """A model's head kind, a registered value (`Head.register`): the built-in ones below, and any a method outside
+    hftrain registers from its module (a value head, an embedding model), which loading, the memory plan, resume's
+    checks, the upload checks and the card then ask as they ask the built-in ones. Compared by identity: one object
+    per value. `value` is how run_info.json records it."""
 
-    CAUSAL_LM = "causal_lm"
-    SEQUENCE_CLASSIFICATION = "sequence_classification"
-    TOKEN_CLASSIFICATION = "token_classification"
-    IMAGE_TEXT_TO_TEXT = "image_text_to_text"
+    value: str
+    auto_class_name: str  # the Auto class that builds (from_config) and loads (from_pretrained) it
+    peft_auto_class_name: str  # peft's Auto class that loads a LoRA adapter of this head onto its base (peft.auto)
+    # peft's task type of a LoRA adapter on this head (peft.TaskType: a classifier's head is trained and saved whole,
+    # modules_to_save); a vision-language model's is its language model's
+    peft_task_type: str
+    pipeline_tag: str  # the Hub's pipeline tag of a model with this head (the card's metadata)
+    generates: bool = False  # answers with generate() (else it scores: logits per sequence or per token)
+    # reads one score per sequence at its last token before padding (config.pad_token_id, which loading sets from the
+    # tokenizer: modeling.model.score_pad_token)
+    scores_last_token: bool = False
+    reads_images: bool = False  # prompted through its processor with an image (the card's snippet)
+    auto_class_module: str = "transformers"  # where auto_class_name is imported from (a plugin's own package)
 
-    @property
-    def auto_class_name(self) -> str:
-        """transformers' Auto class of this head, by name."""
-        return {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification",
-                "token_classification": "AutoModelForTokenClassification",
-                "image_text_to_text": "AutoModelForImageTextToText"}[self.value]
+    _registered: ClassVar[dict[str, Head]] = {}
+
+    @classmethod
+    def register(cls, head: Head) -> Head:
+        """`head`, registered under its value; registering a value twice is refused (two heads, one record)."""
+        if head.value in cls._registered:
+            raise ValueError(f"a head named {head.value!r} is registered already; give the new head another value")
+        cls._registered[head.value] = head
+        return head
+
+    @classmethod
+    def registered(cls) -> tuple[Head, ...]:
+        """Every head registered, the built-in ones first."""
+        return tuple(cls._registered.values())
+
+    @classmethod
+    def recorded(cls, value: str | None) -> Head:
+        """The head run_info.json records (methods.Method.card); a run written before heads were recorded trained a
+        causal LM."""
+        if not value:
+            return cls.CAUSAL_LM
+        if value not in cls._registered:
+            raise ValueError(f"run_info.json records the head {value!r}, which no installed method registers (heads "
+                             f"known: {', '.join(cls._registered)}); install the method that trained it")
+        return cls._registered[value]
 
     @property
     def auto_class(self) -> type:
-        """transformers' Auto class that builds (from_config) and loads (from_pretrained) a model with this head."""
-        return getattr(transformers, self.auto_class_name)
+        """The Auto class that builds (from_config) and loads (from_pretrained) a model with this head."""
+        return getattr(importlib.import_module(self.auto_class_module), self.auto_class_name)
 
-    @property
-    def peft_auto_class_name(self) -> str:
-        """peft's Auto class that loads a LoRA adapter of this head onto its base (peft.auto)."""
-        return {"causal_lm": "AutoPeftModelForCausalLM",
-                "sequence_classification": "AutoPeftModelForSequenceClassification",
-                "token_classification": "AutoPeftModelForTokenClassification",
-                "image_text_to_text": "AutoPeftModel"}[self.value]
-
-    @property
-    def peft_task_type(self) -> str:
-        """peft's task type of a LoRA adapter on this head (peft.TaskType: a classifier's head is trained and saved
-        whole, modules_to_save); a vision-language model's is its language model's."""
-        return {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS",
-                "image_text_to_text": "CAUSAL_LM"}[self.value]
-
-    @property
-    def pipeline_tag(self) -> str:
-        """The Hub's pipeline tag of a model with this head (the card's metadata)."""
-        return {"causal_lm": "text-generation", "sequence_classification": "text-classification",
-                "token_classification": "token-classification", "image_text_to_text": "image-text-to-text"}[self.value]
-
-    @property
-    def generates(self) -> bool:
-        """Whether the model answers with generate() (else it scores: logits per sequence or per token)."""
-        return self in (Head.CAUSAL_LM, Head.IMAGE_TEXT_TO_TEXT)
-
-    @property
-    def scores_last_token(self) -> bool:
-        """Whether the model reads one score per sequence at its last token before padding (config.pad_token_id,
-        which loading sets from the tokenizer: modeling.model.score_pad_token)."""
-        return self is Head.SEQUENCE_CLASSIFICATION
+    def __repr__(self) -> str:
+        return f"Head({self.value!r})"
 
     def usage(self, ident: str, adapter: bool, num_labels: int | None = None, chat_template: bool = True) -> str:
         """The card's Python snippet: load `ident` (a LoRA adapter through peft: its base built with the classifier's
         `num_labels`, where the base config's own count differs) and prompt it once as it was trained (a sequence
         classifier: a conversation through the chat template where the tokenizer has one)."""
         name = json.dumps(ident)
-        if self is Head.IMAGE_TEXT_TO_TEXT:
+        if self.reads_images:
             return self._image_usage(name, adapter)
         labels = f", num_labels={num_labels}" if adapter and num_labels else ""
         if adapter:
             load = (f"from peft import {self.peft_auto_class_name}\nfrom transformers import AutoTokenizer\n\n"
                     f"model = {self.peft_auto_class_name}.from_pretrained({name}{labels})\n")
         else:
-            load = (f"from transformers import {self.auto_class_name}, AutoTokenizer\n\n"
-                    f"model = {self.auto_class_name}.from_pretrained({name})\n")
+            imports = (f"from transformers import {self.auto_class_name}, AutoTokenizer\n"
+                       if self.auto_class_module == "transformers" else
+                       f"from {self.auto_class_module} import {self.auto_class_name}\n"
+                       "from transformers import AutoTokenizer\n")
+            load = imports + f"\nmodel = {self.auto_class_name}.from_pretrained({name})\n"
         load += f"tokenizer = AutoTokenizer.from_pretrained({name})\n"
         if self.generates:
             return load + _PROMPTS["generate"]
-        if self is Head.SEQUENCE_CLASSIFICATION:
+        if self.scores_last_token:
             return load + _PROMPTS["score_conversation" if chat_template else "score_text"]
         return load + _PROMPTS["score"]
 
@@ -129,11 +136,17 @@ class Head(str, Enum):
                     f"model = {cls}.from_pretrained({name})\n")
         return load + f"processor = AutoProcessor.from_pretrained({name})\n" + _PROMPTS["image"]
 
-    @classmethod
-    def recorded(cls, value: str | None) -> Head:
-        """The head run_info.json records (methods.Method.card); a run written before heads were recorded trained a
-        causal LM."""
-        return cls(value) if value else cls.CAUSAL_LM
+
+Head.CAUSAL_LM = Head.register(Head("causal_lm", "AutoModelForCausalLM", "AutoPeftModelForCausalLM", "CAUSAL_LM",
+                                    "text-generation", generates=True))
+Head.SEQUENCE_CLASSIFICATION = Head.register(Head(
+    "sequence_classification", "AutoModelForSequenceClassification", "AutoPeftModelForSequenceClassification",
+    "SEQ_CLS", "text-classification", scores_last_token=True))
+Head.TOKEN_CLASSIFICATION = Head.register(Head(
+    "token_classification", "AutoModelForTokenClassification", "AutoPeftModelForTokenClassification", "TOKEN_CLS",
+    "token-classification"))
+Head.IMAGE_TEXT_TO_TEXT = Head.register(Head("image_text_to_text", "AutoModelForImageTextToText", "AutoPeftModel",
+                                             "CAUSAL_LM", "image-text-to-text", generates=True, reads_images=True))
 
 
 class Role(str, Enum):

@@ -38,7 +38,7 @@ from ..config.strategy_rules import strategy_problems
 from ..constants import OFFLOADED, SEQUENCE_PARALLEL_STRATEGIES, STRATEGIES
 from ..heads import Head
 from ..kernels import kernels_line
-from ..methods import ModelSpec, Recipe, method_of, policy_head
+from ..methods import ModelSpec, Recipe, method_of
 from ..moe.blocks import moe_blocks, router_of
 from ..quantization import quantized_linear_bytes
 from .strategies import optimizer_swap_buffers
@@ -166,12 +166,15 @@ def plan(f: ModelFacts, gpus_per_node: int, nodes: int, micro_batch: int, seq: i
 
 
 def model_facts(name_or_path: str, lora_r: int | None = None, trust_remote_code: bool = False,
-                dtype: str = "auto", quantization=None, head: Head = Head.CAUSAL_LM) -> ModelFacts:
+                dtype: str = "auto", quantization=None, head: Head = Head.CAUSAL_LM,
+                num_labels: int | None = None) -> ModelFacts:
     """Parameter counts from the model's config, built with its `head` (the method's policy: methods.policy_head) on
-    the meta device (no weights are read). `quantization`
+    the meta device (no weights are read), a classifier with the `num_labels` its method fixes. `quantization`
     (model.quantization, QLoRA): bitsandbytes' packed linear weights (all but the output head, as transformers
     quantises them), the other weights in float32 (peft's preparation), the adapter in float32."""
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if num_labels:
+        config.num_labels = num_labels
     with torch.device("meta"):
         model = head.auto_class.from_config(config, trust_remote_code=trust_remote_code)
     params = sum(p.numel() for p in model.parameters())
@@ -210,12 +213,13 @@ class RecipePlan:
 def recipe_plan(recipe: Recipe, gpus_per_node: int, nodes: int) -> RecipePlan:
     """`plan` of the recipe's models (their configs read here), micro-batch, sequence length, checkpointing,
     precision and sequence parallelism: what `hftrain plan` prints and the frozen-model fit check judges."""
-    m = recipe.model
+    m, method = recipe.model, method_of(recipe)
+    policy = method.policy(recipe)
     facts = model_facts(m.name_or_path, m.lora.r if m.lora else None, m.trust_remote_code, m.dtype,
-                        quantization=m.quantization, head=policy_head(recipe))
+                        quantization=m.quantization, head=policy.head, num_labels=policy.num_labels)
     frozen = [(spec, model_facts(spec.section.name_or_path, None, spec.section.trust_remote_code, spec.section.dtype,
-                                 quantization=spec.section.quantization, head=spec.head))
-              for spec in method_of(recipe).others(recipe)]
+                                 quantization=spec.section.quantization, head=spec.head, num_labels=spec.num_labels))
+              for spec in method.others(recipe)]
     t = recipe.typed_training
     shape = (gpus_per_node, nodes, t.per_device_train_batch_size, recipe.data.max_length, m.gradient_checkpointing,
              bool(t.bf16 or t.fp16), recipe.strategy.resolved_sequence_parallel())

@@ -84,9 +84,19 @@ class Method:
         gradients, so no optimizer state is ever made for it. `packing`: it is fed the policy's packed rows, so it is
         loaded with the same options (no KV cache, packed rows joined for a kernel that reads them so): loaded
         without them, every example after the first of a row attended to the ones before it."""
-        model = load_model(spec.section, packing=packing, head=spec.head, key=spec.key).eval()
+        model = load_model(spec.section, packing=packing, head=spec.head, key=spec.key,
+                           num_labels=spec.num_labels).eval()
         model.requires_grad_(False)
         return model
+
+    def load_others(self, run) -> dict:
+        """{key: model} of the frozen models the house places (methods/frozen.py FrozenModelsMixin places them): every
+        model beside the policy (`others`) but those held whole on each rank (spec.whole: scored on each rank by
+        their own code) and a copy of the policy's own section (a reference: its trainer library copies the policy),
+        each loaded by load_frozen with the options the policy's rows need (packed rows stay apart)."""
+        packing = bool(getattr(run.recipe.data, "packing", False))
+        return {spec.key: self.load_frozen(spec, packing=packing) for spec in self.others(run.recipe)
+                if not spec.whole and spec.section is not run.recipe.model}
 
     def trainer(self, run, model, tokenizer, data, callbacks: list):
         raise NotImplementedError

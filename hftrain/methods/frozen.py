@@ -15,6 +15,40 @@ from __future__ import annotations
 from accelerate.utils import fsdp2_prepare_model
 from trl.models import prepare_deepspeed
 
+from ..distributed import print0
+
+
+class FrozenModelsMixin:
+    """A trainer holding frozen models beside its policy (`frozen`: {key: model}, as Method.load_others loads them):
+    each placed once the trainer is built, as its strategy places the policy (place_frozen), how said under its key;
+    `self.frozen[key]` is the placed model. Frozen, so none reaches the optimizer."""
+
+    def __init__(self, *args, frozen: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.frozen = {key: placed_and_said(key, model, self) for key, model in (frozen or {}).items()}
+
+
+def placed_and_said(key: str, model, trainer):
+    """`model` placed for `trainer` (place_frozen), what rank 0 holds of it said under its recipe `key`."""
+    model, how = place_frozen(model, trainer)
+    held, total, unit = *held_parameters(model), largest_gathered(model)
+    print0(f"hftrain: {key}: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters"
+           + (f", at most {unit:,} gathered at once" if unit is not None else ""))
+    return model
+
+
+def held_parameters(model) -> tuple[int, int]:
+    """(parameters this rank stores, parameters of the model): a DTensor's local shard (FSDP2), a ZeRO-3 parameter's
+    partition (ds_tensor; ds_numel its full size), else the whole tensor."""
+    held = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
+        else:
+            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+            total += p.numel()
+    return held, total
+
 
 def place_frozen(model, trainer):
     """(the frozen `model` placed for `trainer`'s strategy, how it was placed, in words)."""

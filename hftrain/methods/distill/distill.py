@@ -13,6 +13,7 @@ from ...heads import Head, Role
 from .. import registry
 from ..base import ModelSpec
 from ..sft import SFT, exact_match_metrics, read
+from .distill_section import TEACHER_KEY
 from .trainer import DistillTrainer
 
 
@@ -21,14 +22,11 @@ class Distill(SFT):
 
     def models(self, recipe: Recipe) -> list[ModelSpec]:
         return [ModelSpec(Role.POLICY, Head.CAUSAL_LM, recipe.model),
-                ModelSpec(Role.TEACHER, Head.CAUSAL_LM, recipe.distill.teacher, key="distill.teacher")]
-
-    def teacher(self, recipe: Recipe) -> ModelSpec:
-        return next(spec for spec in self.models(recipe) if spec.role is Role.TEACHER)
+                ModelSpec(Role.TEACHER, Head.CAUSAL_LM, recipe.distill.teacher, key=TEACHER_KEY)]
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         # fed the student's rows, packed or not; placed by the trainer (methods/frozen.py)
-        teacher = self.load_frozen(self.teacher(run.recipe), packing=run.recipe.data.packing)
+        teacher = self.load_others(run)[TEACHER_KEY]
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
                                   processing_class=tokenizer, data_collator=data.collator, callbacks=callbacks,
                                   teacher=teacher, section=run.recipe.distill)

@@ -18,9 +18,10 @@ Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 # Options that apply to one mode only: key -> the mode.
 MODE_ONLY = {"ce_weight": "logits", "lmbda": "on_policy", "max_new_tokens": "on_policy"}
 DEFAULTS = {"ce_weight": 0.0, "lmbda": 1.0, "max_new_tokens": 64, "beta": 0.5}
-# Where the teacher is placed as the student (trainer.DistillTrainer._placed) and the loss is tested exact; why not the
-# others.
+# Where the teacher is placed as the student (methods/frozen.py FrozenModelsMixin) and the loss is tested exact;
+# why not the others.
 STRATEGIES = ("ddp", "fsdp", "zero3")
+TEACHER_KEY = "distill.teacher"  # where the teacher sits in the recipe: every message about it names it
 _WHOLE = ("the teacher would be whole on each rank (trl's prepare_deepspeed shards it under ZeRO-3 only) beside a "
           "student whose optimizer state is sharded, which is not tested: use zero3 (teacher sharded) or ddp")
 _OFFLOAD = ("the teacher's DeepSpeed engine would offload its parameters as the student's (trl's prepare_deepspeed "

@@ -9,9 +9,9 @@ holds it: on_policy.py, which says where this differs from TRL's GKDTrainer) are
 their prompts (each row's tokens before its first completion token), so the count is of the sampled tokens.
 
 The teacher is frozen (Method.load_frozen), never in the optimizer, and placed as the student's strategy places the
-student (methods/frozen.py): under ZeRO-3 a DeepSpeed inference engine partitioning it across the ranks, under FSDP2
-sharded per layer as accelerate shards the student (gathered a unit at a time for its forward), under DDP whole on
-each rank."""
+student (methods/frozen.py: FrozenModelsMixin): under ZeRO-3 a DeepSpeed inference engine partitioning it across the
+ranks, under FSDP2 sharded per layer as accelerate shards the student (gathered a unit at a time for its forward),
+under DDP whole on each rank."""
 
 from __future__ import annotations
 
@@ -20,44 +20,23 @@ import torch
 from ...constants import IGNORE_INDEX
 from ...distributed import print0
 from ...losses import target_ce
-from ..frozen import largest_gathered, place_frozen
+from ..frozen import FrozenModelsMixin
 from ..sft import SFTTrainer
 from .divergence import DivergenceSpec, divergence_sum, token_divergences
-from .distill_section import DistillSection
+from .distill_section import TEACHER_KEY, DistillSection
 from .on_policy import on_policy_step
 from .teacher_checks import shared_vocab
 
 
-def held_parameters(model) -> tuple[int, int]:
-    """(parameters this rank stores, parameters of the model): a DTensor's local shard (FSDP2), a ZeRO-3 parameter's
-    partition (ds_tensor; ds_numel its full size), else the whole tensor."""
-    held = total = 0
-    for p in model.parameters():
-        if hasattr(p, "ds_tensor"):
-            held, total = held + p.ds_tensor.numel(), total + p.ds_numel
-        else:
-            held += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-            total += p.numel()
-    return held, total
-
-
-class DistillTrainer(SFTTrainer):
+class DistillTrainer(FrozenModelsMixin, SFTTrainer):
     def __init__(self, *args, teacher, section: DistillSection, **kwargs):
-        self.teacher, self.section = teacher, section
+        self.section = section
         self.spec = DivergenceSpec(section.resolved_divergence, section.value("beta"), section.temperature,
                                    section.top_k)
         self.ce_weight = section.value("ce_weight") if section.mode == "logits" else 0.0
-        super().__init__(*args, **kwargs)
-        self.vocab = self._compared_vocab()
-        self.teacher = self._placed(teacher)
-
-    def _placed(self, teacher):
-        """The teacher placed as the student will be (methods/frozen.py); frozen, so no optimizer is passed."""
-        teacher, how = place_frozen(teacher, self)
-        held, total, unit = *held_parameters(teacher), largest_gathered(teacher)
-        print0(f"hftrain: distill.teacher: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters"
-               + (f", at most {unit:,} gathered at once" if unit is not None else ""))
-        return teacher
+        super().__init__(*args, frozen={TEACHER_KEY: teacher}, **kwargs)  # placed as the student (FrozenModelsMixin)
+        self.vocab = self._compared_vocab(teacher)
+        self.teacher = self.frozen[TEACHER_KEY]
 
     def _chunked_head(self, loss_impl: str):
         """No chunked CE head: the divergence reads the student's logits (and is chunked over tokens itself)."""
@@ -66,9 +45,9 @@ class DistillTrainer(SFTTrainer):
                "completion tokens")
         return None
 
-    def _compared_vocab(self) -> int:
+    def _compared_vocab(self, teacher_model) -> int:
         student = self.accelerator.unwrap_model(self.model).config.vocab_size
-        teacher, size = self.teacher.config.vocab_size, len(self.processing_class)
+        teacher, size = teacher_model.config.vocab_size, len(self.processing_class)
         shared = shared_vocab(student, teacher, size)
         if shared is None:  # teacher_problems refuses it before loading; a model changed since is refused here
             raise ValueError(f"distill.teacher: vocabulary size {teacher} against the student's {student}, the "
