@@ -1,10 +1,11 @@
 """The training methods, one package each (preference/: DPO and IPO, SimPO, ORPO, KTO; grpo/; reward/: outcome and
 process reward models; distill/), SFT a module (sft.py); each owns its trainer, its TRL config where it has one, its
 recipe section with its rules, its data phase and how `hftrain data` shows its rows (base.Method). Shared here, at the
-top: base.py (Method, ModelSpec: every model a method holds, by role and head), policy.py (the policy and LoRA config
-of the TRL-based methods), frozen.py (a frozen model placed as the strategy places the policy), step_reading.py (how
-a process reward model reads a solution, for training and GRPO scoring alike), pairs.py (prompt / chosen / rejected
-rows), recipe.py (the Recipe: config's sections and one per method section, and how every recipe is read).
+top: base.py (Method, ModelSpec: every model a method holds, by role and head), modality.py (what the policy reads,
+text or images, and everything that follows from it), policy.py (the policy and LoRA config of the TRL-based
+methods), frozen.py (a frozen model placed as the strategy places the policy), reward_reading.py (how a reward model
+reads a prompt and its answer and where its score is, for training and GRPO scoring alike), pairs.py (prompt / chosen
+/ rejected rows), recipe.py (the Recipe: config's sections and one per method section, and how every recipe is read).
 
 registry.py is what the CLI, the run's set-up and preflight ask: each method's light entry, selected by the recipe
 section that names it (`entry_of`). A method's module, and the trainer library it imports (TRL), loads only when

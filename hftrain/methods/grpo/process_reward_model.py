@@ -3,7 +3,7 @@ with two labels (0: incorrect step, 1: correct step), as `hftrain reward` with k
 step of a completion; `aggregate` makes the completion's reward of them: `min` (its weakest step: one wrong step
 spoils the answer) or `last` (the last step's score: how the whole reasoning ends).
 
-A completion is read as its training rows were (methods/step_reading.py, the one contract both import): its text (a
+A completion is read as its training rows were (methods/reward_reading.py, the one contract both import): its text (a
 conversation's: its last assistant turn) split at the step separator, blank pieces left out; the prompt (a text prompt
 after the tokenizer's BOS, a conversation rendered with the PRM's chat template and its generation prompt), then each
 step tokenised alone and followed by the separator's one token, with the PRM's own tokenizer (the policy's when they
@@ -18,7 +18,7 @@ import torch
 
 from ...errors import DataError, RewardError
 from ...heads import Head
-from ..step_reading import separator_problem, step_row, steps_of
+from ..reward_reading import right_padded, separator_problem, step_row, steps_of
 from .reward_model import SCORE_BATCH, RewardModel, text_of
 
 AGGREGATES = {"min": min, "last": lambda scores: scores[-1]}
@@ -45,7 +45,7 @@ class ProcessRewardModel(RewardModel):
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def step_row(self, prompt, completion) -> tuple[list[int], list[int]] | None:
-        """(ids, the index of each step's separator token) of prompt + steps (step_reading); None for a completion
+        """(ids, the index of each step's separator token) of prompt + steps (reward_reading); None for a completion
         with no step."""
         steps = steps_of(text_of(completion), self.separator)
         if not steps:
@@ -65,10 +65,7 @@ class ProcessRewardModel(RewardModel):
         with torch.inference_mode():
             for start in range(0, len(rows), SCORE_BATCH):
                 chunk = rows[start:start + SCORE_BATCH]
-                ids = torch.full((len(chunk), max(len(r[0]) for r in chunk)), self.pad_token_id, dtype=torch.long)
-                mask = torch.zeros_like(ids)
-                for i, (row, _) in enumerate(chunk):
-                    ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
+                ids, mask = right_padded([row for row, _ in chunk], self.pad_token_id)
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 correct = logits.float().softmax(-1)[..., 1].cpu()
                 out += [correct[i, ends].tolist() for i, (_, ends) in enumerate(chunk)]

@@ -10,16 +10,15 @@
 - Loaded once per rank (`RewardModel.load`) through hftrain's own loader (modeling.load_model: safetensors only,
   remote code only with model.trust_remote_code, said first), whole on each rank (outside ZeRO-3's partitioning),
   in eval mode, without gradients, on the policy's device.
-- The text it scores: when its tokenizer is the policy's (same vocabulary, same chat template), the very tokens the
-  policy generated from (the prompt as rendered for generation + the completion ids: no decode and re-encode);
-  otherwise the conversation (prompt messages + the completion as an assistant turn) rendered with the reward
-  model's own tokenizer and chat template, said once. A differing tokenizer without a chat template is refused
-  for conversation prompts (there is no way to render them as the reward model was trained). The policy's tokens
-  end at its EOS (or where max_completion_length cut them), while a reward model trained on conversations (TRL's
-  RewardTrainer renders prompt + answer with the chat template) read its score after the template's end of the
-  assistant turn (Qwen's `<|im_end|>` then `\n`): what the template puts after an answer (`turn_end`) is completed
-  on each rollout, else the score is read at a position it was never trained at (measured: a reward model at 0.77
-  held-out pair accuracy scored 0.48 on the same pairs ending at the EOS).
+- The text it scores is read as it was trained (methods/reward_reading.py, the contract its training imports): when
+  its tokenizer is the policy's (same vocabulary, same chat template), the very tokens the policy generated from (the
+  prompt as rendered for generation + the completion ids: no decode and re-encode), completed with what the render
+  writes after an answer (`answer_end`: the template's turn end, Qwen's `<|im_end|>` then `\n`; a text's EOS): the
+  policy's tokens end at its EOS or where max_completion_length cut them, and a score read there is read at a
+  position the model was never trained at (measured: a reward model at 0.77 held-out pair accuracy scored 0.48 on
+  the same pairs ending at the EOS); otherwise the prompt and completion rendered with the reward model's own
+  tokenizer and chat template (`outcome_ids`), said once. A differing tokenizer without a chat template is refused
+  for conversation prompts (there is no way to render them as the reward model was trained).
 - The score is the logit at the last real token: transformers' sequence classifiers find it from
   config.pad_token_id. A folder whose config has none takes its tokenizer's pad token (set on the config, and
   batches are padded with it); with neither, it is refused naming the folder: without it transformers reads the
@@ -46,7 +45,7 @@ from ...distributed import print0
 from ...errors import DataError, ModelError, RewardError
 from ...heads import Head
 from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
-from ...data.templates import apply
+from ..reward_reading import answer_end, completed, outcome_ids, right_padded
 
 SCORE_BATCH = 16  # completions per forward of the reward model
 
@@ -174,29 +173,6 @@ def _pad_token_id(name: str, key: str, tokenizer, trust_remote_code: bool) -> in
     return pad
 
 
-ANSWER = "\x00answer\x00"  # a text no chat template writes, to find where the answer ends in a rendered turn
-
-
-def turn_end(tokenizer, template_kwargs: dict) -> list[int]:
-    """The tokens the chat template writes after an assistant answer's text (Qwen's `<|im_end|>` `\\n`); none when
-    the template does not show the answer as given."""
-    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ANSWER}]
-    try:
-        text = apply(tokenizer, turns, None, template_kwargs, "turn_end", tokenize=False)
-    except DataError:  # a template that refuses this probe: the rollouts are scored as they are
-        return []
-    if not isinstance(text, str) or text.count(ANSWER) != 1:
-        return []
-    return tokenizer(text.split(ANSWER)[1], add_special_tokens=False)["input_ids"]
-
-
-def completed(rollout: list[int], end: list[int]) -> list[int]:
-    """`rollout` with the part of the template's turn end it lacks: after an EOS that begins `end`, the rest of it;
-    after a completion cut short, all of it (as the template renders a truncated answer)."""
-    have = next((k for k in range(len(end), 0, -1) if rollout[-k:] == end[:k]), 0)
-    return list(rollout) + end[have:]
-
-
 def text_of(completion) -> str:
     """The text of a completion: itself, or the content of its last assistant message (a tool-using rollout is the
     assistant's turns with the tools' answers between them: the answer is the final turn, never a tool's output)."""
@@ -233,7 +209,7 @@ class RewardModel:
                               "has no chat template to render the conversations with as it was trained: save its "
                               "tokenizer with its chat template, or train it with the policy's tokenizer")
         self.template_kwargs = chat_template_kwargs or {}
-        self.turn_end = turn_end(self.tokenizer, self.template_kwargs) if self.same and conversational else []
+        self.answer_end = answer_end(self.tokenizer, conversational, self.template_kwargs) if self.same else []
         self.pad_token_id = self.padding_id()
         if not self.same and key not in _said:
             _said.add(key)
@@ -259,20 +235,13 @@ class RewardModel:
         self.model = model.eval().requires_grad_(False).to(device)
 
     def render(self, prompts: list, completions: list) -> list[list[int]]:
-        """Each prompt + completion as the reward model's tokenizer encodes it: a conversation (the completion as
-        an assistant turn, or a tool-using rollout's turns) with its chat template, a text as it is."""
-        out = []
-        for prompt, completion in zip(prompts, completions):
-            if isinstance(prompt, list):
-                turns = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-                try:
-                    text = apply(self.tokenizer, prompt + turns, None, self.template_kwargs, self.key, tokenize=False)
-                except DataError as e:  # a RewardError is raised on every rank at once (GroupTrainer), not here
-                    raise RewardError(str(e)) from None
-                out.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            else:
-                out.append(self.tokenizer(prompt + completion)["input_ids"])
-        return out
+        """Each prompt + completion as the reward model reads it (methods/reward_reading.py outcome_ids: as it was
+        trained), with its own tokenizer."""
+        try:
+            return [outcome_ids(self.tokenizer, p, c, self.template_kwargs, self.key)
+                    for p, c in zip(prompts, completions)]
+        except DataError as e:  # a RewardError is raised on every rank at once (GroupTrainer), not here
+            raise RewardError(str(e)) from None
 
     def score_ids(self, rows: list[list[int]]) -> list[float]:
         """The score (the one label's logit) of each token sequence, SCORE_BATCH at a time, right-padded with the
@@ -283,17 +252,13 @@ class RewardModel:
         device, out = self.model.device, []
         with torch.inference_mode():
             for start in range(0, len(rows), SCORE_BATCH):
-                chunk = rows[start:start + SCORE_BATCH]
-                ids = torch.full((len(chunk), max(1, *map(len, chunk))), self.pad_token_id, dtype=torch.long)
-                mask = torch.zeros_like(ids)
-                for i, row in enumerate(chunk):
-                    ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
+                ids, mask = right_padded(rows[start:start + SCORE_BATCH], self.pad_token_id)
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 out += logits[:, 0].float().tolist()
         return out
 
     def __call__(self, prompts, completions, **_):
         handed = self.rollout_ids if self.same and self.rollout_ids is not None else None
-        handed = [completed(r, self.turn_end) for r in handed] if handed is not None else None
+        handed = [completed(r, self.answer_end) for r in handed] if handed is not None else None
         return self.score_ids(handed if handed is not None and len(handed) == len(completions)
                               else self.render(prompts, completions))

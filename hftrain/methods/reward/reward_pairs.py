@@ -3,7 +3,9 @@ implicit prompt, conversations with the chat template, local files, mixing), tok
 tokenises them (its own _prepare_dataset: EOS after text answers, prompt + answer, the chat template for
 conversations), before the model loads. What TRL does silently is said here by file and row: it drops every pair with
 a side longer than data.max_length (counted and named; none left is an error). The tokenizer's pad token is checked
-here too: a sequence classifier reads its score at the last token before padding (config.pad_token_id)."""
+here too: a sequence classifier reads its score at the last token before padding (config.pad_token_id). How an outcome
+reward model reads a pair's side is methods/reward_reading.py's contract, which GRPO's scoring imports: a test holds
+it equal to TRL's rendering here."""
 
 from __future__ import annotations
 
@@ -18,18 +20,9 @@ from ...data.left_out import none_left, say_left_out
 from ...errors import DataError
 from ..base import has_template
 from ..pairs import ROW, PreferenceData, build_preference_data
+from ..reward_reading import score_pad_problem
 
 MARGIN = "margin"  # TRL's column of each pair's margin (RewardTrainer.compute_loss)
-
-
-def pad_problem(tokenizer, key: str) -> str | None:
-    """Why a sequence classifier could not find the last real token of a padded row with this tokenizer (hftrain's
-    tokenizer pads with EOS, or UNK, when it has no pad token: modeling.load_tokenizer), or None."""
-    if tokenizer.pad_token_id is None:
-        return (f"{key}: the tokenizer has no pad, eos or unk token, so a sequence classifier "
-                "cannot find the last real token of a padded row (config.pad_token_id): add a pad token to the "
-                "tokenizer (tokenizer.add_special_tokens({'pad_token': ...})) and save it again")
-    return None
 
 
 def trl_tokenised(ds, tokenizer, max_length: int | None, name: str):
@@ -62,7 +55,7 @@ def read_reward_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int) -> 
     first bad row are refused together."""
     margin = recipe.reward.margin
     where = "model.tokenizer_name_or_path" if recipe.model.tokenizer_name_or_path else "model.name_or_path"
-    problems = [p for p in (pad_problem(tokenizer, where),) if p]
+    problems = [p for p in (score_pad_problem(tokenizer, where),) if p]  # where the score is read: reward_reading
     try:  # without a pad token TRL's tokenising is not reached: the rows are still read and checked
         data = build_preference_data(recipe.data, has_template(tokenizer), seed=seed,
                                      tokenizer=None if problems else tokenizer,

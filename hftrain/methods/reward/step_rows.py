@@ -2,7 +2,7 @@
 (`{"prompt": str, "completions": [step, ...], "labels": [bool, ...]}`; the prompt may be a list of messages, rendered
 with the chat template and its generation prompt), checked row by row and tokenised before the model loads.
 
-A row is read as methods/step_reading.py reads a prompt and its steps, the one contract GRPO's scoring shares: the
+A row is read as methods/reward_reading.py reads a prompt and its steps, the one contract GRPO's scoring shares: the
 prompt, then each step tokenised alone and followed by the separator's one token (reward.step_separator), as TRL's
 trainer built its rows. Only the separator token at each step's end carries the step's label (1 correct, 0 not);
 every other token is -100. A separator that is not one token by itself is refused naming what it tokenises to; a
@@ -26,7 +26,7 @@ from ...data.left_out import none_left, say_left_out
 from ...distributed import print0
 from ...errors import DataError
 from ..base import has_template
-from .. import step_reading
+from .. import reward_reading
 from ..pairs import messages_of
 
 IGNORED = -100  # the label of every token that is not a step's end
@@ -66,8 +66,8 @@ def steps_of_row(row: dict, roles: dict[str, str]) -> dict:
 
 
 def separator_problem(tokenizer, separator: str) -> str | None:
-    """Why `separator` cannot mark a step's end with this tokenizer (methods/step_reading.py), or None."""
-    problem = step_reading.separator_problem(tokenizer, separator)
+    """Why `separator` cannot mark a step's end with this tokenizer (methods/reward_reading.py), or None."""
+    problem = reward_reading.separator_problem(tokenizer, separator)
     return f"reward.step_separator: {problem}" if problem else None
 
 
@@ -81,7 +81,7 @@ def pad_problem(tokenizer, key: str) -> str | None:
 
 
 def tokenised_steps(row: dict, tokenizer, separator: str, template_kwargs: dict) -> dict:
-    """One checked row as ids, as methods/step_reading.py reads a prompt and its steps (GRPO's scoring reads a
+    """One checked row as ids, as methods/reward_reading.py reads a prompt and its steps (GRPO's scoring reads a
     rollout the same way); each step's end is its separator's token (step_ends), with the step's label
     (step_labels, 1 or 0)."""
     for i, step in enumerate(row["completions"]):
@@ -89,7 +89,7 @@ def tokenised_steps(row: dict, tokenizer, separator: str, template_kwargs: dict)
             raise DataError(f"completions[{i}]: holds the step separator {separator!r}, so the text would read as "
                             "more steps than it has labels: join the step's lines otherwise, or choose another "
                             "reward.step_separator")
-    return {**step_reading.step_row(row["prompt"], row["completions"], tokenizer, separator, template_kwargs),
+    return {**reward_reading.step_row(row["prompt"], row["completions"], tokenizer, separator, template_kwargs),
             "step_labels": [int(label) for label in row["labels"]]}
 
 
