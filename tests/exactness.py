@@ -232,6 +232,12 @@ BOUNDS: dict[str, Bound] = {
     "vision.two_ranks_vs_one.losses": Bound(1e-06, {"avx2": 8.4e-08, "default": 8.4e-08}),
     "vision.two_ranks_vs_one.saved_logits": Bound(5e-06, {"avx2": 3.69e-07, "default": 2.87e-07}),
     "vision.two_ranks_vs_one.weights": Bound(1e-05, {"avx2": 6.33e-07, "default": 9.48e-07}),
+    # measured 2026-12-06 (issue 65's VLM DPO), same machine and method
+    "vision_dpo.two_ranks_vs_one.losses": Bound(5e-06, {"avx2": 2.8e-07, "default": 1.9e-07}),
+    "vision_dpo.two_ranks_vs_one.weights": Bound(2e-05, {"avx2": 1.38e-06, "default": 1.08e-06}),
+    "vision_dpo.unequal_micro_batches_vs_one_batch.losses": Bound(1e-06, {"avx2": 0.0, "default": 0.0},
+        "one step: both runs log the first step's loss, log 2 (policy = reference); the weights judge it"),
+    "vision_dpo.unequal_micro_batches_vs_one_batch.weights": Bound(1e-05, {"avx2": 4.21e-07, "default": 5.03e-07}),
 }
 
 

@@ -413,7 +413,7 @@ def test_the_memory_plan_counts_the_vision_tower(vlm_dirs, family):
 
 
 @pytest.mark.parametrize("method,section", [
-    ("dpo", {"preference": {"loss_type": "sigmoid", "beta": 0.1}}),
+    ("orpo", {"preference": {"loss_type": "orpo", "beta": 0.1}}),
     ("distill", {"distill": {"teacher": {"name_or_path": "TEACHER", "dtype": "float32"}}}),
 ])
 def test_a_method_that_does_not_train_images_refuses_an_image_model(vlm_dirs, tmp_path, capsys, monkeypatch,

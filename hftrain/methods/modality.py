@@ -17,6 +17,7 @@ from ..config import Recipe
 from ..data import build_datasets
 from ..data.preview import preview
 from ..heads import Head
+from ..vision.image_pairs import image_pair_problems, read_image_pairs
 from ..vision.families import head_of, model_type_of, strategy_problems
 from ..vision.freezing import freeze_section_parts
 from ..vision.image_datasets import build_image_datasets
@@ -25,6 +26,7 @@ from ..vision.image_sources import image_data_problems
 from ..vision.packing import pack_image_rows
 from ..vision.processor import processor_of
 from ..vision.unreached import freeze_unreached
+from .pairs import ImagePairs, PreferenceData, build_preference_data
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Modality:
         """What `hftrain data` prints: the first n rows as they train."""
         return preview(recipe.data, tokenizer, n)
 
+    def read_pairs(self, recipe: Recipe, tokenizer, seed: int) -> PreferenceData:
+        """Preference pairs (prompt, chosen, rejected), every row read, checked and measured (methods/pairs.py)."""
+        return build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed,
+                                     tokenizer=tokenizer)
+
     def arguments(self, kwargs: dict) -> dict:
         """TrainingArguments values this modality needs beside the recipe's."""
         return kwargs
@@ -52,8 +59,9 @@ class Modality:
         freeze_section_parts(model, recipe.model)
         return model
 
-    def problems(self, recipe: Recipe) -> list[tuple[str, str]]:
-        """(key, message) of the recipe's keys this modality cannot honour."""
+    def problems(self, recipe: Recipe, unit: str) -> list[tuple[str, str]]:
+        """(key, message) of the recipe's keys this modality cannot honour, for a method training on `unit` (its
+        Method.unit: examples, pairs)."""
         return []
 
 
@@ -71,6 +79,13 @@ class Images(Modality):
     def show(self, recipe, tokenizer, n):
         return image_preview(recipe.data, processor_of(recipe.model), n)
 
+    def read_pairs(self, recipe, tokenizer, seed):
+        """Pairs with images (vision/image_pairs.py), batched by TRL's vision collator given hftrain's decoding."""
+        processor = processor_of(recipe.model)
+        train, held_out = read_image_pairs(recipe.data, processor, seed)
+        return PreferenceData(train, held_out, conversational=True,
+                              collator=ImagePairs(processor, recipe.data.max_length), processor=processor)
+
     def arguments(self, kwargs):
         """Image rows keep their images column (the Trainer drops a column the model's forward does not take)."""
         return {**kwargs, "remove_unused_columns": kwargs.get("remove_unused_columns", False)}
@@ -82,11 +97,17 @@ class Images(Modality):
             pack_image_rows(model)  # packed image rows: no cache, Qwen-VL's mrope restarted per example
         return model
 
-    def problems(self, recipe):
-        """Strategies not proven with images, and data keys image rows cannot honour."""
+    def problems(self, recipe, unit):
+        """Strategies not proven with images, and data keys image rows (or pairs) cannot honour."""
         out = strategy_problems(model_type_of(recipe.model.name_or_path), getattr(recipe.strategy, "name", None),
                                 getattr(recipe.strategy, "sequence_parallel", None))
-        return out + (image_data_problems(recipe.data) if recipe.data is not None else [])
+        if recipe.data is not None:
+            out += image_pair_problems(recipe.data) if unit == "pairs" else image_data_problems(recipe.data)
+        if unit == "pairs" and getattr(getattr(recipe, "preference", None), "precompute_ref_log_probs", False):
+            out.append(("preference.precompute_ref_log_probs", "TRL computes the reference's log-probs of image "
+                        "pairs as it trains (it refuses to run a forward over the whole image dataset first): "
+                        "remove it"))
+        return out
 
 
 TEXT, IMAGES = Modality(), Images()
@@ -105,4 +126,4 @@ def modality_problems(method, recipe: Recipe) -> list[tuple[str, str]]:
         return [("model.name_or_path", f"{recipe.model.name_or_path} reads {modality.described}; the {method.name} "
                  f"method trains {' or '.join(method.modalities)} only: choose a model that reads "
                  f"{' or '.join(method.modalities)}, or a method that trains {modality.name}")]
-    return modality.problems(recipe)
+    return modality.problems(recipe, method.unit)

@@ -26,6 +26,7 @@ from ..errors import DataError
 from ..data.sources import column_map, read_rows
 from ..data.left_out import first_places, none_left, say_left_out
 from ..data.source_loop import PLACE, read_sources
+from ..vision.image_pairs import decoded
 
 PAIR = ("chosen", "rejected")
 
@@ -35,6 +36,8 @@ class PreferenceData:
     train: Any  # datasets.Dataset of prompt / chosen / rejected (text, or lists of messages), TRL's input layout
     eval: Any | None
     conversational: bool
+    collator: Any = None  # the batches' collator where the trainer's own is not it (image pairs: modality.py)
+    processor: Any = None  # the trainer's processing class where it is not the tokenizer (an image model's processor)
 
 
 def messages_of(value, what: str, roles: dict[str, str]) -> list[dict]:
@@ -182,6 +185,20 @@ def check_lengths(ds, places: list[str], tokenizer, max_length: int, key: str, p
                f"within data.max_length={max_length} (they differ only after the cut): they state no preference "
                f"({first_places(same)}); raise data.max_length", file=sys.stderr)
     return ds.select(kept) if dropped else ds
+
+
+class ImagePairs:
+    """The collator of pairs with images: TRL's DataCollatorForVisionPreference (its rendering with the processor's
+    chat template, padding and cut at max_length), given each row decoded by hftrain (vision/image_pairs.py: images
+    decoded by images.open_rgb, never raw)."""
+
+    def __init__(self, processor, max_length: int):
+        from trl.trainer.dpo_trainer import DataCollatorForVisionPreference  # heavy: runs on pairs only
+
+        self.batch = DataCollatorForVisionPreference(processor=processor, max_length=max_length)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        return self.batch([decoded(row) for row in rows])
 
 
 def check_kind(kinds: dict, key: str, conversational: bool, has_template: bool, what: str) -> None:

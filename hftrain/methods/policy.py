@@ -11,7 +11,9 @@ from ..config.fields import is_number
 from ..constants import QUANTIZED_STRATEGIES
 from ..heads import Head, Role
 from ..modeling import load_model, lora_config
+from ..vision.families import head_of
 from .base import Method, ModelSpec
+from .modality import modality_of
 
 # data: options of supervised fine-tuning that mean nothing to the TRL-based methods (their value when unset).
 SFT_ONLY_DATA = {"packing": False, "assistant_only_loss": True, "completion_only_loss": True,
@@ -83,13 +85,15 @@ class PreferenceMethod(Method):
         """The policy, and the frozen copy TRL keeps as the reference where the loss has one and neither LoRA (the
         adapter disabled is the reference) nor precomputed log-probs stand for it: the plan counts it."""
         p, m = recipe.preference, recipe.model
-        policy = ModelSpec(Role.POLICY, Head.CAUSAL_LM, m)
+        head = head_of(m)  # a causal LM, or an image-text-to-text model (a method that trains images: modality.py)
+        policy = ModelSpec(Role.POLICY, head, m)
         copy = getattr(p, "copies_the_reference", False) and getattr(m, "lora", None) is None
-        return [policy, ModelSpec(Role.REFERENCE, Head.CAUSAL_LM, m, key="model")] if copy else [policy]
+        return [policy, ModelSpec(Role.REFERENCE, head, m, key="model")] if copy else [policy]
 
     def model(self, run):
+        """The policy, prepared for what it reads (an image model's parts frozen: modality.py)."""
         policy = self.policy(run.recipe)
-        return load_policy(policy.section, policy.head)
+        return modality_of(policy.section).prepare(load_policy(policy.section, policy.head), run.recipe, False)
 
     def describe(self, recipe):
         return f"preference tuning ({recipe.preference.loss_type} loss, beta={recipe.preference.beta})"
@@ -97,5 +101,6 @@ class PreferenceMethod(Method):
     def trainer(self, run, model, tokenizer, data, callbacks):
         policy = self.policy(run.recipe)
         return self.trainer_class(model=model, args=run.args, train_dataset=data.train, eval_dataset=data.eval,
-                                  processing_class=tokenizer,
+                                  processing_class=getattr(data, "processor", None) or tokenizer,  # saved beside it
+                                  data_collator=getattr(data, "collator", None),  # None: the trainer's own
                                   peft_config=policy_peft_config(policy.section, policy.head), callbacks=callbacks)

@@ -44,6 +44,7 @@ from ...evaluate import greedy_answer
 from ..base import Method, ModelSpec
 from .grpo_section import RewardSpec
 from ..sft import exact_match_metrics
+from ..fused_head import FusedHeadMixin
 from .environments import load_environment, shown_tools
 from .tools import (ToolAnswer, load_tools, suffix_after_stop, tool_template_problem,
                     unanswered_calls)
@@ -77,7 +78,7 @@ def grpo_config(recipe: Recipe, **kwargs) -> HFGRPOConfig:
         remove_unused_columns=False, model_init_kwargs={"revision": m.revision} if m.revision else None)
 
 
-class GroupTrainer(*RUN_MIXINS, GRPOTrainer):
+class GroupTrainer(*RUN_MIXINS, FusedHeadMixin, GRPOTrainer):
     """TRL's GRPOTrainer with hftrain's checkpoints, guards and compression; `reward_funcs` are rewards.Reward
     objects built with defer=True; `args` an HFGRPOConfig (grpo_config)."""
 

@@ -18,9 +18,10 @@ from trl import DPOConfig, DPOTrainer
 
 from ...losses import PairMeanMixin
 from ...config import HFTrainOptions, Recipe
-from ..pairs import build_preference_data
 from ...trainer import RUN_MIXINS
-from ..base import first_rows, has_template
+from ..base import first_rows
+from ..fused_head import FusedHeadMixin
+from ..modality import modality_of
 from .. import registry
 from ..policy import PreferenceMethod
 from .preference_section import PreferenceSection
@@ -46,22 +47,25 @@ def preference_values(recipe: Recipe) -> dict:
 
 
 def dpo_config(recipe: Recipe, **kwargs) -> HFDPOConfig:
-    """The run's arguments (`kwargs`: every TrainingArguments value launch.setup resolved) plus the preference
-    section's."""
-    return HFDPOConfig(**kwargs, **preference_values(recipe))
+    """The run's arguments (`kwargs`: every TrainingArguments value launch.setup resolved, and those the policy's
+    modality needs) plus the preference section's."""
+    return HFDPOConfig(**modality_of(recipe.model).arguments(kwargs), **preference_values(recipe))
 
 
-class PreferenceTrainer(*RUN_MIXINS, PairMeanMixin, DPOTrainer):
-    """TRL's DPOTrainer (its loss, batches, metrics and eval) with hftrain's checkpoints, guards and compression, and
-    the exact pair mean; `args` is an HFDPOConfig (dpo_config)."""
+class PreferenceTrainer(*RUN_MIXINS, PairMeanMixin, FusedHeadMixin, DPOTrainer):
+    """TRL's DPOTrainer (its loss, batches, metrics and eval) with hftrain's checkpoints, guards and compression, the
+    exact pair mean, and its fused head's gradient reduced under FSDP2 (methods/fused_head.py); `args` is an
+    HFDPOConfig (dpo_config)."""
 
 
 def read_pairs(recipe: Recipe, tokenizer, world_size: int, seed: int):
-    """Prompt/chosen/rejected pairs, each row checked and measured as TRL will truncate them (data.preference)."""
-    return build_preference_data(recipe.data, has_template(tokenizer), seed=seed, tokenizer=tokenizer)
+    """Prompt/chosen/rejected pairs of the policy's modality (text, or images: methods/modality.py), each row checked
+    and measured as TRL will truncate them."""
+    return modality_of(recipe.model).read_pairs(recipe, tokenizer, seed)
 
 
 METHOD = PreferenceMethod(
     entry=registry.DPO,
     read=read_pairs, unit="pairs", show=lambda recipe, tokenizer, n: first_rows(METHOD, recipe, tokenizer, n),
-    arguments=dpo_config, trainer_class=PreferenceTrainer)  # ipo too: the Hub counts it in DPO's family
+    arguments=dpo_config, trainer_class=PreferenceTrainer,
+    modalities=("text", "images"))  # ipo too: the Hub counts it in DPO's family

@@ -41,6 +41,7 @@ from ...trainer import RUN_MIXINS
 from .. import registry
 from ..policy import PreferenceMethod
 from ..base import first_rows, has_template
+from ..fused_head import FusedHeadMixin
 
 
 @dataclasses.dataclass
@@ -128,7 +129,7 @@ class GlobalKLMixin(GlobalBatchMixin):
         return (loss, outputs) if return_outputs else loss
 
 
-class KTOPreferenceTrainer(*RUN_MIXINS, GlobalKLMixin, KTOTrainer):
+class KTOPreferenceTrainer(*RUN_MIXINS, GlobalKLMixin, FusedHeadMixin, KTOTrainer):
     """TRL's KTOTrainer (its tokenising, KL completions, loss, metrics and eval) with hftrain's checkpoints, guards and
     compression, and the exact KL reference point and loss; `args` is an HFKTOConfig (kto_config)."""
 
