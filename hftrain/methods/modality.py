@@ -18,6 +18,7 @@ from ..data import build_datasets
 from ..data.preview import preview
 from ..heads import Head
 from ..vision.image_pairs import image_pair_problems, read_image_pairs
+from ..vision.image_prompts import preview_image_prompts, read_image_prompts
 from ..vision.families import head_of, model_type_of, strategy_problems
 from ..vision.freezing import freeze_section_parts
 from ..vision.image_datasets import build_image_datasets
@@ -49,6 +50,16 @@ class Modality:
         return build_preference_data(recipe.data, bool(getattr(tokenizer, "chat_template", None)), seed=seed,
                                      tokenizer=tokenizer)
 
+    def read_prompts(self, recipe: Recipe, tokenizer, seed: int, read_text, completion_room: int,
+                     needs_reference: str | None = None):
+        """Prompts to answer, each with its reference answer (online RL); text prompts are read by the method's own
+        reader (`read_text()`: GRPO's layouts, tools and all)."""
+        return read_text()
+
+    def show_prompts(self, recipe: Recipe, tokenizer, n: int, show_text, completion_room: int) -> str:
+        """What `hftrain data` prints of prompts; text prompts are shown by the method's own preview (`show_text()`)."""
+        return show_text()
+
     def arguments(self, kwargs: dict) -> dict:
         """TrainingArguments values this modality needs beside the recipe's."""
         return kwargs
@@ -79,6 +90,15 @@ class Images(Modality):
     def show(self, recipe, tokenizer, n):
         return image_preview(recipe.data, processor_of(recipe.model), n)
 
+    def read_prompts(self, recipe, tokenizer, seed, read_text, completion_room, needs_reference=None):
+        """Prompts with images (vision/image_prompts.py), their images decoded by hftrain when the trainer reads
+        them; the processor is the trainer's processing class."""
+        return read_image_prompts(recipe.data, processor_of(recipe.model), completion_room, seed,
+                                  recipe.eval.exact_match, needs_reference)
+
+    def show_prompts(self, recipe, tokenizer, n, show_text, completion_room):
+        return preview_image_prompts(recipe.data, processor_of(recipe.model), completion_room, n)
+
     def read_pairs(self, recipe, tokenizer, seed):
         """Pairs with images (vision/image_pairs.py), batched by TRL's vision collator given hftrain's decoding."""
         processor = processor_of(recipe.model)
@@ -107,7 +127,23 @@ class Images(Modality):
             out.append(("preference.precompute_ref_log_probs", "TRL computes the reference's log-probs of image "
                         "pairs as it trains (it refuses to run a forward over the whole image dataset first): "
                         "remove it"))
-        return out
+        return out + (prompt_problems(recipe) if unit == "prompts" else [])
+
+
+def prompt_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """What online RL on prompts with images does not do yet, by key: reward models (they read text), tools and
+    environments (their turns are text), vLLM generation (not run with images here)."""
+    section, out = getattr(recipe, "grpo", None), []
+    for i, reward in enumerate(getattr(section, "rewards", None) or []):
+        if isinstance(getattr(reward, "model", None), str):
+            out.append((f"grpo.rewards.{i}.model", "a reward model scores text; prompts with images are rewarded by "
+                        "functions (exact_match, or your own): replace it with a function"))
+    for key in ("tools", "environment"):
+        if getattr(section, key, None):
+            out.append((f"grpo.{key}", "tool calls over prompts with images are not done yet: remove it"))
+    if getattr(section, "generation", None) == "vllm":
+        out.append(("grpo.generation", "vLLM generation with images is not run here yet: use transformers"))
+    return out
 
 
 TEXT, IMAGES = Modality(), Images()

@@ -31,6 +31,7 @@ from trl import GRPOConfig, GRPOTrainer
 from ... import distributed
 from ...config import HFTrainOptions, ModelSection, Recipe
 from ...heads import Head, Role
+from ...vision.families import head_of
 from .prompts import PromptData, build_prompt_data, preview_prompts
 from ...data.templates import template_kwargs
 from ...errors import DataError, LaunchError, RewardError
@@ -42,6 +43,7 @@ from .. import registry
 from ..policy import load_policy, policy_peft_config
 from ...evaluate import greedy_answer
 from ..base import Method, ModelSpec
+from ..modality import modality_of
 from .grpo_section import RewardSpec
 from ..sft import exact_match_metrics
 from ..fused_head import FusedHeadMixin
@@ -184,8 +186,11 @@ def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> Promp
     if problem:
         key = "grpo.tools" if g.tools else "grpo.environment"
         raise DataError(f"{key}: the chat template (data.chat_template, else the tokenizer's) {problem}")
-    data = build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
-                             exact_match=recipe.eval.exact_match, needs_reference=exact, tools=tools)
+    data = modality_of(recipe.model).read_prompts(  # text prompts by grpo/prompts.py, image prompts by vision/
+        recipe, tokenizer, seed, lambda: build_prompt_data(recipe.data, tokenizer, g.max_completion_length, seed=seed,
+                                                           exact_match=recipe.eval.exact_match, needs_reference=exact,
+                                                           tools=tools),
+        g.max_completion_length, exact)
     policy = Policy(tokenizer, recipe.data.chat_template_kwargs, data.conversational, recipe.model)
     dry_run(load_rewards(g, policy=policy), [data.train[i] for i in range(min(4, len(data.train)))], tokenizer,
             load_environment(g))
@@ -210,9 +215,10 @@ class GRPO(Method):
     def models(self, recipe):
         """The policy, and each reward model of grpo.rewards: held whole on every rank (each scores its own
         rollouts), with the policy's dtype, as RewardModel.load loads it; the plan and the fit check count them."""
-        out = [ModelSpec(Role.POLICY, Head.CAUSAL_LM, recipe.model)]
+        head = head_of(recipe.model)  # a causal LM, or an image-text-to-text model (modality.py)
+        out = [ModelSpec(Role.POLICY, head, recipe.model)]
         if getattr(recipe.grpo, "beta", 0) and recipe.model.lora is None:  # TRL's frozen copy for the KL term
-            out.append(ModelSpec(Role.REFERENCE, Head.CAUSAL_LM, recipe.model, key="model"))
+            out.append(ModelSpec(Role.REFERENCE, head, recipe.model, key="model"))
         rewards = recipe.grpo.rewards if isinstance(getattr(recipe.grpo, "rewards", None), list) else []
         for i, r in enumerate(rewards):
             if isinstance(r, RewardSpec) and isinstance(r.model, str) and r.model:
@@ -226,7 +232,7 @@ class GRPO(Method):
 
     def model(self, run):
         policy = self.policy(run.recipe)
-        return load_policy(policy.section, policy.head)
+        return modality_of(policy.section).prepare(load_policy(policy.section, policy.head), run.recipe, False)
 
     def metrics(self, run, trainer, data, before):
         """Exact match as SFT's; with grpo.tools, answers over several turns calling them (tools.ToolAnswer)."""
@@ -241,7 +247,8 @@ class GRPO(Method):
 
     def trainer(self, run, model, tokenizer, data, callbacks):
         counts = CallCounts()
-        return self.trainer_class(model=model, args=run.args, train_dataset=data.train, processing_class=tokenizer,
+        return self.trainer_class(model=model, args=run.args, train_dataset=data.train,
+                                  processing_class=getattr(data, "processor", None) or tokenizer,  # saved beside it
                                   reward_funcs=load_rewards(run.recipe.grpo, defer=True, policy=Policy(
                                       tokenizer, run.recipe.data.chat_template_kwargs, data.conversational,
                                       run.recipe.model)),
@@ -251,8 +258,15 @@ class GRPO(Method):
                                   callbacks=callbacks)
 
 
+def show_prompts(recipe: Recipe, tokenizer, n: int) -> str:
+    """What `hftrain data` prints: the prompts as the policy receives them (text by grpo/prompts.py, with the tools
+    it shows; prompts with images by vision/)."""
+    g = recipe.grpo
+    return modality_of(recipe.model).show_prompts(
+        recipe, tokenizer, n, lambda: preview_prompts(recipe.data, tokenizer, g.max_completion_length, n,
+                                                      shown_tools(g)), g.max_completion_length)
+
+
 METHOD = GRPO(
-    entry=registry.GRPO, read=read_prompts, unit="prompts", counts_its_steps=True,
-    show=lambda recipe, tokenizer, n: preview_prompts(recipe.data, tokenizer, recipe.grpo.max_completion_length, n,
-                                                      shown_tools(recipe.grpo)),
-    arguments=grpo_config, trainer_class=GroupTrainer)
+    entry=registry.GRPO, read=read_prompts, unit="prompts", counts_its_steps=True, show=show_prompts,
+    arguments=grpo_config, trainer_class=GroupTrainer, modalities=("text", "images"))
