@@ -119,12 +119,15 @@ class SeededTrainer(GroupTrainer):
             self._after_a_tool = False
 
 
-def main(recipe_path: str, out_root: str, names: list[str]) -> None:
-    method = dataclasses.replace(METHOD, trainer_class=SeededTrainer)
-    run = setup_run([recipe_path, f"training.output_dir={out_root}/{names[0]}", *VARIANTS[names[0]]], "grpo")
+def main(recipe_path: str, out_root: str, names: list[str], trainer_class: type = SeededTrainer,
+         variants: dict | None = None) -> None:
+    """Each variant of `variants` (default: VARIANTS) named in `names`, trained by `trainer_class` and saved."""
+    variants = VARIANTS if variants is None else variants
+    method = dataclasses.replace(METHOD, trainer_class=trainer_class)
+    run = setup_run([recipe_path, f"training.output_dir={out_root}/{names[0]}", *variants[names[0]]], "grpo")
     extra = {"deepspeed": run.args.deepspeed} if run.strategy.name in ZERO_STAGE else {}
     for name in names:
-        recipe = load_recipe(recipe_path, [f"training.output_dir={out_root}/{name}", *VARIANTS[name]])
+        recipe = load_recipe(recipe_path, [f"training.output_dir={out_root}/{name}", *variants[name]])
         args = method.arguments(recipe, **run_arguments(recipe, run.strategy, None, **extra))
         if name == "bnpo":
             args.loss_type = "bnpo"
