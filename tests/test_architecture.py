@@ -270,3 +270,19 @@ def test_the_causal_lm_check_sees_a_module_that_assumes_one():
               'def f(path):\n    return transformers.AutoPeftModelForCausalLM, {"pipeline_tag": "text-generation"}\n')
     assert causal_lm_assumed(source) == {"ForCausalLM", "text-generation"}
     assert causal_lm_assumed('"""AutoModelForCausalLM"""\nx = Head.CAUSAL_LM.auto_class\n') == set()
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_each_registered_script_has_its_two_command_paths_and_nothing_else(script):
+    """A built-in method's commands are the registry's: `-m hftrain.recipes.<script>` (the package's, after a pip
+    install) is `entry(<script>)` and nothing more, and the repository's recipes/<script>.py runs that module. Both are
+    kept as files because they are public command paths (`accelerate launch recipes/sft.py ...`); what they run is
+    the registry's entry, so a shim cannot drift from its method (a plugin method runs as `-m hftrain.recipes SCRIPT`)."""
+    package = ast.parse(open(os.path.join(PACKAGE, "recipes", f"{script}.py"), encoding="utf-8").read())
+    code = [node for node in package.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    assert [ast.unparse(node) for node in code] == [
+        "from hftrain.recipes import entry", f"main = entry({script!r})", "if __name__ == '__main__':\n    main()"]
+    repo = ast.parse(open(os.path.join(REPO, "recipes", f"{script}.py"), encoding="utf-8").read())
+    code = [node for node in repo.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    assert [ast.unparse(node) for node in code] == [
+        f"from hftrain.recipes.{script} import main", "if __name__ == '__main__':\n    main()"]

@@ -2,6 +2,7 @@
 that saves a reloadable model, and the loss as the exact mean over the pairs of the global batch."""
 
 import json
+import re
 import os
 import random
 
@@ -356,6 +357,13 @@ def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy, loss):
     ref_loss, ref = one(one_rank, f"1x_ga4_{loss}")
     tmp, variants = two_ranks(strategy)
     losses, final = outcome(variants[loss], tmp / loss, 2, strategy, compression=strategy == "ddp")
+    if strategy == "fsdp" and loss in ("sigmoid", "kto"):  # TRL's reference copy, sharded per layer as the policy
+        placed = re.search(r"the reference \(a frozen copy of model\): placed by fully_shard per layer .*rank 0 "
+                           r"holds ([\d,]+) of its ([\d,]+) parameters, at most ([\d,]+) gathered at once",
+                           variants[loss].stdout)
+        assert placed, variants[loss].stdout[-2000:]
+        held, total, unit = (int(n.replace(",", "")) for n in placed.groups())
+        assert held < total and unit < total / 2, (held, total, unit)
     within("preference.two_ranks_vs_one.losses", losses, ref_loss, label=f"{strategy} {loss}")
     within("preference.two_ranks_vs_one.weights", *untied(final, ref), label=f"{strategy} {loss}")
 

@@ -26,6 +26,47 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def packed_tokens(features: list[dict], pad_token_id: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """The packing loop, written once for text rows and image rows (vision/packing.py): ({input_ids, labels,
+    position_ids} of `features` packed by pack_rows into rows of the longest example's width, each example's
+    positions from 0 and its first token untrained (it follows another example), the padding one more sequence
+    without targets; the examples' indices per row, in their order). Labels are the example's own, else its ids."""
+    lengths = [len(f["input_ids"]) for f in features]
+    width = max(lengths)
+    rows = pack_rows(lengths, width)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            f, n = features[i], lengths[i]
+            input_ids[r, at:at + n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            labels[r, at + 1:at + n] = torch.as_tensor(f.get("labels", f["input_ids"])[1:], dtype=torch.long)
+            position_ids[r, at:at + n] = torch.arange(n)
+            at += n
+        position_ids[r, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, rows
+
+
+def right_padded(rows: list[list[int]], pad_id: int, labels: list[list[int]] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Padding written once ({input_ids, attention_mask} and, given `labels`, labels) of token rows padded on the
+    right: pad ids, mask 0, IGNORE_INDEX labels. A decoder numbers positions from a row's first token, and a sequence
+    classifier reads its score before the first pad id."""
+    width = max(1, *map(len, rows))
+    out = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
+           "attention_mask": torch.zeros((len(rows), width), dtype=torch.long)}
+    if labels is not None:
+        out["labels"] = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out["input_ids"][i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        out["attention_mask"][i, :len(row)] = 1
+        if labels is not None:
+            out["labels"][i, :len(row)] = torch.as_tensor(labels[i], dtype=torch.long)
+    return out
+
+
 class PackedRows:
     """Packs a batch's examples into rows no longer than its longest example.
 
@@ -46,25 +87,7 @@ class PackedRows:
         self.pad_token_id = pad_token_id if pad_token_id is not None else 0
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        lengths = [len(f["input_ids"]) for f in features]
-        width = max(lengths)
-        rows = pack_rows(lengths, width)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, members in enumerate(rows):
-            at = 0
-            for i in members:
-                f, n = features[i], lengths[i]
-                input_ids[r, at:at + n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
-                if "labels" in f:
-                    labels[r, at + 1:at + n] = torch.as_tensor(f["labels"][1:], dtype=torch.long)
-                else:
-                    labels[r, at + 1:at + n] = input_ids[r, at + 1:at + n]
-                position_ids[r, at:at + n] = torch.arange(n)
-                at += n
-            position_ids[r, at:] = torch.arange(width - at)
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        return packed_tokens(features, self.pad_token_id)[0]
 
 
 def make_collator(tokenizer, packing: bool):

@@ -29,12 +29,14 @@ from ..distributed import (accelerator_available, all_gather_object, barrier, el
                            world_size)
 from ..errors import LaunchError, RecipeError, UserError
 from ..methods import DEFAULT_SCRIPT, METHODS, method_of
+from ..methods.frozen import reference_per_layer
 from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
                         start_heartbeat)
 from .. import sequence_parallel
 from ..patches.accelerate import apply_fsdp_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
+from ..patches.trl import place_references_with
 from .network import export_socket_environment
 from .machine import extensions_dir
 from .op_cache import settle_build_locks
@@ -157,6 +159,7 @@ def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe
         skip_batches_of_sequence_shards()
     if strategy.name == "fsdp":
         _prepare_fsdp(strategy)
+        place_references_with(reference_per_layer)  # TRL's reference copies sharded per layer, as the plan counts
     return recipe, extra
 
 

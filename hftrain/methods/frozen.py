@@ -16,6 +16,7 @@ from accelerate.utils import fsdp2_prepare_model
 from trl.models import prepare_deepspeed
 
 from ..distributed import print0
+from ..modeling.wrap_classes_and_renamings import keep_present_no_split_modules
 
 
 class FrozenModelsMixin:
@@ -31,10 +32,23 @@ class FrozenModelsMixin:
 def placed_and_said(key: str, model, trainer):
     """`model` placed for `trainer` (place_frozen), what rank 0 holds of it said under its recipe `key`."""
     model, how = place_frozen(model, trainer)
+    say_placed(key, model, how)
+    return model
+
+
+def reference_per_layer(model, accelerator):
+    """A TRL trainer's frozen reference copy under FSDP2, sharded per layer as the policy (patches/trl.py routes
+    TRL's prepare_fsdp here: it shards the whole model as one unit), and said."""
+    keep_present_no_split_modules(model)  # TRL loaded it, not modeling.load_model: LLaVA named a class it lacks
+    model = sharded_per_layer(model, accelerator)
+    say_placed("the reference (a frozen copy of model)", model, "fully_shard per layer (FSDP2, as the policy)")
+    return model
+
+
+def say_placed(key: str, model, how: str) -> None:
     held, total, unit = *held_parameters(model), largest_gathered(model)
     print0(f"hftrain: {key}: placed by {how}: rank 0 holds {held:,} of its {total:,} parameters"
            + (f", at most {unit:,} gathered at once" if unit is not None else ""))
-    return model
 
 
 def held_parameters(model) -> tuple[int, int]:
@@ -55,11 +69,11 @@ def place_frozen(model, trainer):
     if trainer.is_deepspeed_enabled:
         return prepare_deepspeed(model, trainer.accelerator), "a DeepSpeed inference engine (ZeRO-3 partitions)"
     if trainer.is_fsdp_enabled:
-        return _sharded_per_layer(model, trainer.accelerator), "fully_shard per layer (FSDP2, as the policy)"
+        return sharded_per_layer(model, trainer.accelerator), "fully_shard per layer (FSDP2, as the policy)"
     return model.to(trainer.args.device), "whole on each rank"
 
 
-def _sharded_per_layer(model, accelerator):
+def sharded_per_layer(model, accelerator):
     """fsdp2_prepare_model on the frozen model; the plugin's wrap policy put back after it: accelerate sets it from the
     model it prepares, and the policy, prepared later, may be of another family."""
     plugin = accelerator.state.fsdp_plugin

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.collate import right_padded
 from ..data.templates import apply
 from ..errors import DataError
 
@@ -126,11 +127,8 @@ def score_pad_problem(tokenizer, key: str) -> str | None:
     return None
 
 
-def right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of `rows` padded on the right with `pad_id`: a decoder numbers positions from a row's
-    first token, and a sequence classifier reads its score before the first `pad_id`."""
-    ids = torch.full((len(rows), max(1, *map(len, rows))), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
-    return ids, mask
+def scored_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of `rows` padded on the right with `pad_id` (data/collate.py right_padded): a sequence
+    classifier reads its score before the first `pad_id`."""
+    padded = right_padded(rows, pad_id)
+    return padded["input_ids"], padded["attention_mask"]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..constants import IGNORE_INDEX
 from ..distributed import sequence_parallel_size as size  # noqa: F401 (the package's name for it)
-from ..data.collate import PackedRows
+from ..data.collate import PackedRows, right_padded
 
 
 def parallelism_config(n: int, attn_implementation: str | None):
@@ -74,14 +74,10 @@ class ShardableRows:
 
     def _padded(self, features: list[dict]) -> dict[str, torch.Tensor]:
         """Right-padded rows whatever the tokenizer's padding side (the mask is dropped: real tokens come first)."""
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.full((len(features), width), self.pad, dtype=torch.long)
-        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            ids[i, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
-            labels[i, :n] = torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long)
-        return {"input_ids": ids, "labels": labels,
+        padded = right_padded([f["input_ids"] for f in features], self.pad,  # data/collate.py
+                              labels=[f.get("labels", f["input_ids"]) for f in features])
+        width = padded["input_ids"].shape[1]
+        return {"input_ids": padded["input_ids"], "labels": padded["labels"],
                 "position_ids": torch.arange(width).expand(len(features), width).clone()}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..constants import IGNORE_INDEX
+from ..data.collate import right_padded
 from ..errors import DataError
 from .images import open_rgb
 
@@ -31,16 +31,9 @@ class ImageRows:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         self.check(features)
-        width = max(len(f["input_ids"]) for f in features)
-        input_ids = torch.full((len(features), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((len(features), width), dtype=torch.long)
-        for r, f in enumerate(features):
-            n = len(f["input_ids"])
-            input_ids[r, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
-            labels[r, :n] = torch.as_tensor(f["labels"], dtype=torch.long)
-            attention_mask[r, :n] = 1
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = right_padded([f["input_ids"] for f in features], self.pad_token_id,  # data/collate.py
+                             labels=[f["labels"] for f in features])
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         images = [open_rgb(path) for f in features for path in f["images"]]
         if images:
             batch.update(self.processor.image_processor(images=images, return_tensors="pt"))

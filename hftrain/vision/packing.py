@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..constants import IGNORE_INDEX
-from ..data.collate import pack_rows
+from ..data.collate import packed_tokens
 from .image_batches import ImageRows
 from .images import open_rgb
 
@@ -38,24 +37,10 @@ class PackedImageRows:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         self.padded.check(features)
-        lengths = [len(f["input_ids"]) for f in features]
-        width = max(lengths)
-        rows = pack_rows(lengths, width)
-        input_ids = torch.full((len(rows), width), self.padded.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        images = []
-        for r, members in enumerate(rows):
-            at = 0
-            for i in members:
-                f, n = features[i], lengths[i]
-                input_ids[r, at:at + n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
-                labels[r, at + 1:at + n] = torch.as_tensor(f["labels"][1:], dtype=torch.long)
-                position_ids[r, at:at + n] = torch.arange(n)
-                images += [open_rgb(path) for path in f["images"]]  # in the order of their tokens, row by row
-                at += n
-            position_ids[r, at:] = torch.arange(width - at)  # the padding: one more sequence, without targets
-        batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        batch, rows = packed_tokens(features, self.padded.pad_token_id)  # data/collate.py: the packing loop
+        # the images in the order of their tokens, row by row
+        images = [open_rgb(path) for members in rows for i in members for path in features[i]["images"]]
+        input_ids = batch["input_ids"]
         if images:
             batch.update(self.processor.image_processor(images=images, return_tensors="pt"))
         if self.padded.token_types:

@@ -45,7 +45,7 @@ from ...distributed import print0
 from ...errors import DataError, ModelError, RewardError
 from ...heads import Head
 from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
-from ..reward_reading import answer_end, completed, outcome_ids, right_padded
+from ..reward_reading import answer_end, completed, outcome_ids, scored_rows
 
 SCORE_BATCH = 16  # completions per forward of the reward model
 
@@ -252,7 +252,7 @@ class RewardModel:
         device, out = self.model.device, []
         with torch.inference_mode():
             for start in range(0, len(rows), SCORE_BATCH):
-                ids, mask = right_padded(rows[start:start + SCORE_BATCH], self.pad_token_id)
+                ids, mask = scored_rows(rows[start:start + SCORE_BATCH], self.pad_token_id)
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 out += logits[:, 0].float().tolist()
         return out

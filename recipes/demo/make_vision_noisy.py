@@ -1,0 +1,34 @@
+"""Generate the noisy demonstrations the vision GRPO demo starts from: the vision demo's training rows with the
+answers of two colours mostly wrong (red shapes answered "orange" and blue ones "purple", 3 times in 5, seeded), so
+that a model fine-tuned on them answers those two colours wrongly when it answers greedily, and rightly in some of
+its samples: what GRPO, rewarded by exact match with the clean answers, can learn from.
+
+    python recipes/demo/make_vision_noisy.py   # writes data/demo/vision_noisy_train.jsonl
+
+The images are the vision demo's (recipes/demo/make_vision_data.py); this script remakes the file byte for byte.
+"""
+
+import json
+import os
+import random
+
+CONFUSED = {"red": "orange", "blue": "purple"}  # the shape's colour -> the wrong answer the demonstrations mostly give
+WRONG = 0.6
+
+
+def main(data_dir: str = "data/demo", seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with open(os.path.join(data_dir, "vision_train.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        answer = row["messages"][1]
+        if answer["content"] in CONFUSED and rng.random() < WRONG:
+            answer["content"] = CONFUSED[answer["content"]]
+    out = os.path.join(data_dir, "vision_noisy_train.jsonl")
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    print(f"{out}: {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()
