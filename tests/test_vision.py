@@ -427,3 +427,26 @@ def test_a_method_that_does_not_train_images_refuses_an_image_model(vlm_dirs, tm
     said = (f"model.name_or_path: {model} reads images (an image-text-to-text model); the {method} method trains "
             "text only")
     assert said in checked and said in ran, checked
+
+
+def test_a_method_outside_hftrain_trains_images_by_naming_them(vlm_dirs, tmp_path):
+    """A stand-in method (a plugin's shape) gains images by naming them and asking its modality, with no code outside
+    its own module: the same image model is refused while it names text only, and its rows are the image rows."""
+    from types import SimpleNamespace
+
+    from hftrain.config import DataSection, DataSource, ModelSection
+    from hftrain.methods import Method, MethodEntry
+    from hftrain.methods.modality import modality_of, modality_problems
+
+    def read(recipe, tokenizer, world_size, seed):
+        return modality_of(recipe.model).read(recipe, tokenizer, seed)
+
+    entry = MethodEntry("stand_in", "sft", None, None, __name__)
+    text_only, with_images = (Method(entry, read=read, modalities=m) for m in (("text",), ("text", "images")))
+    recipe = SimpleNamespace(model=ModelSection(name_or_path=vlm_dirs["qwen2_5_vl"], dtype="float32"),
+                             data=DataSection(sources=[DataSource(path=_square_rows(tmp_path, 4))], max_length=256),
+                             eval=SimpleNamespace(exact_match=0), strategy=SimpleNamespace(name="ddp"))
+    assert [key for key, _ in modality_problems(text_only, recipe)] == ["model.name_or_path"]
+    assert modality_problems(with_images, recipe) == []
+    data = with_images.read(recipe, None, 1, 0)
+    assert type(data).__name__ == "ImageDatasets" and len(data.train) == 4 and "images" in data.train[0]

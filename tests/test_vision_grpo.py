@@ -192,3 +192,27 @@ def test_the_vision_grpo_demo_recipe_reports_held_out_exact_match(tmp_path):
     assert info["method"]["head"] == "image_text_to_text"
     assert {"initial_exact_match", "final_exact_match"} <= set(info["metrics"])
     assert load_processor(out, processor_class("qwen2_5_vl")).chat_template  # saved beside the model
+
+
+def test_the_noisy_demonstrations_are_remade_byte_for_byte(tmp_path):
+    """recipes/demo/make_vision_noisy.py remakes the committed noisy rows from the vision demo's: only red and blue
+    answers changed, to orange and purple, most of them."""
+    import importlib.util
+    import shutil
+
+    from .conftest import REPO
+
+    shutil.copy(f"{REPO}/data/demo/vision_train.jsonl", tmp_path)
+    spec = importlib.util.spec_from_file_location("make_vision_noisy", f"{REPO}/recipes/demo/make_vision_noisy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(str(tmp_path))
+    made = (tmp_path / "vision_noisy_train.jsonl").read_bytes()
+    assert made == open(f"{REPO}/data/demo/vision_noisy_train.jsonl", "rb").read()
+    clean = [json.loads(line) for line in open(f"{REPO}/data/demo/vision_train.jsonl")]
+    noisy = [json.loads(line) for line in made.decode().splitlines()]
+    changed = [(c["messages"][1]["content"], n["messages"][1]["content"]) for c, n in zip(clean, noisy)
+               if c != n]
+    assert set(changed) == {("red", "orange"), ("blue", "purple")}
+    reds = sum(c["messages"][1]["content"] == "red" for c in clean)
+    assert sum(1 for c, _ in changed if c == "red") > reds / 2  # mostly wrong: the greedy answer is the wrong one

@@ -1,5 +1,5 @@
 """Generate the noisy demonstrations the vision GRPO demo starts from: the vision demo's training rows with the
-answers of two colours mostly wrong (red shapes answered "orange" and blue ones "purple", 3 times in 5, seeded), so
+answers of two colours mostly wrong (red shapes answered "orange" and blue ones "purple", 3 times in every 5), so
 that a model fine-tuned on them answers those two colours wrongly when it answers greedily, and rightly in some of
 its samples: what GRPO, rewarded by exact match with the clean answers, can learn from.
 
@@ -10,20 +10,22 @@ The images are the vision demo's (recipes/demo/make_vision_data.py); this script
 
 import json
 import os
-import random
 
 CONFUSED = {"red": "orange", "blue": "purple"}  # the shape's colour -> the wrong answer the demonstrations mostly give
-WRONG = 0.6
+WRONG = (0, 1, 2)  # of each 5 rows of a confused colour, in file order, these are answered wrongly
 
 
-def main(data_dir: str = "data/demo", seed: int = 0) -> None:
-    rng = random.Random(seed)
+def main(data_dir: str = "data/demo") -> None:
     with open(os.path.join(data_dir, "vision_train.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
+    seen = {colour: 0 for colour in CONFUSED}
     for row in rows:
         answer = row["messages"][1]
-        if answer["content"] in CONFUSED and rng.random() < WRONG:
-            answer["content"] = CONFUSED[answer["content"]]
+        if answer["content"] in CONFUSED:
+            colour = answer["content"]
+            if seen[colour] % 5 in WRONG:
+                answer["content"] = CONFUSED[colour]
+            seen[colour] += 1
     out = os.path.join(data_dir, "vision_noisy_train.jsonl")
     with open(out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
