@@ -1,7 +1,7 @@
-"""Generate the noisy demonstrations the vision GRPO demo starts from: the vision demo's training rows with the
-answers of two colours mostly wrong (red shapes answered "orange" and blue ones "purple", 3 times in every 5), so
-that a model fine-tuned on them answers those two colours wrongly when it answers greedily, and rightly in some of
-its samples: what GRPO, rewarded by exact match with the clean answers, can learn from.
+"""Generate the noisy demonstrations the vision GRPO demo's start is fine-tuned on: the vision demo's training rows
+with the answers of two colours mostly wrong (red shapes answered "orange" and blue ones "purple", 3 times in every
+5), so that the vision demo's model, fine-tuned on them briefly, answers those two colours wrongly when it answers
+greedily and rightly in some of its samples: what GRPO, rewarded by exact match with the clean answers, learns from.
 
     python recipes/demo/make_vision_noisy.py   # writes data/demo/vision_noisy_train.jsonl
 
