@@ -275,9 +275,9 @@ def test_the_causal_lm_check_sees_a_module_that_assumes_one():
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_each_registered_script_has_its_two_command_paths_and_nothing_else(script):
     """A built-in method's commands are the registry's: `-m hftrain.recipes.<script>` (the package's, after a pip
-    install) is `entry(<script>)` and nothing more, and the repository's recipes/<script>.py runs that module. Both are
-    kept as files because they are public command paths (`accelerate launch recipes/sft.py ...`); what they run is
-    the registry's entry, so a shim cannot drift from its method (a plugin method runs as `-m hftrain.recipes SCRIPT`)."""
+    install) is `entry(<script>)` and nothing more, and the repository's recipes/<script>.py runs that module. Both
+    are kept as files because they are public command paths (`accelerate launch recipes/sft.py ...`); what they run
+    is the registry's entry, so a shim cannot drift from its method (a plugin runs as `-m hftrain.recipes SCRIPT`)."""
     package = ast.parse(open(os.path.join(PACKAGE, "recipes", f"{script}.py"), encoding="utf-8").read())
     code = [node for node in package.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
     assert [ast.unparse(node) for node in code] == [
