@@ -27,6 +27,7 @@ from ..data.source_loop import PLACE, read_sources
 from ..data.sources import column_map, read_rows
 from ..errors import DataError
 from .image_rows import base_folder, canonical_image_row
+from .image_sources import processor_read_problems
 from .images import open_rgb
 
 ANSWERS = ("chosen", "rejected")
@@ -126,15 +127,8 @@ def decoded(row: dict) -> dict:
 def image_pair_problems(data: DataSection) -> list[tuple[str, str]]:
     """(key, message) of the data keys image pairs cannot honour: the processor's template renders them, in TRL's
     collator, which takes no template arguments; images are read in one process."""
-    out = []
-    if data.chat_template is not None:
-        out.append(("data.chat_template", "an image-text-to-text recipe renders with its processor's chat template "
-                    "(the model folder's chat_template.jinja or chat_template.json); put the template there, or "
-                    "remove this key"))
+    out = processor_read_problems(data)
     if data.chat_template_kwargs:
         out.append(("data.chat_template_kwargs", "image pairs are rendered by TRL's vision collator, which passes no "
                     "template arguments: remove it"))
-    if data.num_proc is not None:
-        out.append(("data.num_proc", "image pairs are read and their images checked in one process per machine: "
-                    "remove it"))
     return out

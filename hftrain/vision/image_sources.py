@@ -36,20 +36,27 @@ def _source_problems(src: DataSource, key: str) -> list[tuple[str, str]]:
     return out
 
 
-def image_data_problems(data: DataSection) -> list[tuple[str, str]]:
-    """(key, message) of every key of the data section, data.sources and data.eval_sources that image rows cannot
-    honour."""
+def processor_read_problems(data: DataSection) -> list[tuple[str, str]]:
+    """(key, message) of the data keys no image recipe honours, whatever its rows (examples, pairs, prompts): the
+    processor's template renders them, read in one process."""
     out = []
     if data.chat_template is not None:  # the labels and the processor's ids come from one template: the processor's
         out.append(("data.chat_template", "an image-text-to-text recipe renders with its processor's chat template "
                     "(the model folder's chat_template.jinja or chat_template.json); put the template there, or "
                     "remove this key"))
-    if data.completion_only_loss is False:  # image rows are conversations: assistant_only_loss says what trains
-        out.append(("data.completion_only_loss", "applies to prompt/completion rows; image rows are conversations, "
-                    "whose trained tokens data.assistant_only_loss sets: remove it"))
     if data.num_proc is not None:  # image rows are read and checked in one process (their images opened there)
         out.append(("data.num_proc", "image rows are read and their images checked in one process per machine: "
                     "remove it"))
+    return out
+
+
+def image_data_problems(data: DataSection) -> list[tuple[str, str]]:
+    """(key, message) of every key of the data section, data.sources and data.eval_sources that image rows cannot
+    honour."""
+    out = processor_read_problems(data)
+    if data.completion_only_loss is False:  # image rows are conversations: assistant_only_loss says what trains
+        out.append(("data.completion_only_loss", "applies to prompt/completion rows; image rows are conversations, "
+                    "whose trained tokens data.assistant_only_loss sets: remove it"))
     for group in ("sources", "eval_sources"):
         sources = getattr(data, group)
         for i, src in enumerate(sources if isinstance(sources, list) else []):
