@@ -92,14 +92,9 @@ class Images(Modality):
 
     def read_prompts(self, recipe, tokenizer, seed, read_text, completion_room, needs_reference=None):
         """Prompts with images (vision/image_prompts.py), their images decoded by hftrain when the trainer reads
-        them; the processor is the trainer's processing class, padding on the left: TRL 1.16's GRPOTrainer pads the
-        prompt ids on the left but builds the loss forward's image fields with the processor's own padding, so a
-        right-padding tokenizer shifted the image token types of every shorter prompt of a batch (Qwen-VL's rope
-        positions with them: 2 ranks x GA2 trained q/k 15-35% apart from 1 x GA4, tests/test_vision_grpo.py)."""
-        processor = processor_of(recipe.model)
-        processor.tokenizer.padding_side = "left"
-        return read_image_prompts(recipe.data, processor, completion_room, seed, recipe.eval.exact_match,
-                                  needs_reference)
+        them; the processor is the trainer's processing class."""
+        return read_image_prompts(recipe.data, processor_of(recipe.model), completion_room, seed,
+                                  recipe.eval.exact_match, needs_reference)
 
     def show_prompts(self, recipe, tokenizer, n, show_text, completion_room):
         return preview_image_prompts(recipe.data, processor_of(recipe.model), completion_room, n)

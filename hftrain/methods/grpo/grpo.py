@@ -85,6 +85,7 @@ class GroupTrainer(*RUN_MIXINS, FusedHeadMixin, GRPOTrainer):
     objects built with defer=True; `args` an HFGRPOConfig (grpo_config)."""
 
     def __init__(self, *args, tool_counts: CallCounts | None = None, **kwargs):
+        left_padding(kwargs.get("processing_class"))
         super().__init__(*args, **kwargs)
         self.tool_counts = tool_counts or CallCounts()  # what the guarded tools (`tools`) count, logged per step
         # TRL renders prompts with args.chat_template_kwargs as given: hftrain's renderings also pin the date.
@@ -172,6 +173,16 @@ class GroupTrainer(*RUN_MIXINS, FusedHeadMixin, GRPOTrainer):
             if self.environment_factories is not None:
                 self._metrics[mode]["tools/env_crashes"].append(total["crashes"])
         return out
+
+
+def left_padding(processing_class) -> None:
+    """An image model's processor padding on the left, as TRL 1.16's GRPOTrainer pads the prompt ids: it builds the
+    loss forward's image fields with the processor's own padding, so a right-padding tokenizer shifted the image
+    token types of every shorter prompt of a batch (Qwen-VL's rope positions with them: 2 ranks x GA2 trained q/k
+    15-35% apart from 1 x GA4, tests/test_vision_grpo.py). A tokenizer (text prompts) is TRL's to pad."""
+    tokenizer = getattr(processing_class, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.padding_side = "left"
 
 
 def read_prompts(recipe: Recipe, tokenizer, world_size: int, seed: int) -> PromptData:
