@@ -226,17 +226,14 @@ def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy):
 
 def test_the_demo_pairs_are_remade_byte_for_byte(tmp_path):
     """recipes/demo/make_vision_pairs.py remakes the committed pairs from the vision demo's rows."""
-    import importlib.util
+    import runpy
     import shutil
 
     from .conftest import REPO
 
     for split in ("train", "eval"):
         shutil.copy(f"{REPO}/data/demo/vision_{split}.jsonl", tmp_path)
-    spec = importlib.util.spec_from_file_location("make_vision_pairs", f"{REPO}/recipes/demo/make_vision_pairs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(str(tmp_path))
+    runpy.run_path(f"{REPO}/recipes/demo/make_vision_pairs.py")["main"](str(tmp_path))
     for split in ("train", "eval"):
         name = f"vision_pairs_{split}.jsonl"
         assert (tmp_path / name).read_bytes() == open(f"{REPO}/data/demo/{name}", "rb").read(), name

@@ -197,16 +197,13 @@ def test_the_vision_grpo_demo_recipe_reports_held_out_exact_match(tmp_path):
 def test_the_noisy_demonstrations_are_remade_byte_for_byte(tmp_path):
     """recipes/demo/make_vision_noisy.py remakes the committed noisy rows from the vision demo's: only red and blue
     answers changed, to orange and purple, most of them."""
-    import importlib.util
+    import runpy
     import shutil
 
     from .conftest import REPO
 
     shutil.copy(f"{REPO}/data/demo/vision_train.jsonl", tmp_path)
-    spec = importlib.util.spec_from_file_location("make_vision_noisy", f"{REPO}/recipes/demo/make_vision_noisy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(str(tmp_path))
+    runpy.run_path(f"{REPO}/recipes/demo/make_vision_noisy.py")["main"](str(tmp_path))
     made = (tmp_path / "vision_noisy_train.jsonl").read_bytes()
     assert made == open(f"{REPO}/data/demo/vision_noisy_train.jsonl", "rb").read()
     clean = [json.loads(line) for line in open(f"{REPO}/data/demo/vision_train.jsonl")]
