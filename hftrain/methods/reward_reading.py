@@ -10,7 +10,8 @@ An outcome reward model (a sequence classifier with one label), as TRL's RewardT
 - a text: prompt + answer + the EOS token's text (unless the answer ends with it), encoded with the tokenizer's
   special tokens (a BOS where it adds one);
 - its score: the one label's logit at the last token before padding (config.pad_token_id), so rows are padded on the
-  right with that id (`right_padded`), and a tokenizer without a pad token is refused (`score_pad_problem`);
+  right with that id (data/collate.py right_padded), and a tokenizer without a pad token is refused
+  (`score_pad_problem`);
 - what follows an answer (`answer_end`: the template's turn end, a text's EOS) completes a rollout scored from the
   policy's own tokens, which end at its EOS or where they were cut: read elsewhere, the score is read at a position
   the model was never trained at.
@@ -29,9 +30,6 @@ A separator that is not one token by itself is refused (`separator_problem`)."""
 
 from __future__ import annotations
 
-import torch
-
-from ..data.collate import right_padded
 from ..data.templates import apply
 from ..errors import DataError
 
@@ -125,10 +123,3 @@ def score_pad_problem(tokenizer, key: str) -> str | None:
                 "cannot find the last real token of a padded row (config.pad_token_id): add a pad token to the "
                 "tokenizer (tokenizer.add_special_tokens({'pad_token': ...})) and save it again")
     return None
-
-
-def scored_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of `rows` padded on the right with `pad_id` (data/collate.py right_padded): a sequence
-    classifier reads its score before the first `pad_id`."""
-    padded = right_padded(rows, pad_id)
-    return padded["input_ids"], padded["attention_mask"]

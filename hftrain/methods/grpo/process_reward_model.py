@@ -18,7 +18,8 @@ import torch
 
 from ...errors import DataError, RewardError
 from ...heads import Head
-from ..reward_reading import scored_rows, separator_problem, step_row, steps_of
+from ...data.collate import right_padded
+from ..reward_reading import separator_problem, step_row, steps_of
 from .reward_model import SCORE_BATCH, RewardModel, text_of
 
 AGGREGATES = {"min": min, "last": lambda scores: scores[-1]}
@@ -65,8 +66,8 @@ class ProcessRewardModel(RewardModel):
         with torch.inference_mode():
             for start in range(0, len(rows), SCORE_BATCH):
                 chunk = rows[start:start + SCORE_BATCH]
-                ids, mask = scored_rows([row for row, _ in chunk], self.pad_token_id)
-                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                batch = right_padded([row for row, _ in chunk], self.pad_token_id)
+                logits = self.model(**{k: v.to(device) for k, v in batch.items()}).logits
                 correct = logits.float().softmax(-1)[..., 1].cpu()
                 out += [correct[i, ends].tolist() for i, (_, ends) in enumerate(chunk)]
         return out

@@ -45,7 +45,8 @@ from ...distributed import print0
 from ...errors import DataError, ModelError, RewardError
 from ...heads import Head
 from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
-from ..reward_reading import answer_end, completed, outcome_ids, scored_rows
+from ...data.collate import right_padded
+from ..reward_reading import answer_end, completed, outcome_ids
 
 SCORE_BATCH = 16  # completions per forward of the reward model
 
@@ -252,8 +253,8 @@ class RewardModel:
         device, out = self.model.device, []
         with torch.inference_mode():
             for start in range(0, len(rows), SCORE_BATCH):
-                ids, mask = scored_rows(rows[start:start + SCORE_BATCH], self.pad_token_id)
-                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+                batch = right_padded(rows[start:start + SCORE_BATCH], self.pad_token_id)  # read before the first pad
+                logits = self.model(**{k: v.to(device) for k, v in batch.items()}).logits
                 out += logits[:, 0].float().tolist()
         return out
 
