@@ -15,11 +15,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLP
 
 from hftrain.heads import Head
 from hftrain.tiny import build_tiny_vision_model
+from hftrain.vision.families import CHECKED, image_token_ids
 from hftrain.vision.processor import load_processor
 from tests.exactness import within
 
-FAMILIES = ["qwen2_5_vl", "llava"]
-PROCESSORS = {"qwen2_5_vl": Qwen2_5_VLProcessor, "llava": None}
+FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3"]
+PROCESSORS = {f: None for f in FAMILIES} | {"qwen2_5_vl": Qwen2_5_VLProcessor}
 WORDS = ["what colour is the square", "red", "blue", "green", "yellow", "a square on white", "describe the image"]
 
 
@@ -36,14 +37,14 @@ def test_a_tiny_vlm_saves_reloads_and_runs_on_an_image(vlm_dirs, family):
     model = AutoModelForImageTextToText.from_pretrained(folder)
     assert model.config.model_type == family
     with open(os.path.join(folder, "processor_config.json")) as f:  # saved as the family's own class
-        assert json.load(f)["processor_class"] in (Qwen2_5_VLProcessor.__name__, "LlavaProcessor")
-    if family == "llava":  # AutoProcessor loads it here (Qwen-VL's needs torchvision for its video processor)
-        assert type(AutoProcessor.from_pretrained(folder)).__name__ == "LlavaProcessor"
+        assert json.load(f)["processor_class"] == CHECKED[family].processor_class
+    if not family.startswith("qwen"):  # AutoProcessor loads it here (Qwen-VL's needs torchvision for its videos)
+        assert type(AutoProcessor.from_pretrained(folder)).__name__ == CHECKED[family].processor_class
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the square"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
     text = processor.apply_chat_template(msgs, tokenize=False)
     enc = processor(text=[text], images=[Image.new("RGB", (60, 90), "red")], return_tensors="pt")
-    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    image_id = image_token_ids(processor)[1]
     assert (enc["input_ids"] == image_id).sum() > 1  # one placeholder in the text, expanded by the processor
     with torch.no_grad():
         logits = model(**enc).logits
@@ -181,38 +182,55 @@ def test_markers_and_images_must_agree(vlm_dirs, image_dir):
         _examples(vlm_dirs["llava"], "llava", _write(image_dir / "marked.jsonl", rows))
 
 
-ORACLES = {"qwen2_5_vl": "trl:qwen2_5_vl_training", "llava": "trl:llava_next_training"}
+ORACLES = {"qwen2_5_vl": "trl:qwen2_5_vl_training", "qwen2_vl": "trl:qwen2_5_vl_training",
+           "qwen3_vl": "trl:qwen3_vl_training", "llava": "trl:llava_next_training",
+           "llava_next": "trl:llava_next_training", "gemma3": "trl:gemma3_training"}
+
+
+def _trained_runs(tokens: list[int], trained: list[bool]) -> list[tuple[int, ...]]:
+    """The runs of consecutive trained tokens, as token tuples."""
+    runs, run = [], []
+    for tok, on in zip([*tokens, None], [*trained, False]):
+        if on:
+            run.append(tok)
+        elif run:
+            runs, run = runs + [tuple(run)], []
+    return runs
 
 
 def oracle_differences(example: dict, processor, family: str, messages: list[dict]) -> list[str]:
     """hftrain's trained tokens against the family's template oracle (TRL's training template, transformers'
-    assistant mask) on the template's text with one placeholder per image: every image token untrained, every other
-    token trained exactly when the oracle trains it, but whitespace the oracle trains after the stop token (the
-    model never writes it: generation has ended). Returns the differences, named."""
+    assistant mask) on the template's text with one placeholder per image: no token of an image's expansion trained
+    (its image tokens, Gemma 3's start and end of image), and the runs of trained tokens, turn by turn, the oracle's,
+    but whitespace the oracle trains after the stop token (the model never writes it: generation has ended). Where
+    an expansion is a run of image tokens alone (all but Gemma 3), the ids are also the oracle's token for token with
+    each run collapsed to its placeholder. Returns the differences, named."""
     from hftrain.constants import IGNORE_INDEX
     from hftrain.modeling import chat_template_text
 
     tok = processor.tokenizer
-    image_id = tok.convert_tokens_to_ids(processor.image_token)
+    placeholder_id, image_id = image_token_ids(processor)
+    expansion = {image_id, placeholder_id} | {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>",
+                                                                                     "<end_of_image>")
+                                              if t in tok.get_vocab()}
     oracle = tok.apply_chat_template(messages, chat_template=chat_template_text(ORACLES[family]), tokenize=True,
                                      return_dict=True, return_assistant_tokens_mask=True)
     plain, mask = oracle["input_ids"], oracle["assistant_masks"]
     ids, labels = example["input_ids"], example["labels"]
-    out = [f"image token {k} trained" for k, t in enumerate(ids) if t == image_id and labels[k] != IGNORE_INDEX]
-    kept = [k for k, t in enumerate(ids) if t != image_id]  # the placeholders' runs collapsed to one each
-    collapsed = [k for j, k in enumerate(range(len(ids))) if ids[k] != image_id or j == 0 or ids[k - 1] != image_id]
-    if [ids[k] for k in collapsed] != list(plain):
-        return out + ["the processor's ids are not the oracle's text with its placeholders expanded"]
-    for j, k in enumerate(collapsed):
-        if ids[k] == image_id:
-            continue
-        ours, theirs = labels[k] != IGNORE_INDEX, bool(mask[j])
-        if ours and labels[k] != ids[k]:
-            out.append(f"token {k} trained on another token")
-        if ours != theirs and not (theirs and not tok.decode([plain[j]]).strip() and plain[j - 1] == tok.eos_token_id):
-            out.append(f"token {k} {tok.decode([ids[k]])!r}: hftrain {'trains' if ours else 'not'}, the oracle "
-                       f"{'trains' if theirs else 'not'}")
-    assert kept  # the row has text
+    ours = [lab != IGNORE_INDEX for lab in labels]
+    out = [f"image token {k} trained" for k, t in enumerate(ids) if t in expansion and ours[k]]
+    out += [f"token {k} trained on another token" for k, t in enumerate(ids) if ours[k] and labels[k] != t]
+    after_stop = [bool(m) and j > 0 and not tok.decode([plain[j]]).strip() and plain[j - 1] == tok.eos_token_id
+                  for j, m in enumerate(mask)]
+    theirs = [bool(m) and not after for m, after in zip(mask, after_stop)]
+    if _trained_runs(ids, ours) != _trained_runs(plain, theirs):
+        out.append(f"trained runs: hftrain {[tok.decode(r) for r in _trained_runs(ids, ours)]}, the oracle "
+                   f"{[tok.decode(r) for r in _trained_runs(plain, theirs)]}")
+    if placeholder_id == image_id:
+        collapsed = [t for k, t in enumerate(ids) if t != image_id or k == 0 or ids[k - 1] != image_id]
+        if collapsed != list(plain):
+            out.append("the processor's ids are not the oracle's text with its placeholders expanded")
+    assert any(t not in expansion for t in ids)  # the row has text
     return out
 
 
@@ -226,7 +244,7 @@ def _hub_messages(rows_of_parts: dict, folder) -> list[dict]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_labels_match_the_oracle_and_the_expansion_is_the_processors(vlm_dirs, image_dir, family):
     processor, data = _examples(vlm_dirs[family], family, _write(image_dir / "parts.jsonl", part_rows()))
-    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    placeholder_id, image_id = image_token_ids(processor)
     for row, example in zip(part_rows(), data.train):
         msgs = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                                 for p in m["content"]]} for m in row["messages"]]
@@ -236,17 +254,22 @@ def test_labels_match_the_oracle_and_the_expansion_is_the_processors(vlm_dirs, i
         assert example["input_ids"] == list(own["input_ids"][0])
         runs = [len(r) for r in "".join("x" if t == image_id else " " for t in example["input_ids"]).split()]
         sizes = [Image.open(p).size for p in example["images"]]
-        if family == "qwen2_5_vl":  # one token per 28 x 28 pixels (14-pixel patches merged 2 x 2), as resized
+        # the processor's own count per image (what vLLM asks it), and per family how it comes about
+        counted = processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes])["num_image_tokens"]
+        assert runs == list(counted)
+        if family.startswith("qwen"):  # one token per (2 x patch)^2 pixels (patches merged 2 x 2), as resized
             grid = processor.image_processor(images=[Image.open(p) for p in example["images"]])["image_grid_thw"]
             assert runs == [int(g.prod()) // 4 for g in grid] and len(set(runs)) == len(sizes)
-        else:  # every image resized to 56 x 56: 16 tokens
-            assert runs == [16] * len(sizes)
+        elif family == "llava_next":  # an overview and the tiles of the grid the image's aspect fits: by size
+            assert len(set(runs)) == len(sizes) and min(runs) > 16
+        else:  # every image resized to 56 x 56: 16 tokens (LLaVA), pooled to 4 (Gemma 3)
+            assert runs == [4 if family == "gemma3" else 16] * len(sizes)
     spoiled = dict(data.train[0])
     k = spoiled["input_ids"].index(image_id)
     spoiled["labels"] = spoiled["labels"][:k] + [image_id] + spoiled["labels"][k + 1:]  # a placeholder trained
     msgs = [{"role": m["role"], "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                             for p in m["content"]]} for m in part_rows()[0]["messages"]]
-    assert oracle_differences(spoiled, processor, family, msgs) == [f"image token {k} trained"]
+    assert oracle_differences(spoiled, processor, family, msgs)[0] == f"image token {k} trained"
 
 
 # --- the run: SFT of a tiny VLM, saved with its processor; families not checked refused -------------------------
@@ -352,7 +375,7 @@ def test_an_image_text_to_text_family_not_checked_is_refused(vlm_dirs, tmp_path,
     code, err = run_check([_recipe(tmp_path, str(folder), _square_rows(tmp_path, 4), str(tmp_path / "o"))], capsys)
     assert code == 2
     assert ("model.name_or_path: the model is an image-text-to-text model of family 'idefics3', which hftrain has "
-            "not checked") in err and "the families checked: llava, qwen2_5_vl" in err
+            "not checked") in err and f"the families checked: {', '.join(sorted(CHECKED))}" in err
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3_offload"])

@@ -12,11 +12,17 @@ from hftrain.methods import load_recipe, method_of
 
 from .test_vision import FAMILIES, _square_rows, refusals_of_check_and_run, vlm_dirs  # noqa: F401, F811
 
+QWEN3_VL_PROJECTORS = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
 # the parameter names of each part, by the family's own module paths
 PARTS = {"qwen2_5_vl": {"vision_tower": lambda n: n.startswith("model.visual.") and ".merger." not in n,
                         "projector": lambda n: n.startswith("model.visual.merger.")},
          "llava": {"vision_tower": lambda n: n.startswith("model.vision_tower."),
                    "projector": lambda n: n.startswith("model.multi_modal_projector.")}}
+PARTS["qwen2_vl"] = PARTS["qwen2_5_vl"]
+PARTS["llava_next"] = PARTS["gemma3"] = PARTS["llava"]
+PARTS["qwen3_vl"] = {  # the merger and the deepstack mergers project
+    "vision_tower": lambda n: n.startswith("model.visual.") and not n.startswith(QWEN3_VL_PROJECTORS),
+    "projector": lambda n: n.startswith(QWEN3_VL_PROJECTORS)}
 
 
 def _trainable_after_the_method_loads(folder, data, freeze) -> dict[str, bool]:

@@ -8,6 +8,7 @@ import re
 import pytest
 from PIL import Image
 
+from hftrain.vision.families import CHECKED
 from hftrain.vision.processor import load_processor
 
 from .test_vision import FAMILIES, PROCESSORS, _recipe, _square_rows, vlm_dirs  # noqa: F401, F811
@@ -15,9 +16,13 @@ from .test_vision import FAMILIES, PROCESSORS, _recipe, _square_rows, vlm_dirs  
 
 def tokens_by_hand(processor, family: str, path) -> int:
     """One image's token count: Qwen-VL one token per 2 x 2 merged patches of its resized grid, LLaVA (image size /
-    patch)^2 = 16 for the tiny model's 56 x 56."""
-    if family == "llava":
-        return 16
+    patch)^2 = 16 for the tiny model's 56 x 56, Gemma 3 its pooled 4, LLaVA-NeXT the processor's count for the
+    image's size (its overview, tiles and row ends)."""
+    if family in ("llava", "gemma3"):
+        return 16 if family == "llava" else 4
+    if family == "llava_next":
+        width, height = Image.open(path).size
+        return processor._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]
     grid = processor.image_processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")["image_grid_thw"]
     return int(grid.prod()) // 4
 
@@ -41,4 +46,4 @@ def test_hftrain_data_shows_image_rows_with_placeholders_and_counts_image_tokens
     for i in range(2):  # the first two rows, each image one placeholder, the answer trained
         assert f"--- row {i}: " in out and f"({counts[i]} image tokens), " in out
         assert f"<image 0: square{i}.png {sizes[i][0]}x{sizes[i][1]}, {counts[i]} tokens>" in out, out
-    assert re.search(r"\[\[ ?red", out) and processor.image_token not in out  # no raw image tokens printed
+    assert re.search(r"\[\[ ?red", out) and CHECKED[family].feature_token not in out  # no raw image tokens printed

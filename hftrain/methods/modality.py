@@ -19,7 +19,7 @@ from ..data.preview import preview
 from ..heads import Head
 from ..vision.image_pairs import image_pair_problems, read_image_pairs
 from ..vision.image_prompts import preview_image_prompts, read_image_prompts
-from ..vision.families import head_of, model_type_of, strategy_problems
+from ..vision.families import head_of, model_type_of, packing_problems, strategy_problems
 from ..vision.freezing import freeze_section_parts
 from ..vision.image_datasets import build_image_datasets
 from ..vision.image_preview import image_preview
@@ -122,6 +122,7 @@ class Images(Modality):
         out = strategy_problems(model_type_of(recipe.model.name_or_path), getattr(recipe.strategy, "name", None),
                                 getattr(recipe.strategy, "sequence_parallel", None))
         if recipe.data is not None:
+            out += packing_problems(model_type_of(recipe.model.name_or_path), recipe.data.packing)
             out += image_pair_problems(recipe.data) if unit == "pairs" else image_data_problems(recipe.data)
         if unit == "pairs" and getattr(getattr(recipe, "preference", None), "precompute_ref_log_probs", False):
             out.append(("preference.precompute_ref_log_probs", "TRL computes the reference's log-probs of image "

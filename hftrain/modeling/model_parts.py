@@ -14,8 +14,22 @@ import re
 PARTS = {
     "qwen2_5_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),
                    "projector": ("model.visual.merger", ())},
+    "qwen2_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),
+                 "projector": ("model.visual.merger", ())},
+    # Qwen3-VL's projector is its merger and the deepstack mergers (features of inner blocks to inner layers of the
+    # language model): model.visual without the tower's own modules
+    "qwen3_vl": {"vision_tower": ("model.visual", ("model.visual.merger", "model.visual.deepstack_merger_list")),
+                 "projector": ("model.visual", ("model.visual.patch_embed", "model.visual.pos_embed",
+                                                "model.visual.rotary_pos_emb", "model.visual.blocks"))},
     "llava": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
+    # LLaVA-NeXT's image_newline (one vector of the language model's width, between rows of tiles) is a parameter
+    # of the model itself, not of a part: it trains with the language model
+    "llava_next": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
+    "gemma3": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
 }
+
+# parts without a linear layer, so without anything for LoRA to adapt (model.lora.vision_parts refuses them)
+WITHOUT_LINEAR = {("gemma3", "projector"): "Gemma 3's projector is a projection matrix and a norm, no linear layer"}
 
 
 def _part_pattern(path: str, left_out: tuple[str, ...]) -> str:

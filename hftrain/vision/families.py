@@ -19,11 +19,33 @@ class VisionFamily:
     model_type: str  # config.json's model_type
     processor_class: str  # transformers' processor class of the family
     placeholder: str  # the token the chat template writes for one image (the processor expands it)
+    # the token the image's features take the place of, where it is not the placeholder (Gemma 3 writes
+    # <start_of_image> and the processor expands it to <start_of_image>, N x <image_soft_token>, <end_of_image>)
+    image_token: str | None = None
+    # the batch key of the model's image-token types (1 at image tokens): Qwen-VL's mrope reads mm_token_type_ids,
+    # Gemma 3's bidirectional attention over an image's tokens token_type_ids; None: the model reads none
+    token_types: str | None = None
+    # why packed rows are refused for the family; None: packing is exact (tests/test_vision_packing.py)
+    packing_refused: str | None = None
+
+    @property
+    def feature_token(self) -> str:
+        return self.image_token or self.placeholder
 
 
+QWEN_VL = dict(placeholder="<|image_pad|>", token_types="mm_token_type_ids")
 CHECKED = {f.model_type: f for f in [
-    VisionFamily("qwen2_5_vl", "Qwen2_5_VLProcessor", "<|image_pad|>"),
+    VisionFamily("qwen2_5_vl", "Qwen2_5_VLProcessor", **QWEN_VL),
+    VisionFamily("qwen2_vl", "Qwen2VLProcessor", **QWEN_VL),
+    VisionFamily("qwen3_vl", "Qwen3VLProcessor", **QWEN_VL),
     VisionFamily("llava", "LlavaProcessor", "<image>"),
+    VisionFamily("llava_next", "LlavaNextProcessor", "<image>"),
+    VisionFamily("gemma3", "Gemma3Processor", "<start_of_image>", image_token="<image_soft_token>",
+                 token_types="token_type_ids",
+                 packing_refused="Gemma 3 builds the mask of each image's tokens (they attend to each other both ways) "
+                                 "from token_type_ids, and with packed rows that mask let the examples of a row differ "
+                                 "from their padded selves (the packed loss 1.9e-5 off the padded one, "
+                                 "tests/test_vision_packing.py): set data.packing: false"),
 ]}
 
 
@@ -78,6 +100,14 @@ def strategy_problems(model_type: str | None, strategy: str | None, sequence_par
     return out
 
 
+def packing_problems(model_type: str | None, packing: bool) -> list[tuple]:
+    """A refusal, as (key, message), of packed rows for a family whose packing is not exact."""
+    family = CHECKED.get(model_type)
+    if packing and family is not None and family.packing_refused:
+        return [("data.packing", family.packing_refused)]
+    return []
+
+
 def head_of(section) -> Head:
     """The head of a model section's model: image-text-to-text for a family hftrain has checked, else a causal LM
     (an image-text-to-text model of another family is refused by the preflight check: family_problem)."""
@@ -87,3 +117,19 @@ def head_of(section) -> Head:
 
 def processor_class(model_type: str) -> type:
     return getattr(transformers, CHECKED[model_type].processor_class)
+
+
+def family_of(processor) -> VisionFamily:
+    """The checked family of a loaded processor, by its class name (processor.images_only keeps the family's)."""
+    name = type(processor).__name__
+    found = next((f for f in CHECKED.values() if f.processor_class == name), None)
+    if found is None:
+        raise ValueError(f"{name} is not the processor of a family hftrain has checked ({', '.join(sorted(CHECKED))})")
+    return found
+
+
+def image_token_ids(processor) -> tuple[int, int]:
+    """(the id of the placeholder the chat template writes per image, the id of the tokens the image's features
+    fill) of a checked family's processor."""
+    family, tokenizer = family_of(processor), processor.tokenizer
+    return tuple(tokenizer.convert_tokens_to_ids(t) for t in (family.placeholder, family.feature_token))

@@ -1,6 +1,7 @@
 """Batches of image rows: token ids and labels padded on the right, the batch's images (any sizes) through the
-processor's image processor in row order (its pixel values and, for Qwen-VL, each image's patch grid), and the
-token-type ids the processor itself returns where the model reads them (Qwen-VL: 1 at image tokens)."""
+processor's image processor in row order (its pixel values and, for Qwen-VL, each image's patch grid; for LLaVA-NeXT
+each image's tiles and size), and the image-token types where the family's model reads them (families.py
+token_types: Qwen-VL's mm_token_type_ids, Gemma 3's token_type_ids; 1 at image tokens)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from ..data.collate import right_padded
 from ..errors import DataError
+from .families import family_of, image_token_ids
 from .images import open_rgb
 
 
@@ -20,8 +22,8 @@ class ImageRows:
         if tokenizer.pad_token_id is None:
             raise DataError("the tokenizer has no pad token; batching image rows needs one")
         self.pad_token_id = tokenizer.pad_token_id
-        self.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
-        self.token_types = "mm_token_type_ids" in processor.model_input_names
+        self.image_token_id = image_token_ids(processor)[1]
+        self.token_types = family_of(processor).token_types
 
     @staticmethod
     def check(features: list[dict]) -> None:
@@ -38,5 +40,5 @@ class ImageRows:
         if images:
             batch.update(self.processor.image_processor(images=images, return_tensors="pt"))
         if self.token_types:
-            batch["mm_token_type_ids"] = (input_ids == self.image_token_id).long() * attention_mask
+            batch[self.token_types] = (input_ids == self.image_token_id).long() * attention_mask
         return batch

@@ -14,6 +14,7 @@ from PIL import Image
 from ..config import DataSection
 from ..constants import IGNORE_INDEX
 from ..data.preview import CLOSE, OPEN, marked
+from .families import image_token_ids
 from .image_datasets import source_examples
 
 
@@ -47,7 +48,7 @@ def shown_with_images(tokenizer, example: dict, image_token_id: int) -> str:
 def image_source_report(key: str, src, processor, cfg: DataSection, shown: int) -> list[str]:
     """Lines about one image source: rows, images, tokens (image tokens counted apart), the first examples."""
     examples, rows = source_examples(src, key, processor, cfg)
-    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    image_id = image_token_ids(processor)[1]
     lengths = np.array([len(e["input_ids"]) for e in examples])
     image_tokens = np.array([sum(t == image_id for t in e["input_ids"]) for e in examples])
     trained = np.array([sum(lab != IGNORE_INDEX for lab in e["labels"]) for e in examples])

@@ -8,7 +8,7 @@ model.freeze, and a target_modules list (which would choose inside the part by n
 from __future__ import annotations
 
 from ..config import LoraSection
-from ..modeling.model_parts import PARTS
+from ..modeling.model_parts import PARTS, WITHOUT_LINEAR
 from .families import CHECKED, model_type_of
 
 
@@ -26,6 +26,9 @@ def lora_part_problems(section) -> list[tuple[str, str]]:
     parts, frozen = PARTS[family], getattr(section, "freeze", None) or []
     out = [(f"model.lora.vision_parts.{i}", f"{name!r} is not a part of a {family} model; its parts: "
             f"{', '.join(sorted(parts))}") for i, name in enumerate(names) if name not in parts]
+    out += [(f"model.lora.vision_parts.{i}", f"{WITHOUT_LINEAR[family, name]}: LoRA has nothing to adapt there; "
+             "remove it (its weights stay as they are)")
+            for i, name in enumerate(names) if (family, name) in WITHOUT_LINEAR]
     out += [(f"model.lora.vision_parts.{i}", f"{name!r} is in model.freeze too: a part is either frozen or adapted; "
              "remove it from one of them") for i, name in enumerate(names) if name in parts and name in frozen]
     if lora.target_modules != "all-linear":

@@ -44,7 +44,7 @@ class PackedImageRows:
         if images:
             batch.update(self.processor.image_processor(images=images, return_tensors="pt"))
         if self.padded.token_types:
-            batch["mm_token_type_ids"] = (input_ids == self.padded.image_token_id).long()
+            batch[self.padded.token_types] = (input_ids == self.padded.image_token_id).long()
         return batch
 
 

@@ -7,7 +7,7 @@ AutoProcessor loads wherever torchvision is installed."""
 
 from __future__ import annotations
 
-from transformers import AutoProcessor, ProcessorMixin
+from transformers import AutoProcessor
 from transformers.utils import is_torchvision_available
 
 from .families import CHECKED, model_type_of
@@ -21,13 +21,10 @@ def images_only(processor_class: type) -> type:
     up."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
-        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
-        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.image_token)
-        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        # the family's own __init__ (its tokens and ids set as it sets them), handing ProcessorMixin a video
+        # processor of None: ProcessorMixin pairs the parts it is given with get_attributes() (these two), so the
+        # None is never checked nor kept
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     # Named as the family's own class: a save writes that name into processor_config.json and tokenizer_config.json
     # (ProcessorMixin names the tokenizer's processor class after its own), so AutoProcessor builds the family's class

@@ -10,11 +10,13 @@ set frozen is exactly the set without a gradient after a backward, and the 2-ran
 
 from __future__ import annotations
 
+LLAVAS = ("llava", "llava_next")  # the families whose projector reads a hidden layer of the vision tower
+
 
 def unreached_vision_parameters(model) -> list[str]:
-    """Names (in `model`) of the LLaVA vision tower's parameters the projector's input does not depend on; [] for
-    another family."""
-    owner = next((m for m in model.modules() if getattr(getattr(m, "config", None), "model_type", None) == "llava"
+    """Names (in `model`) of the LLaVA (or LLaVA-NeXT) vision tower's parameters the projector's input does not
+    depend on; [] for another family."""
+    owner = next((m for m in model.modules() if getattr(getattr(m, "config", None), "model_type", None) in LLAVAS
                   and hasattr(m, "vision_tower")), None)
     if owner is None:
         return []
