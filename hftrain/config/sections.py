@@ -127,6 +127,14 @@ class DataSection:
     packing: bool = option(
         False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
                                "example so none attends another.")
+    image_min_pixels: int | None = option(
+        None, "Image rows: each image resized up to at least this many pixels (width x height, aspect kept) by the "
+        "model's processor, so at least about this many / (patch x merge)^2 tokens (Qwen-VL: 28 x 28 pixels a token); "
+        "families that resize every image to one size refuse it. Default: the processor's own.")
+    image_max_pixels: int | None = option(
+        None, "Image rows: each image resized down to at most this many pixels (e.g. 768 x 768 = 589824, LLaMA-"
+        "Factory's default) by the model's processor, capping its tokens; families that resize every image to one "
+        "size refuse it. Default: the processor's own (Qwen2.5-VL: 12845056 pixels, about 16k tokens).")
     assistant_only_loss: bool = option(True, "messages/alpaca: train on assistant tokens only.")
     train_turns: Literal["all", "last"] = option(
         "all", "Conversations: train every assistant turn, each as the chat template writes it when it is the last "

@@ -19,7 +19,8 @@ from ..data.preview import preview
 from ..heads import Head
 from ..vision.image_pairs import image_pair_problems, read_image_pairs
 from ..vision.image_prompts import preview_image_prompts, read_image_prompts
-from ..vision.families import head_of, model_type_of, packing_problems, strategy_problems
+from ..vision.families import (PIXEL_KEYS, head_of, image_size_problems, model_type_of, packing_problems,
+                               strategy_problems)
 from ..vision.freezing import freeze_section_parts
 from ..vision.image_datasets import build_image_datasets
 from ..vision.image_preview import image_preview
@@ -72,8 +73,10 @@ class Modality:
 
     def problems(self, recipe: Recipe, unit: str) -> list[tuple[str, str]]:
         """(key, message) of the recipe's keys this modality cannot honour, for a method training on `unit` (its
-        Method.unit: examples, pairs)."""
-        return []
+        Method.unit: examples, pairs): for text, the keys that size images."""
+        return [(f"data.{k}", f"sizes the images of an image-text-to-text model's rows; this model reads "
+                 f"{self.described} only: remove data.{k}")
+                for k in PIXEL_KEYS if getattr(recipe.data, k, None) is not None]
 
 
 @dataclass(frozen=True)
@@ -85,23 +88,24 @@ class Images(Modality):
     described: str = "images (an image-text-to-text model)"
 
     def read(self, recipe, tokenizer, seed):
-        return build_image_datasets(recipe.data, processor_of(recipe.model), seed, recipe.eval.exact_match)
+        processor = processor_of(recipe.model, recipe.data)
+        return build_image_datasets(recipe.data, processor, seed, recipe.eval.exact_match)
 
     def show(self, recipe, tokenizer, n):
-        return image_preview(recipe.data, processor_of(recipe.model), n)
+        return image_preview(recipe.data, processor_of(recipe.model, recipe.data), n)
 
     def read_prompts(self, recipe, tokenizer, seed, read_text, completion_room, needs_reference=None):
         """Prompts with images (vision/image_prompts.py), their images decoded by hftrain when the trainer reads
         them; the processor is the trainer's processing class."""
-        return read_image_prompts(recipe.data, processor_of(recipe.model), completion_room, seed,
+        return read_image_prompts(recipe.data, processor_of(recipe.model, recipe.data), completion_room, seed,
                                   recipe.eval.exact_match, needs_reference)
 
     def show_prompts(self, recipe, tokenizer, n, show_text, completion_room):
-        return preview_image_prompts(recipe.data, processor_of(recipe.model), completion_room, n)
+        return preview_image_prompts(recipe.data, processor_of(recipe.model, recipe.data), completion_room, n)
 
     def read_pairs(self, recipe, tokenizer, seed):
         """Pairs with images (vision/image_pairs.py), batched by TRL's vision collator given hftrain's decoding."""
-        processor = processor_of(recipe.model)
+        processor = processor_of(recipe.model, recipe.data)
         train, held_out = read_image_pairs(recipe.data, processor, seed)
         return PreferenceData(train, held_out, conversational=True,
                               collator=ImagePairs(processor, recipe.data.max_length), processor=processor)
@@ -123,6 +127,7 @@ class Images(Modality):
                                 getattr(recipe.strategy, "sequence_parallel", None))
         if recipe.data is not None:
             out += packing_problems(model_type_of(recipe.model.name_or_path), recipe.data.packing)
+            out += image_size_problems(model_type_of(recipe.model.name_or_path), recipe.data)
             out += image_pair_problems(recipe.data) if unit == "pairs" else image_data_problems(recipe.data)
         if unit == "pairs" and getattr(getattr(recipe, "preference", None), "precompute_ref_log_probs", False):
             out.append(("preference.precompute_ref_log_probs", "TRL computes the reference's log-probs of image "

@@ -27,6 +27,10 @@ class VisionFamily:
     token_types: str | None = None
     # why packed rows are refused for the family; None: packing is exact (tests/test_vision_packing.py)
     packing_refused: str | None = None
+    # how the family sizes an image, where its image processor takes no pixel bounds (data.image_min_pixels and
+    # data.image_max_pixels refused, with this); None: the image processor's size is {shortest_edge: min pixels,
+    # longest_edge: max pixels} (Qwen-VL)
+    fixed_size: str | None = None
 
     @property
     def feature_token(self) -> str:
@@ -38,10 +42,15 @@ CHECKED = {f.model_type: f for f in [
     VisionFamily("qwen2_5_vl", "Qwen2_5_VLProcessor", **QWEN_VL),
     VisionFamily("qwen2_vl", "Qwen2VLProcessor", **QWEN_VL),
     VisionFamily("qwen3_vl", "Qwen3VLProcessor", **QWEN_VL),
-    VisionFamily("llava", "LlavaProcessor", "<image>"),
-    VisionFamily("llava_next", "LlavaNextProcessor", "<image>"),
+    VisionFamily("llava", "LlavaProcessor", "<image>",
+                 fixed_size="LLaVA resizes every image to its vision tower's size: the same tokens whatever its size"),
+    VisionFamily("llava_next", "LlavaNextProcessor", "<image>",
+                 fixed_size="LLaVA-NeXT tiles every image on the grids of its config's image_grid_pinpoints: its "
+                            "largest grid bounds the tokens"),
     VisionFamily("gemma3", "Gemma3Processor", "<start_of_image>", image_token="<image_soft_token>",
                  token_types="token_type_ids",
+                 fixed_size="Gemma 3 resizes every image to its vision tower's size: the same tokens whatever its "
+                            "size (pan-and-scan crops are not used here)",
                  packing_refused="Gemma 3 builds the mask of each image's tokens (they attend to each other both ways) "
                                  "from token_type_ids, and with packed rows that mask let the examples of a row differ "
                                  "from their padded selves (the packed loss 1.9e-5 off the padded one, "
@@ -106,6 +115,26 @@ def packing_problems(model_type: str | None, packing: bool) -> list[tuple]:
     if packing and family is not None and family.packing_refused:
         return [("data.packing", family.packing_refused)]
     return []
+
+
+PIXEL_KEYS = ("image_min_pixels", "image_max_pixels")
+
+
+def image_size_problems(model_type: str | None, data) -> list[tuple]:
+    """Refusals, as (key, message), of data.image_min_pixels / image_max_pixels: on a family that sizes every image
+    itself (fixed_size), or out of order."""
+    given = {k: getattr(data, k, None) for k in PIXEL_KEYS if getattr(data, k, None) is not None}
+    family = CHECKED.get(model_type)
+    if not given or family is None:
+        return []
+    if family.fixed_size:
+        return [(f"data.{k}", f"{family.fixed_size}; remove data.{k}") for k in given]
+    out = [(f"data.{k}", f"must be a positive number of pixels, not {v!r}") for k, v in given.items()
+           if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    low, high = given.get("image_min_pixels"), given.get("image_max_pixels")
+    if not out and low is not None and high is not None and low > high:
+        out.append(("data.image_min_pixels", f"{low} is more than data.image_max_pixels ({high}); lower it"))
+    return out
 
 
 def head_of(section) -> Head:

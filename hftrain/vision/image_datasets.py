@@ -6,6 +6,7 @@ datasets cache; batches padded (image_batches.py) or packed (packing.py); stream
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,8 @@ from ..errors import DataError
 from .image_answers import image_eval_examples
 from .image_batches import ImageRows
 from .packing import PackedImageRows
-from .labels import image_example
+from .families import family_of, image_token_ids
+from .labels import image_example, image_runs
 from .image_rows import base_folder, canonical_image_row
 from .image_sources import image_layout
 
@@ -37,6 +39,19 @@ def not_yet_problems(cfg: DataSection) -> list[str]:
     if cfg.streaming:
         out.append("data.streaming: streaming image rows is not done yet; set data.streaming: false")
     return out
+
+
+def image_tokens_said(example: dict, processor) -> str:
+    """`N of them its images' (FILE: N tokens, ...)`: each image's run of tokens in an example."""
+    runs = image_runs(example["input_ids"], image_token_ids(processor)[1])
+    each = ", ".join(f"{os.path.basename(path)}: {end - start} tokens"
+                     for path, (start, end) in zip(example["images"], runs))
+    return f"{sum(end - start for start, end in runs)} of them its images' ({each})"
+
+
+def size_fix(processor) -> str:
+    """The fix for images too large, where the family's processor takes pixel bounds."""
+    return "" if family_of(processor).fixed_size else ", or lower data.image_max_pixels (fewer tokens per image)"
 
 
 def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> tuple[list[dict], int]:
@@ -55,9 +70,10 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
             if cfg.truncation == "drop":
                 too_long.append(where)
                 continue
-            raise DataError(f"{at}: {len(example['input_ids'])} tokens (its images' tokens included) is more than "
-                            f"data.max_length={cfg.max_length}, and image rows are never cut (an image's tokens cut "
-                            "would not match its pixels); raise data.max_length or set data.truncation: drop")
+            raise DataError(f"{at}: {len(example['input_ids'])} tokens is more than data.max_length={cfg.max_length}, "
+                            f"{image_tokens_said(example, processor)}, and image rows are never cut (an image's tokens "
+                            "cut would not match its pixels); raise data.max_length, set data.truncation: drop"
+                            f"{size_fix(processor)}")
         if trainable_tokens(example["labels"]) == 0:
             if cfg.skip_untrainable:
                 untrainable.append(where)

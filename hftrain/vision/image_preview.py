@@ -16,18 +16,7 @@ from ..constants import IGNORE_INDEX
 from ..data.preview import CLOSE, OPEN, marked
 from .families import image_token_ids
 from .image_datasets import source_examples
-
-
-def image_runs(input_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each run of image tokens, in order: one run per image."""
-    runs, start = [], None
-    for k, tok in enumerate([*input_ids, None]):
-        if tok == image_token_id and start is None:
-            start = k
-        elif tok != image_token_id and start is not None:
-            runs.append((start, k))
-            start = None
-    return runs
+from .labels import image_runs
 
 
 def shown_with_images(tokenizer, example: dict, image_token_id: int) -> str:

@@ -50,6 +50,18 @@ def expand_labels(plain: dict, expanded: list[int], placeholder_id: int, image_t
     return out, expansions
 
 
+def image_runs(input_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of image tokens, in order: one run per image."""
+    runs, start = [], None
+    for k, tok in enumerate([*input_ids, None]):
+        if tok == image_token_id and start is None:
+            start = k
+        elif tok != image_token_id and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
 def image_example(canon: dict, processor, train_on_prompt: bool, chat_template_kwargs: dict | None, at: str,
                   train_turns: str = "all") -> dict:
     """{input_ids, labels, images} of one canonical image row (image_rows.py): the processor's ids, the template's

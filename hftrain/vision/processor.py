@@ -51,7 +51,15 @@ def load_processor(name_or_path: str, processor_class: type | None = None, **kwa
     return images_only(processor_class).from_pretrained(name_or_path, **kwargs)
 
 
-def processor_of(section):
-    """The processor of a model section's image-text-to-text model (a family hftrain has checked)."""
+def processor_of(section, data=None):
+    """The processor of a model section's image-text-to-text model (a family hftrain has checked), its image size
+    bounds those of the data section (data.image_min_pixels, image_max_pixels: checked by families.
+    image_size_problems before), which a save of it keeps."""
     kwargs = {"revision": section.revision} if getattr(section, "revision", None) else {}
-    return load_processor(section.name_or_path, class_of_family(model_type_of(section.name_or_path)), **kwargs)
+    processor = load_processor(section.name_or_path, class_of_family(model_type_of(section.name_or_path)), **kwargs)
+    bounds = {edge: getattr(data, key, None) for edge, key in (("shortest_edge", "image_min_pixels"),
+                                                                ("longest_edge", "image_max_pixels"))}
+    if any(v is not None for v in bounds.values()):
+        size = dict(processor.image_processor.size)
+        processor.image_processor.size = {**size, **{k: v for k, v in bounds.items() if v is not None}}
+    return processor
