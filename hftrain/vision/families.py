@@ -52,9 +52,9 @@ CHECKED = {f.model_type: f for f in [
                  fixed_size="Gemma 3 resizes every image to its vision tower's size: the same tokens whatever its "
                             "size (pan-and-scan crops are not used here)",
                  packing_refused="Gemma 3 builds the mask of each image's tokens (they attend to each other both ways) "
-                                 "from token_type_ids, and with packed rows that mask let the examples of a row differ "
-                                 "from their padded selves (the packed loss 1.9e-5 off the padded one, "
-                                 "tests/test_vision_packing.py): set data.packing: false"),
+                                 "from token_type_ids by a path of its own, and its packed rows were measured not to "
+                                 "give their padded loss (1.9e-5 off, tests/test_vision_packing.py): set "
+                                 "data.packing: false"),
 ]}
 
 
