@@ -10,6 +10,11 @@ processors and TRL read, every image a local file relative to the data file, ope
   colour?"}, {"from": "gpt", "value": "red"}], "images": ["red.png"]}, roles human, gpt and system (the text
   layouts' ShareGPT names: data/messages.py), a `system` column as the first turn.
 
+An image is a file (its path relative to the data file, or absolute) or held in the row itself as the Hub's datasets
+hold it (a datasets Image feature of a Parquet or Arrow source: encoded bytes, or a decoded image), kept as a file by
+its content (images.held_image). With an images column, an image part without a file of its own ({"type": "image"},
+as TRL's and the Hub's vision sets write it) is the next image of the column.
+
 The canonical row: {"messages": [...], "images": [absolute paths]}, each message's content a list of parts, an image
 part {"type": "image"} (the i-th of the row is images[i])."""
 
@@ -56,11 +61,16 @@ def _parts(content, images: list | None, base: str, what: str, used: list) -> li
         elif kind == "image" and images is None:
             used.append(image_path(part.get("image", part.get("path")), base, f"{what}.content[{i}].image"))
             parts.append({"type": "image"})
+        elif kind == "image" and part.get("image", part.get("path")) is None:  # the Hub's: the next of the column
+            if len(used) == len(images):
+                raise DataError(f"{what} has more image parts than the row has images ({len(images)})")
+            used.append(image_path(images[len(used)], base, f"{what}: images[{len(used)}]"))
+            parts.append({"type": "image"})
         else:
             raise DataError(f"{what}.content[{i}] is not a text or image part ({json.dumps(part, default=str)[:80]}): "
                             'use {"type": "text", "text": ...} or {"type": "image", "image": "file.png"}'
-                            + (" (with an images column, images are <image> markers in the text)" if kind == "image"
-                               else ""))
+                            + (" (with an images column, an image is an <image> marker in the text or an image part "
+                               "without a file of its own, {\"type\": \"image\"})" if kind == "image" else ""))
     return parts
 
 
@@ -132,7 +142,8 @@ def canonical_image_row(row: dict, where: str, base: str, fmt: str = "messages",
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} messages (or ShareGPT's "
                         "conversations of {from, value} turns)")
     if images is not None and not isinstance(images, list):
-        raise DataError(f"{where}: images must be a list of image paths (relative to the data file)")
+        raise DataError(f"{where}: images must be a list of image paths (relative to the data file) or of images "
+                        "(a datasets Image feature)")
     used: list[str] = []
     out = []
     for name, m in msgs:
@@ -142,8 +153,8 @@ def canonical_image_row(row: dict, where: str, base: str, fmt: str = "messages",
         _refuse_dropped_fields(m, what)
         out.append({"role": m["role"], "content": _parts(m["content"], images, base, what, used)})
     if images is not None and len(used) != len(images):
-        raise DataError(f"{where}: the row has {len(images)} images and {len(used)} {MARKER} markers; give one marker "
-                        "per image, where the image goes")
+        raise DataError(f"{where}: the row has {len(images)} images and {len(used)} {MARKER} markers or image parts; "
+                        "give one per image, where the image goes")
     for k, path in enumerate(used):
         check_image(path, f"{where}, image {k}")
     return {"messages": out, "images": used}

@@ -4,7 +4,10 @@ and the image, never a traceback in the collator mid-run."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import tempfile
 import warnings
 
 from PIL import Image, UnidentifiedImageError
@@ -17,7 +20,13 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 
 
 def image_path(value, base: str, what: str) -> str:
-    """The local file an image entry names: a path relative to the data file's folder, or absolute."""
+    """The local file an image entry names: a path relative to the data file's folder, or absolute; or, for an image
+    the rows hold (a datasets Image feature: {"bytes", "path"} undecoded, a PIL image decoded), the file it is kept
+    in (held_image)."""
+    if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
+        value = value["bytes"] if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, (bytes, Image.Image)):
+        return held_image(value, what)
     if not isinstance(value, str) or not value:
         raise DataError(f"{what} is {type(value).__name__} {str(value)[:80]!r} where the path of an image file is "
                         "expected (relative to the data file)")
@@ -25,6 +34,36 @@ def image_path(value, base: str, what: str) -> str:
         raise DataError(f"{what} is a URL ({value[:80]}); hftrain reads local image files only: download it and "
                         "give its path relative to the data file")
     return value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
+
+
+def image_store() -> str:
+    """Where the images rows hold as bytes are kept as files, one per content: beside hftrain's data cache."""
+    from ..data.cache import cache_folder
+
+    return os.path.join(cache_folder(), "images")
+
+
+def held_image(value, what: str) -> str:
+    """The file of an image held in a row (its encoded bytes, or a decoded PIL image saved as PNG, lossless), named
+    by the SHA-256 of those bytes in image_store(): written once (atomically: a temporary file renamed), found again
+    by every later read. Every later step (the checks, the processor, the collator) reads it as any image file."""
+    if isinstance(value, Image.Image):
+        encoded = io.BytesIO()
+        value.save(encoded, format="PNG")
+        value = encoded.getvalue()
+    digest = hashlib.sha256(value).hexdigest()
+    folder = image_store()
+    path = os.path.join(folder, digest)
+    if not os.path.isfile(path):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".image-", delete=False) as f:
+                f.write(value)
+            os.replace(f.name, path)
+        except OSError as e:
+            raise DataError(f"{what}: the image the row holds cannot be kept in {folder} ({e.strerror or e}): make "
+                            "it writable, or point HF_DATASETS_CACHE at a writable folder") from None
+    return path
 
 
 def check_image(path: str, what: str, max_pixels: int | None = None) -> tuple[int, int]:
