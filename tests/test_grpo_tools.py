@@ -288,3 +288,25 @@ def test_the_tool_demos_shipped_data_is_its_generators_and_shows_the_tools_own_s
         assert add(**call["arguments"]) == answer == row["messages"][3]["content"]
     held_out = {row["messages"][0]["content"] for row in map(json.loads, open(tmp_path / "tools_eval.jsonl"))}
     assert not held_out & {row["messages"][0]["content"] for row in rows}
+
+
+def test_the_tool_demos_noisy_rows_are_its_generators_three_in_five_unaided(tmp_path):
+    """recipes/demo/make_tool_noisy.py remakes data/demo/tools_noisy.jsonl from the shipped demonstrations byte for
+    byte: rows 0, 1 and 2 of every 5 answer at once (the question and the sum, the tools still offered), the others
+    are the demonstrations unchanged."""
+    import os
+    import runpy
+    import shutil
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(repo, "data", "demo", "tools_sft.jsonl"), tmp_path / "tools_sft.jsonl")
+    runpy.run_path(os.path.join(repo, "recipes", "demo", "make_tool_noisy.py"))["main"](str(tmp_path))
+    made = open(tmp_path / "tools_noisy.jsonl").read()
+    assert made == open(os.path.join(repo, "data", "demo", "tools_noisy.jsonl")).read()
+    demos = [json.loads(line) for line in open(tmp_path / "tools_sft.jsonl")]
+    for k, (row, demo) in enumerate(zip(map(json.loads, made.splitlines()), demos)):
+        if k % 5 < 3:
+            question, *_, answer = demo["messages"]
+            assert row == {"messages": [question, answer], "tools": demo["tools"]}
+        else:
+            assert row == demo

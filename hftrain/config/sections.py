@@ -85,8 +85,14 @@ class ModelSection:
         "grouped_mm); default: transformers' choice (grouped_mm where torch has it). bench/moe.py impl times them.")
     freeze: list[str] = option(
         help="Image-text-to-text models: parts left untrained, e.g. [vision_tower, projector] (LLaMA-Factory's "
-        "freeze_vision_tower / freeze_multi_modal_projector); a name the family has no part for is refused.",
+        "freeze_vision_tower / freeze_multi_modal_projector), or [vision_tower, language_model] to train the projector "
+        "alone; a name the family has no part for is refused.",
         factory=list)
+    part_learning_rates: dict[str, float] = option(
+        help="Image-text-to-text models: a learning rate per part (vision_tower, projector, language_model), e.g. "
+        "{vision_tower: 2.0e-6, projector: 1.0e-4}; the parts not named train at training.learning_rate, all under its "
+        "schedule. The run prints what trains at what rate.",
+        factory=dict)
 
 
 @dataclass

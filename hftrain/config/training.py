@@ -63,10 +63,13 @@ class HFTrainOptions:
     compression: dict | None = _option(
         None, "The recipe's compression: section as a mapping (gradient compression on the data-parallel "
         "reduction); None: none.")
+    part_learning_rates: dict | None = _option(
+        None, "The recipe's model.part_learning_rates (an image model's parts at rates of their own); None: none.")
 
 
 # HFTrainOptions fields the run fills in from other sections (strategy:, compression:), refused in `training:`.
-RUN_SET = {"strategy_name": "set strategy.name", "compression": "set the compression: section"}
+RUN_SET = {"strategy_name": "set strategy.name", "compression": "set the compression: section",
+           "part_learning_rates": "set model.part_learning_rates"}
 HFTRAIN_TRAINING_KEYS = tuple(f.name for f in dataclasses.fields(HFTrainOptions) if f.name not in RUN_SET)
 
 

@@ -14,6 +14,7 @@ from ..methods.modality import modality_problems
 from ..vision.families import family_problem, model_type_of
 from ..vision.freezing import freeze_problems
 from ..vision.lora_parts import lora_part_problems
+from ..vision.part_rates import part_rate_problems
 from . import libraries, model_libraries
 
 
@@ -29,6 +30,7 @@ def model_problems(recipe: Recipe, skip: set[str], model_ok: bool) -> list[tuple
             out.append(("model.name_or_path", family))
         out += freeze_problems(m)  # model.freeze: parts the family has
         out += lora_part_problems(m)  # model.lora.vision_parts: parts beside the language model adapted
+        out += part_rate_problems(m)  # model.part_learning_rates: the parts' own rates
         out += policy_modality_problems(recipe)  # a modality the method does not train; its keys it cannot honour
         out += other_model_problems(recipe)
     if not any(k.startswith("training.") or k.startswith("model.") or k.startswith("data.") for k in skip) and (

@@ -76,7 +76,8 @@ def run_arguments(recipe: Recipe, strategy: StrategySection | None = None, resum
     resume from (resolved), and the strategy's `extra` (the DeepSpeed config)."""
     kwargs = arguments_kwargs(recipe, accelerator_available())
     kwargs.update(strategy_name=strategy.name if strategy is not None else None, resume_from_checkpoint=resume,
-                  compression=dataclasses.asdict(recipe.compression), **extra)
+                  compression=dataclasses.asdict(recipe.compression),
+                  part_learning_rates=dict(recipe.model.part_learning_rates) or None, **extra)
     return kwargs
 
 

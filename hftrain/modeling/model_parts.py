@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+LANGUAGE_MODEL = "language_model"  # the part that is all the rest (model.freeze names it; LoRA always adapts it)
+
 # family (config.json's model_type) -> part -> (module path in the model, module paths inside it left out of the part)
 PARTS = {
     "qwen2_5_vl": {"vision_tower": ("model.visual", ("model.visual.merger",)),

@@ -9,6 +9,7 @@ lives in its feature's package beside the mechanism it drives (trainer/ only com
     ExactLossMixin         losses/exact.py             SFT's CE exact over the global batch, aux terms, eval loss
     ChunkedLossMixin       losses/chunked.py           the per-token CE from logits or, chunked, from lm_head's input
     StreamPositionMixin    data/stream_position.py     a streaming run's position in its checkpoints, resumed exactly
+    PartRatesMixin         vision/part_rates.py        an image model's parts at learning rates of their own; said
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
@@ -24,10 +25,12 @@ from ..sequence_parallel import SequenceParallelMixin
 from ..guards import StepGuardMixin
 from ..stop_request import StopRequestMixin
 from ..data.stream_position import StreamPositionMixin
+from ..vision.part_rates import PartRatesMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).
-RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin)
+RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin, PartRatesMixin)
 
 
 __all__ = ["RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
-           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin"]
+           "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin",
+           "PartRatesMixin"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from ..distributed import print0
-from ..modeling.model_parts import PARTS
+from ..modeling.model_parts import LANGUAGE_MODEL, PARTS
 from .families import CHECKED, model_type_of
 
 
@@ -24,9 +24,17 @@ def freeze_problems(section) -> list[tuple[str, str]]:
     if family not in CHECKED:
         return [("model.freeze", "freezes parts of an image-text-to-text model (vision_tower, projector); this model "
                  f"is not one of the families hftrain has checked ({', '.join(sorted(CHECKED))}); remove model.freeze")]
-    parts = PARTS[family]
-    return [(f"model.freeze.{i}", f"{name!r} is not a part of a {family} model; its parts: {', '.join(sorted(parts))}")
-            for i, name in enumerate(names) if name not in parts]
+    parts = part_names(family)
+    out = [(f"model.freeze.{i}", f"{name!r} is not a part of a {family} model; its parts: {', '.join(parts)}")
+           for i, name in enumerate(names) if name not in parts]
+    if not out and set(parts) <= set(names):
+        out.append(("model.freeze", f"freezes every part ({', '.join(parts)}): nothing would train; leave one out"))
+    return out
+
+
+def part_names(family: str) -> list[str]:
+    """The parts of a `family` model model.freeze names: its vision parts (PARTS) and the language model."""
+    return sorted([*PARTS[family], LANGUAGE_MODEL])
 
 
 def _base(model):
@@ -34,14 +42,19 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def part_of_parameters(model, family: str) -> dict[str, str]:
+    """Each parameter's part (by its name in `model`): a vision part of PARTS, or the language model, which is all
+    the rest (its decoder, embeddings and head; LLaVA-NeXT's image_newline; LoRA adapters inside it)."""
+    base, owner = _base(model), {}
+    for name, (path, left_out) in PARTS[family].items():
+        skipped = {id(p) for inner in left_out for p in base.get_submodule(inner).parameters()}
+        owner |= {id(p): name for p in base.get_submodule(path).parameters() if id(p) not in skipped}
+    return {n: owner.get(id(p), LANGUAGE_MODEL) for n, p in model.named_parameters()}
+
+
 def frozen_parameters(model, family: str, names: list[str]) -> list[str]:
     """Names (in `model`) of the parameters of the parts `names` of a `family` model."""
-    base, ids = _base(model), set()
-    for name in names:
-        path, left_out = PARTS[family][name]
-        skipped = {id(p) for inner in left_out for p in base.get_submodule(inner).parameters()}
-        ids |= {id(p) for p in base.get_submodule(path).parameters() if id(p) not in skipped}
-    return sorted(n for n, p in model.named_parameters() if id(p) in ids)
+    return sorted(n for n, part in part_of_parameters(model, family).items() if part in names)
 
 
 def freeze_parts(model, family: str, names: list[str]) -> list[str]:
