@@ -10,8 +10,8 @@ from PIL import Image
 from hftrain.config import DataSection, DataSource, ModelSection
 from hftrain.errors import DataError
 from hftrain.vision.families import processor_class
-from hftrain.vision.image_datasets import build_image_datasets
-from hftrain.vision.labels import image_runs
+from hftrain.vision.image_datasets import source_examples
+from hftrain.vision.labels import image_tokens_in
 from hftrain.vision.processor import load_processor, processor_of
 
 from .test_vision import _write, refusals_of_check_and_run, vlm_dirs  # noqa: F401
@@ -32,9 +32,9 @@ def _rows(folder, sizes) -> str:
 def _tokens_per_image(folder, path, **data_keys) -> list[int]:
     data = DataSection(sources=[DataSource(path=path)], **data_keys)
     processor = processor_of(ModelSection(name_or_path=folder), data)
-    built = build_image_datasets(data, processor, seed=0)
+    examples, _ = source_examples(data.sources[0], "data.sources.0", processor, data)  # as the run reads them
     image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    return [end - start for e in built.train for start, end in image_runs(e["input_ids"], image_id)], processor
+    return [tokens for e in examples for _, tokens in image_tokens_in(e, image_id)], processor
 
 
 @pytest.mark.parametrize("family", QWEN)

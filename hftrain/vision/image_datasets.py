@@ -24,7 +24,7 @@ from .image_answers import image_eval_examples
 from .image_batches import ImageRows
 from .packing import PackedImageRows
 from .families import family_of, image_token_ids
-from .labels import image_example, image_runs
+from .labels import image_example, image_tokens_in
 from .image_rows import base_folder, canonical_image_row
 from .image_sources import image_layout
 
@@ -43,10 +43,10 @@ def not_yet_problems(cfg: DataSection) -> list[str]:
 
 def image_tokens_said(example: dict, processor) -> str:
     """`N of them its images' (FILE: N tokens, ...)`: each image's run of tokens in an example."""
-    runs = image_runs(example["input_ids"], image_token_ids(processor)[1])
-    each = ", ".join(f"{os.path.basename(path)}: {end - start} tokens"
-                     for path, (start, end) in zip(example["images"], runs))
-    return f"{sum(end - start for start, end in runs)} of them its images' ({each})"
+    groups = image_tokens_in(example, image_token_ids(processor)[1])
+    each = ", ".join(f"{' and '.join(os.path.basename(example['images'][i]) for i in images)}: {count} tokens"
+                     for images, count in groups)
+    return f"{sum(count for _, count in groups)} of them its images' ({each})"
 
 
 def size_fix(processor) -> str:

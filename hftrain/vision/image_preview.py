@@ -16,19 +16,25 @@ from ..constants import IGNORE_INDEX
 from ..data.preview import CLOSE, OPEN, marked
 from .families import image_token_ids
 from .image_datasets import source_examples
-from .labels import image_runs
+from .labels import image_tokens_in
+
+
+def _described(path: str, k: int) -> str:
+    with Image.open(path) as image:
+        width, height = image.size
+    return f"image {k}: {os.path.basename(path)} {width}x{height}"
 
 
 def shown_with_images(tokenizer, example: dict, image_token_id: int) -> str:
-    """The example's text with trained tokens marked and each image's tokens as `<image K: FILE WxH, N tokens>`."""
+    """The example's text with trained tokens marked and each image's expansion (its tokens, and the family's own
+    around them) as `<image K: FILE WxH, N tokens>` (images side by side share one: `<image 0: ..., image 1: ...,
+    N tokens>`)."""
     ids, labels = example["input_ids"], example["labels"]
     parts, at = [], 0
-    for k, (start, end) in enumerate(image_runs(ids, image_token_id)):
+    for (start, end, first, count), (images, tokens) in zip(example["image_spans"],
+                                                            image_tokens_in(example, image_token_id)):
         parts.append(marked(tokenizer, ids[at:start], labels[at:start]))
-        path = example["images"][k] if k < len(example["images"]) else "?"
-        with Image.open(path) as image:
-            width, height = image.size
-        parts.append(f"<image {k}: {os.path.basename(path)} {width}x{height}, {end - start} tokens>")
+        parts.append(f"<{', '.join(_described(example['images'][k], k) for k in images)}, {tokens} tokens>")
         at = end
     parts.append(marked(tokenizer, ids[at:], labels[at:]))
     return "".join(parts)

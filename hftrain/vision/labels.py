@@ -25,16 +25,17 @@ def _not_aligned(at: str, where: int, why: str) -> DataError:
 
 
 def expand_labels(plain: dict, expanded: list[int], placeholder_id: int, image_token_id: int,
-                  at: str) -> tuple[list[int], int]:
-    """(labels of the processor's ids `expanded`, the placeholders expanded): `plain`'s labels carried over token
-    for token where the two agree, every token of a placeholder's expansion IGNORE_INDEX. The placeholders are made
+                  at: str) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    """(labels of the processor's ids `expanded`, the expansions: (start, end, first image, images) each, a stretch
+    of `expanded` that images placed side by side share): `plain`'s labels carried over token for token where the
+    two agree, every token of a placeholder's expansion IGNORE_INDEX. The placeholders are made
     unique before the two are matched (difflib, no junk heuristic), so each lies in a changed stretch of its own or
     shared with its neighbours; a changed stretch without a placeholder, one whose expansion holds no image token, or
     one that replaces a trained token of the template is refused."""
     ids, labels = plain["input_ids"], plain["labels"]
     marked = [-1 - k if t == placeholder_id else t for k, t in enumerate(ids)]
     out: list[int] = []
-    expansions = 0
+    spans: list[tuple[int, int, int, int]] = []
     for op, i1, i2, j1, j2 in SequenceMatcher(None, marked, expanded, autojunk=False).get_opcodes():
         if op == "equal":
             out += labels[i1:i2]
@@ -45,21 +46,16 @@ def expand_labels(plain: dict, expanded: list[int], placeholder_id: int, image_t
             raise _not_aligned(at, j1, "a change without an image" if placeholders == 0 else "an image without tokens")
         if any(lab != IGNORE_INDEX for t, lab in zip(marked[i1:i2], labels[i1:i2]) if t >= 0):
             raise _not_aligned(at, j1, "a trained token of the template replaced")
-        expansions += placeholders
+        spans.append((j1, j2, sum(n for *_, n in spans), placeholders))
         out += [IGNORE_INDEX] * (j2 - j1)
-    return out, expansions
+    return out, spans
 
 
-def image_runs(input_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """(start, end) of each run of image tokens, in order: one run per image."""
-    runs, start = [], None
-    for k, tok in enumerate([*input_ids, None]):
-        if tok == image_token_id and start is None:
-            start = k
-        elif tok != image_token_id and start is not None:
-            runs.append((start, k))
-            start = None
-    return runs
+def image_tokens_in(example: dict, image_token_id: int) -> list[tuple[list[int], int]]:
+    """Per expansion of the example (labels.expand_labels' spans): (the indices of its images, its image tokens)."""
+    ids = example["input_ids"]
+    return [(list(range(first, first + count)), sum(t == image_token_id for t in ids[start:end]))
+            for start, end, first, count in example["image_spans"]]
 
 
 def image_example(canon: dict, processor, train_on_prompt: bool, chat_template_kwargs: dict | None, at: str,
@@ -77,8 +73,9 @@ def image_example(canon: dict, processor, train_on_prompt: bool, chat_template_k
     images = [open_rgb(p) for p in canon["images"]]
     enc = processor(text=[example.text], images=images or None)
     expanded = list(enc["input_ids"][0])
-    labels, expansions = expand_labels(plain, expanded, *image_token_ids(processor), at)
-    if expansions != len(images):
-        raise DataError(f"{at}: the chat template wrote {expansions} image placeholders for the row's {len(images)} "
+    labels, spans = expand_labels(plain, expanded, *image_token_ids(processor), at)
+    placeholders = sum(n for *_, n in spans)
+    if placeholders != len(images):
+        raise DataError(f"{at}: the chat template wrote {placeholders} image placeholders for the row's {len(images)} "
                         "images")
-    return {"input_ids": expanded, "labels": labels, "images": canon["images"]}
+    return {"input_ids": expanded, "labels": labels, "images": canon["images"], "image_spans": spans}
