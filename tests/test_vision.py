@@ -19,7 +19,7 @@ from hftrain.vision.families import CHECKED, image_token_ids
 from hftrain.vision.processor import load_processor
 from tests.exactness import within
 
-FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3", "idefics3"]
 PROCESSORS = {f: None for f in FAMILIES} | {"qwen2_5_vl": Qwen2_5_VLProcessor}
 WORDS = ["what colour is the square", "red", "blue", "green", "yellow", "a square on white", "describe the image"]
 
@@ -184,7 +184,13 @@ def test_markers_and_images_must_agree(vlm_dirs, image_dir):
 
 ORACLES = {"qwen2_5_vl": "trl:qwen2_5_vl_training", "qwen2_vl": "trl:qwen2_5_vl_training",
            "qwen3_vl": "trl:qwen3_vl_training", "llava": "trl:llava_next_training",
-           "llava_next": "trl:llava_next_training", "gemma3": "trl:gemma3_training"}
+           "llava_next": "trl:llava_next_training", "gemma3": "trl:gemma3_training",
+           "idefics3": "trl:idefics3_training"}
+
+
+# families whose expansion of an image holds tokens of its own around the image tokens (Gemma 3: start and end of image,
+# blank lines; Idefics3: each tile's tokens and the whole view's)
+AROUND_IMAGES = ("gemma3", "idefics3")
 
 
 def _trained_runs(tokens: list[int], trained: list[bool]) -> list[tuple[int, ...]]:
@@ -203,16 +209,15 @@ def oracle_differences(example: dict, processor, family: str, messages: list[dic
     assistant mask) on the template's text with one placeholder per image: no token of an image's expansion trained
     (its image tokens, Gemma 3's start and end of image), and the runs of trained tokens, turn by turn, the oracle's,
     but whitespace the oracle trains after the stop token (the model never writes it: generation has ended). Where
-    an expansion is a run of image tokens alone (all but Gemma 3), the ids are also the oracle's token for token with
-    each run collapsed to its placeholder. Returns the differences, named."""
+    an expansion is a run of image tokens alone (all but AROUND_IMAGES), the ids are also the oracle's token for
+    token with each run collapsed to its placeholder. Returns the differences, named."""
     from hftrain.constants import IGNORE_INDEX
     from hftrain.modeling import chat_template_text
 
     tok = processor.tokenizer
     placeholder_id, image_id = image_token_ids(processor)
-    expansion = {image_id, placeholder_id} | {tok.convert_tokens_to_ids(t) for t in ("<start_of_image>",
-                                                                                     "<end_of_image>")
-                                              if t in tok.get_vocab()}
+    around = ("<start_of_image>", "<end_of_image>", "<fake_token_around_image>", "<global-img>", "<row_1_col_1>")
+    expansion = {image_id, placeholder_id} | {tok.convert_tokens_to_ids(t) for t in around if t in tok.get_vocab()}
     oracle = tok.apply_chat_template(messages, chat_template=chat_template_text(ORACLES[family]), tokenize=True,
                                      return_dict=True, return_assistant_tokens_mask=True)
     plain, mask = oracle["input_ids"], oracle["assistant_masks"]
@@ -226,7 +231,7 @@ def oracle_differences(example: dict, processor, family: str, messages: list[dic
     if _trained_runs(ids, ours) != _trained_runs(plain, theirs):
         out.append(f"trained runs: hftrain {[tok.decode(r) for r in _trained_runs(ids, ours)]}, the oracle "
                    f"{[tok.decode(r) for r in _trained_runs(plain, theirs)]}")
-    if placeholder_id == image_id:
+    if family not in AROUND_IMAGES:
         collapsed = [t for k, t in enumerate(ids) if t != image_id or k == 0 or ids[k - 1] != image_id]
         if collapsed != list(plain):
             out.append("the processor's ids are not the oracle's text with its placeholders expanded")
@@ -255,6 +260,10 @@ def test_labels_match_the_oracle_and_the_expansion_is_the_processors(vlm_dirs, i
         runs = [len(r) for r in "".join("x" if t == image_id else " " for t in example["input_ids"]).split()]
         sizes = [Image.open(p).size for p in example["images"]]
         # the processor's own count per image (what vLLM asks it), and per family how it comes about
+        if family == "idefics3":  # each tile a run of 4 between its tile tokens, then the whole view's run of 4
+            tiles = [processor.image_processor.get_number_of_image_patches(h, w, {})[0] or 1 for w, h in sizes]
+            assert runs == [4] * sum(tiles) and sum(tiles) > len(sizes)  # split: more runs than images
+            continue
         counted = processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes])["num_image_tokens"]
         assert runs == list(counted)
         if family.startswith("qwen"):  # one token per (2 x patch)^2 pixels (patches merged 2 x 2), as resized
@@ -368,13 +377,13 @@ def test_sft_of_a_tiny_vlm_saves_model_and_processor(vlm_dirs, tmp_path):
 def test_an_image_text_to_text_family_not_checked_is_refused(vlm_dirs, tmp_path, capsys):
     from .test_bad_input import run_check
 
-    folder = tmp_path / "idefics"
+    folder = tmp_path / "mllama"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "idefics3"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "mllama"}))
     (folder / "model.safetensors").write_bytes(b"")
     code, err = run_check([_recipe(tmp_path, str(folder), _square_rows(tmp_path, 4), str(tmp_path / "o"))], capsys)
     assert code == 2
-    assert ("model.name_or_path: the model is an image-text-to-text model of family 'idefics3', which hftrain has "
+    assert ("model.name_or_path: the model is an image-text-to-text model of family 'mllama', which hftrain has "
             "not checked") in err and f"the families checked: {', '.join(sorted(CHECKED))}" in err
 
 

@@ -1,6 +1,6 @@
 """Image rows exact across ranks, accumulation and packing (issue 58, items 4 and 5; issue 66's families): SFT of a
-tiny model of each family checked (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA, LLaVA-NeXT, Gemma 3) on images of four
-sizes (each micro-batch mixes sizes) and answers of one to four words; 2 ranks x GA2, 1 rank x GA4 and packed
+tiny model of each family checked (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA, LLaVA-NeXT, Gemma 3, Idefics3) on images of
+four sizes (each micro-batch mixes sizes) and answers of one to four words; 2 ranks x GA2, 1 rank x GA4 and packed
 batches give the same losses per step and the same weights (fp32, within the bounds of BOUNDS_OF) under DDP, FSDP2
 and ZeRO-3, and each 2-rank save loads with the card's Auto class and gives the 1-rank save's logits; each
 micro-batch's own mean averaged (tests/vision_mean_of_means.py) does not. One launch per strategy, every family in
@@ -28,7 +28,7 @@ from tests.exactness import beyond, within
 from .conftest import launch_prefix, run_matrix
 from .support import RESUMED, assert_resume_exact
 
-FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3"]
+FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3", "idefics3"]
 PACKED = [f for f in FAMILIES if not CHECKED[f].packing_refused]  # Gemma 3's packing is refused (not exact)
 COLOURS = ["red", "blue", "green", "yellow"]
 SIZES = [(56, 56), (84, 56), (60, 100), (112, 84)]

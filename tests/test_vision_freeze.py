@@ -20,6 +20,8 @@ PARTS = {"qwen2_5_vl": {"vision_tower": lambda n: n.startswith("model.visual.") 
                    "projector": lambda n: n.startswith("model.multi_modal_projector.")}}
 PARTS["qwen2_vl"] = PARTS["qwen2_5_vl"]
 PARTS["llava_next"] = PARTS["gemma3"] = PARTS["llava"]
+PARTS["idefics3"] = {"vision_tower": lambda n: n.startswith("model.vision_model."),
+                     "projector": lambda n: n.startswith("model.connector.")}
 PARTS["qwen3_vl"] = {  # the merger and the deepstack mergers project
     "vision_tower": lambda n: n.startswith("model.visual.") and not n.startswith(QWEN3_VL_PROJECTORS),
     "projector": lambda n: n.startswith(QWEN3_VL_PROJECTORS)}
@@ -46,7 +48,7 @@ def test_freeze_leaves_exactly_the_named_parts_untrained(vlm_dirs, tmp_path, fam
             assert not any(trainable[n] for n in names), part
         else:  # what it was without model.freeze (LLaVA's tower above its feature layer is frozen anyway)
             assert all(trainable[n] == baseline[n] for n in names), part
-    language = [n for n in trainable if n.startswith(("model.language_model.", "lm_head."))]
+    language = [n for n in trainable if n.startswith(("model.language_model.", "model.text_model.", "lm_head."))]
     assert language and all(trainable[n] for n in language)
 
 

@@ -20,7 +20,7 @@ from .test_vision_freeze import PARTS
 
 
 def _language_model(name: str) -> bool:
-    return name.startswith("model.language_model.")
+    return name.startswith(("model.language_model.", "model.text_model."))  # Idefics3: text_model
 
 
 def _loaded_with_lora(folder, data, lora) -> torch.nn.Module:

@@ -20,6 +20,9 @@ def tokens_by_hand(processor, family: str, path) -> int:
     image's size (its overview, tiles and row ends)."""
     if family in ("llava", "gemma3"):
         return 16 if family == "llava" else 4
+    if family == "idefics3":  # 4 tokens per tile and 4 for the whole view
+        width, height = Image.open(path).size
+        return 4 * (processor.image_processor.get_number_of_image_patches(height, width, {})[0] or 1)
     if family == "llava_next":
         width, height = Image.open(path).size
         return processor._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0]

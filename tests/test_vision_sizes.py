@@ -67,7 +67,8 @@ def test_a_row_too_long_names_each_images_tokens_and_the_pixel_bound(vlm_dirs, t
 @pytest.mark.parametrize("family, why", [
     ("llava", "LLaVA resizes every image to its vision tower's size"),
     ("llava_next", "LLaVA-NeXT tiles every image on the grids of its config's image_grid_pinpoints"),
-    ("gemma3", "Gemma 3 resizes every image to its vision tower's size")])
+    ("gemma3", "Gemma 3 resizes every image to its vision tower's size"),
+    ("idefics3", "Idefics3 splits every image into tiles of its image processor's max_image_size")])
 def test_pixel_bounds_on_a_family_that_sizes_images_itself_are_refused(vlm_dirs, tmp_path, capsys, monkeypatch,  # noqa: F811
                                                                       family, why):
     checked, ran = refusals_of_check_and_run(tmp_path, vlm_dirs[family],

@@ -28,6 +28,7 @@ PARTS = {
     # of the model itself, not of a part: it trains with the language model
     "llava_next": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
     "gemma3": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
+    "idefics3": {"vision_tower": ("model.vision_model", ()), "projector": ("model.connector", ())},
 }
 
 # parts without a linear layer, so without anything for LoRA to adapt (model.lora.vision_parts refuses them)

@@ -47,6 +47,9 @@ CHECKED = {f.model_type: f for f in [
     VisionFamily("llava_next", "LlavaNextProcessor", "<image>",
                  fixed_size="LLaVA-NeXT tiles every image on the grids of its config's image_grid_pinpoints: its "
                             "largest grid bounds the tokens"),
+    VisionFamily("idefics3", "Idefics3Processor", "<image>",
+                 fixed_size="Idefics3 splits every image into tiles of its image processor's max_image_size (and a "
+                            "whole view): its size bounds the tiles, not pixels"),
     VisionFamily("gemma3", "Gemma3Processor", "<start_of_image>", image_token="<image_soft_token>",
                  token_types="token_type_ids",
                  fixed_size="Gemma 3 resizes every image to its vision tower's size: the same tokens whatever its "

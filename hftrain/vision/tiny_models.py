@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3Processor, Gemma3TextConfig, LlamaConfig,
+from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3Processor, Gemma3TextConfig, Idefics3Config,
+                          Idefics3Processor, LlamaConfig,
                           LlavaConfig, LlavaNextConfig, LlavaNextProcessor, LlavaProcessor, Qwen2_5_VLConfig,
                           Qwen2_5_VLProcessor, Qwen2VLConfig, Qwen2VLProcessor, Qwen3VLConfig, Qwen3VLProcessor,
                           SiglipVisionConfig)
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -143,6 +145,27 @@ def llava_next(tokenizer):
                                       chat_template=tokenizer.chat_template)
 
 
+IDEFICS3_TILES = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+
+
+def idefics3(tokenizer):
+    """(config, processor) of a tiny Idefics3 (SmolVLM's architecture: a SigLIP tower, pixel shuffle, each image split
+    into 56 x 56 tiles up to 112 pixels a side plus a whole view, each 4 tokens between its tile tokens) around
+    `tokenizer`, its image, tile and turn tokens added."""
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                                "<end_of_utterance>", "<global-img>",
+                                                                *IDEFICS3_TILES],
+                                  "bos_token": "<|begin_of_text|>", "eos_token": "<end_of_utterance>"})
+    config = Idefics3Config(text_config=_llama_text(tokenizer),
+                            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                           "num_attention_heads": 2, "image_size": LLAVA_SIZE, "patch_size": 14},
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * LLAVA_SIZE},
+                                                max_image_size={"longest_edge": LLAVA_SIZE}, do_image_splitting=True)
+    return config, Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                     chat_template=tokenizer.chat_template)
+
+
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 GEMMA3_IMAGE_TOKENS = 4  # a 56 x 56 image, 14-pixel patches (16) pooled to 4 tokens (Gemma 3 itself: 896 -> 256)
 
@@ -171,10 +194,11 @@ def gemma3(tokenizer):
 
 
 BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen2_vl": qwen2_vl, "qwen3_vl": qwen3_vl, "llava": llava,
-            "llava_next": llava_next, "gemma3": gemma3}
+            "llava_next": llava_next, "idefics3": idefics3, "gemma3": gemma3}
 # TRL's copies of each family's own template (Qwen2-VL's is Qwen2.5-VL's: the same text)
 TEMPLATES = {"qwen2_5_vl": "trl:qwen2_5_vl", "qwen2_vl": "trl:qwen2_5_vl", "qwen3_vl": "trl:qwen3_vl",
-             "llava": "trl:llava_next", "llava_next": "trl:llava_next", "gemma3": "trl:gemma3"}
+             "llava": "trl:llava_next", "llava_next": "trl:llava_next", "idefics3": "trl:idefics3",
+             "gemma3": "trl:gemma3"}
 
 
 def save_tiny_vision_model(output: str, tokenizer, family: str, seed: int = 0) -> str:
