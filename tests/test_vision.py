@@ -19,7 +19,7 @@ from hftrain.vision.families import CHECKED, image_token_ids
 from hftrain.vision.processor import load_processor
 from tests.exactness import within
 
-FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3", "idefics3"]
+FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava_next", "gemma3", "idefics3"]
 PROCESSORS = {f: None for f in FAMILIES} | {"qwen2_5_vl": Qwen2_5_VLProcessor}
 WORDS = ["what colour is the square", "red", "blue", "green", "yellow", "a square on white", "describe the image"]
 
@@ -183,7 +183,8 @@ def test_markers_and_images_must_agree(vlm_dirs, image_dir):
 
 
 ORACLES = {"qwen2_5_vl": "trl:qwen2_5_vl_training", "qwen2_vl": "trl:qwen2_5_vl_training",
-           "qwen3_vl": "trl:qwen3_vl_training", "llava": "trl:llava_next_training",
+           "qwen3_vl": "trl:qwen3_vl_training", "qwen3_vl_moe": "trl:qwen3_vl_training",
+           "llava": "trl:llava_next_training",
            "llava_next": "trl:llava_next_training", "gemma3": "trl:gemma3_training",
            "idefics3": "trl:idefics3_training"}
 

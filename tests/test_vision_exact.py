@@ -1,10 +1,11 @@
 """Image rows exact across ranks, accumulation and packing (issue 58, items 4 and 5; issue 66's families): SFT of a
-tiny model of each family checked (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA, LLaVA-NeXT, Gemma 3, Idefics3) on images of
-four sizes (each micro-batch mixes sizes) and answers of one to four words; 2 ranks x GA2, 1 rank x GA4 and packed
-batches give the same losses per step and the same weights (fp32, within the bounds of BOUNDS_OF) under DDP, FSDP2
-and ZeRO-3, and each 2-rank save loads with the card's Auto class and gives the 1-rank save's logits; each
-micro-batch's own mean averaged (tests/vision_mean_of_means.py) does not. One launch per strategy, every family in
-each, against one 1-rank reference launch. Gemma 3 is not packed (refused: not exact)."""
+tiny model of each family checked (Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA, LLaVA-NeXT, Gemma 3,
+Idefics3) on images of four sizes (each micro-batch mixes sizes) and answers of one to four words; 2 ranks x GA2,
+1 rank x GA4 and packed batches give the same losses per step and the same weights (fp32, within the bounds of
+BOUNDS_OF) under DDP, FSDP2 and ZeRO-3, and each 2-rank save loads with the card's Auto class and gives the 1-rank
+save's logits; each micro-batch's own mean averaged (tests/vision_mean_of_means.py) does not. One launch per
+strategy, every family in each, against one 1-rank reference launch. Gemma 3 is not packed (refused: not exact);
+Qwen3-VL-MoE also with the MoE section's router losses."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.exactness import beyond, within
 from .conftest import launch_prefix, run_matrix
 from .support import RESUMED, assert_resume_exact
 
-FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "llava_next", "gemma3", "idefics3"]
+FAMILIES = ["qwen2_5_vl", "llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava_next", "gemma3", "idefics3"]
 PACKED = [f for f in FAMILIES if not CHECKED[f].packing_refused]  # Gemma 3's packing is refused (not exact)
 COLOURS = ["red", "blue", "green", "yellow"]
 SIZES = [(56, 56), (84, 56), (60, 100), (112, 84)]
@@ -83,7 +84,11 @@ def setup(tmp_path_factory):
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "vision_parts": ["projector"]}  # no dropout: masks differ by rank
 
 
-def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, lora=None, **training):
+MOE = {"aux_loss_coef": 0.01, "router_z_loss_coef": 0.001}  # Qwen3-VL-MoE's routers balanced (the MoE section)
+
+
+def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, lora=None, moe=None,
+            **training):
     _, models, rows, held = setup
     tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa",
                       **({"lora": lora} if lora else {})},
@@ -91,7 +96,8 @@ def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", p
                      "packing": packing},
             "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
                          "logging_steps": 1, "save_strategy": "no", "per_device_train_batch_size": bs,
-                         "per_device_eval_batch_size": 2, "gradient_accumulation_steps": ga, **EXACT, **training}}
+                         "per_device_eval_batch_size": 2, "gradient_accumulation_steps": ga, **EXACT, **training},
+            **({"moe": moe} if moe else {})}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return module, [str(path)]
@@ -126,6 +132,7 @@ def one_rank(tmp_path_factory, setup):
         variants[f"resume_whole{name}"] = variant(tmp, f"resume_whole{name}", setup, FAMILIES[0], 4, 1, packing=True,
                                                   **RESUMED, max_steps=4, **more)
     variants["lora_1x_ga4"] = variant(tmp, "lora_1x_ga4", setup, FAMILIES[0], 2, 4, lora=LORA)
+    variants["moe_1x_ga4"] = variant(tmp, "moe_1x_ga4", setup, "qwen3_vl_moe", 2, 4, moe=MOE)
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900)
 
 
@@ -158,6 +165,9 @@ def two_ranks(request, tmp_path_factory, setup):
             variants["lora_2x_ga2"] = variant(tmp, "lora_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA)
             variants["lora_naive_2x_ga2"] = variant(tmp, "lora_naive_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA,
                                                     module="tests.vision_mean_of_means")
+            variants["moe_2x_ga2"] = variant(tmp, "moe_2x_ga2", setup, "qwen3_vl_moe", 2, 2, moe=MOE)
+            variants["moe_naive_2x_ga2"] = variant(tmp, "moe_naive_2x_ga2", setup, "qwen3_vl_moe", 2, 2, moe=MOE,
+                                                   module="tests.vision_mean_of_means")
             launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
                                                  timeout=900)
         return launches[strategy]
@@ -263,3 +273,22 @@ def test_a_lora_vision_model_on_two_ranks_equals_one_rank(one_rank, two_ranks, s
     control_loss, control = runs["lora_naive_2x_ga2"]
     beyond("vision.lora_two_ranks_vs_one.losses", control_loss, ref_loss, label=strategy)
     beyond("vision.lora_two_ranks_vs_one.weights", control, ref, label=strategy)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_an_moe_vision_model_with_its_router_losses_on_two_ranks_equals_one_rank(one_rank, two_ranks, strategy):
+    """Qwen3-VL-MoE with the MoE section's load-balancing and z losses (its language model's routers, read through
+    its text config): 2 ranks x GA2 give 1 rank x GA4's losses and weights; each micro-batch's own mean averaged
+    (the control) does not."""
+    tmp1, variants1 = one_rank
+    tmp, variants = two_ranks(strategy)
+    ref_loss, ref, _ = outcome(variants1, tmp1, "moe_1x_ga4")
+    losses, final, _ = outcome(variants, tmp, "moe_2x_ga2", 2, strategy)
+    history = json.load(open(tmp1 / "moe_1x_ga4" / "trainer_state.json"))["log_history"]
+    assert all(h["moe_aux_loss"] > 0 and h["moe_z_loss"] > 0 for h in history if "loss" in h)  # both were on
+    within("vision.moe_two_ranks_vs_one.losses", losses, ref_loss, label=strategy)
+    within("vision.moe_two_ranks_vs_one.weights", *compared_weights(final, ref), label=strategy)
+    naive_loss, naive, _ = outcome(variants, tmp, "moe_naive_2x_ga2", 2, strategy)
+    beyond("vision.moe_two_ranks_vs_one.losses", naive_loss, ref_loss, label=strategy)
+    beyond("vision.moe_two_ranks_vs_one.weights", *compared_weights(naive, ref), label=strategy)

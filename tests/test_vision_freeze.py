@@ -22,7 +22,7 @@ PARTS["qwen2_vl"] = PARTS["qwen2_5_vl"]
 PARTS["llava_next"] = PARTS["gemma3"] = PARTS["llava"]
 PARTS["idefics3"] = {"vision_tower": lambda n: n.startswith("model.vision_model."),
                      "projector": lambda n: n.startswith("model.connector.")}
-PARTS["qwen3_vl"] = {  # the merger and the deepstack mergers project
+PARTS["qwen3_vl"] = PARTS["qwen3_vl_moe"] = {  # the merger and the deepstack mergers project
     "vision_tower": lambda n: n.startswith("model.visual.") and not n.startswith(QWEN3_VL_PROJECTORS),
     "projector": lambda n: n.startswith(QWEN3_VL_PROJECTORS)}
 

@@ -16,7 +16,7 @@ from hftrain.vision.processor import load_processor, processor_of
 
 from .test_vision import _write, refusals_of_check_and_run, vlm_dirs  # noqa: F401
 
-QWEN = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]
+QWEN = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def _rows(folder, sizes) -> str:
@@ -39,7 +39,7 @@ def _tokens_per_image(folder, path, **data_keys) -> list[int]:
 
 @pytest.mark.parametrize("family", QWEN)
 def test_pixel_bounds_set_each_images_tokens_and_are_saved_with_the_processor(vlm_dirs, tmp_path, family):  # noqa: F811
-    patch = 16 if family == "qwen3_vl" else 14
+    patch = 16 if family.startswith("qwen3_vl") else 14
     token = (2 * patch) ** 2  # pixels per token: patches merged 2 x 2
     path = _rows(tmp_path, [(20 * patch, 20 * patch), (2 * patch, 2 * patch)])  # 100 tokens and 1, unbounded
     default, _ = _tokens_per_image(vlm_dirs[family], path)

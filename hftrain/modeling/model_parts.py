@@ -30,6 +30,7 @@ PARTS = {
     "gemma3": {"vision_tower": ("model.vision_tower", ()), "projector": ("model.multi_modal_projector", ())},
     "idefics3": {"vision_tower": ("model.vision_model", ()), "projector": ("model.connector", ())},
 }
+PARTS["qwen3_vl_moe"] = PARTS["qwen3_vl"]  # Qwen3-VL's tower and mergers; its language model holds the experts
 
 # parts without a linear layer, so without anything for LoRA to adapt (model.lora.vision_parts refuses them)
 WITHOUT_LINEAR = {("gemma3", "projector"): "Gemma 3's projector is a projection matrix and a norm, no linear layer"}

@@ -47,7 +47,7 @@ def _attach_section(trainer, model, cfg, done: dict) -> None:
     if cfg.aux_loss_coef or cfg.router_z_loss_coef:
         # The model returns router logits and its load-balancing loss (computed with the attention mask) as
         # `outputs.aux_loss`; it adds nothing to a loss because hftrain passes no labels (outputs.loss is None).
-        base.config.output_router_logits = True
+        base.config.get_text_config().output_router_logits = True  # a VLM's language model reads its own config
         tap = MaskTap(base)
         if cfg.aux_loss_coef:
             trainer.aux_losses["moe_aux_loss"] = (model_aux_loss, float(cfg.aux_loss_coef))

@@ -26,7 +26,7 @@ def computes_aux_loss(model) -> bool:
 
 
 def _no_router(model, key: str) -> str | None:
-    if routers(model) and hasattr(model.config, "output_router_logits"):
+    if routers(model) and hasattr(model.config.get_text_config(), "output_router_logits"):  # a VLM's: its text's
         return None
     return (f"{type(model).__name__} has no MoE router (no sparse block found and no config.output_router_logits): "
             f"use an MoE model, set moe.upcycle, or remove {key}")

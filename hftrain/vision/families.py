@@ -42,6 +42,7 @@ CHECKED = {f.model_type: f for f in [
     VisionFamily("qwen2_5_vl", "Qwen2_5_VLProcessor", **QWEN_VL),
     VisionFamily("qwen2_vl", "Qwen2VLProcessor", **QWEN_VL),
     VisionFamily("qwen3_vl", "Qwen3VLProcessor", **QWEN_VL),
+    VisionFamily("qwen3_vl_moe", "Qwen3VLProcessor", **QWEN_VL),
     VisionFamily("llava", "LlavaProcessor", "<image>",
                  fixed_size="LLaVA resizes every image to its vision tower's size: the same tokens whatever its size"),
     VisionFamily("llava_next", "LlavaNextProcessor", "<image>",

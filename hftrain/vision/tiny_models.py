@@ -12,7 +12,8 @@ import torch
 from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3Processor, Gemma3TextConfig, Idefics3Config,
                           Idefics3Processor, LlamaConfig,
                           LlavaConfig, LlavaNextConfig, LlavaNextProcessor, LlavaProcessor, Qwen2_5_VLConfig,
-                          Qwen2_5_VLProcessor, Qwen2VLConfig, Qwen2VLProcessor, Qwen3VLConfig, Qwen3VLProcessor,
+                          Qwen2_5_VLProcessor, Qwen2VLConfig, Qwen2VLProcessor, Qwen3VLConfig, Qwen3VLMoeConfig,
+                          Qwen3VLProcessor,
                           SiglipVisionConfig)
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -92,6 +93,20 @@ def qwen3_vl(tokenizer):
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(head_dim), "mrope_interleaved": True}
     config = Qwen3VLConfig(
         text_config=_qwen_text(tokenizer, head_dim=head_dim, rope_parameters=rope),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **tokens)
+    return config, _qwen_vl_processor(Qwen3VLProcessor, tokenizer, 16)
+
+
+def qwen3_vl_moe(tokenizer):
+    """(config, processor) of a tiny Qwen3-VL-MoE (Qwen3-VL's tower; a language model of 4 experts, 2 per token, in
+    every layer) around `tokenizer`, its image tokens added."""
+    tokens = _qwen_vl_tokens(tokenizer)
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(head_dim), "mrope_interleaved": True}
+    config = Qwen3VLMoeConfig(
+        text_config=_qwen_text(tokenizer, head_dim=head_dim, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, decoder_sparse_step=1, tie_word_embeddings=False),
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
                        "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **tokens)
     return config, _qwen_vl_processor(Qwen3VLProcessor, tokenizer, 16)
@@ -193,10 +208,12 @@ def gemma3(tokenizer):
                                    image_seq_length=GEMMA3_IMAGE_TOKENS, chat_template=tokenizer.chat_template)
 
 
-BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen2_vl": qwen2_vl, "qwen3_vl": qwen3_vl, "llava": llava,
+BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen2_vl": qwen2_vl, "qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl_moe,
+            "llava": llava,
             "llava_next": llava_next, "idefics3": idefics3, "gemma3": gemma3}
 # TRL's copies of each family's own template (Qwen2-VL's is Qwen2.5-VL's: the same text)
 TEMPLATES = {"qwen2_5_vl": "trl:qwen2_5_vl", "qwen2_vl": "trl:qwen2_5_vl", "qwen3_vl": "trl:qwen3_vl",
+             "qwen3_vl_moe": "trl:qwen3_vl",
              "llava": "trl:llava_next", "llava_next": "trl:llava_next", "idefics3": "trl:idefics3",
              "gemma3": "trl:gemma3"}
 
