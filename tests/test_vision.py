@@ -403,6 +403,19 @@ def test_a_strategy_not_proven_for_image_models_is_refused(vlm_dirs, tmp_path, c
         assert "not proven" not in err, (proven, err)
 
 
+def test_qwen3_vl_moe_under_zero3_is_refused_with_the_loaders_fault(vlm_dirs, tmp_path, capsys):
+    """Under ZeRO-3 transformers loads Qwen3-VL-MoE's experts in another layout (tests/test_vision_exact.py found it):
+    refused by check (the run's preflight is the same), naming the strategies that hold."""
+    from .test_bad_input import run_check
+
+    recipe = _recipe(tmp_path, vlm_dirs["qwen3_vl_moe"], _square_rows(tmp_path, 4), str(tmp_path / "o"))
+    code, err = run_check([recipe, "strategy.name=zero3"], capsys)
+    assert code == 2 and "strategy.name: qwen3_vl_moe under zero3: transformers' ZeRO-3 loader does not lay out " \
+        "Qwen3-VL-MoE's expert weights" in err and "use strategy.name: ddp or fsdp" in err
+    code, err = run_check([recipe, "strategy.name=fsdp"], capsys)
+    assert "qwen3_vl_moe under" not in err
+
+
 def test_sequence_parallelism_is_refused_for_image_models(vlm_dirs, tmp_path, capsys):
     """Under sequence parallelism an example's image tokens would be split over ranks: not proven, refused."""
     from .test_bad_input import run_check
