@@ -26,6 +26,7 @@ from .packing import PackedImageRows
 from .families import family_of, image_token_ids
 from .labels import image_example, image_tokens_in
 from .image_rows import base_folder, canonical_image_row
+from .image_cache import ReadExamples, cached_examples
 from .image_sources import image_layout
 
 
@@ -56,14 +57,30 @@ def size_fix(processor) -> str:
 
 def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> tuple[list[dict], int]:
     """(every row of one source that trains as an example: input_ids, labels, images, row; the source's rows), each
-    row checked."""
+    row checked; from the datasets cache where this source was read so before (image_cache.py), its images unchanged."""
     rows = read_rows(src, key)
+    read = cached_examples(rows, src, key, processor, cfg, lambda: read_examples(rows, src, key, processor, cfg))
+    if not read.examples:
+        raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
+    print0(f"hftrain: {key} ({src.path}): image rows, layout {read.layout}, {rows.count} rows"
+           f"{' (prepared before: the datasets cache)' if read.cached else ''}", file=sys.stderr)
+    for left, why, fix in ((read.too_long, f"longer than data.max_length={cfg.max_length} tokens, their images' "
+                            "included (data.truncation: drop)", "raise data.max_length to keep them"),
+                           (read.untrainable, "no trainable token (data.skip_untrainable)",
+                            "give them an assistant turn")):
+        say_left_out(key, src.path, left, rows.count, "image rows", why, fix)
+    return read.examples, rows.count
+
+
+def read_examples(rows, src: DataSource, key: str, processor, cfg: DataSection) -> ReadExamples:
+    """Every row of a source read, checked (each image opened and decoded), rendered and labelled."""
     fmt, rename = image_layout(rows, src, key)  # format and columns as the text sources read them
     base, out = base_folder(src.path), []
-    too_long, untrainable = [], []
+    too_long, untrainable, images = [], [], []
     for index, (where, row) in enumerate(rows.iterate()):
         at = f"{key} ({where})"
         canon = canonical_image_row({rename.get(k, k): v for k, v in row.items()}, at, base, fmt, src.roles)
+        images += canon["images"]
         example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at,
                                 cfg.train_turns)
         if len(example["input_ids"]) > cfg.max_length:
@@ -81,14 +98,7 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
             raise DataError(f"{at}: the row has no trainable token (no assistant turn); fix it or set "
                             "data.skip_untrainable: true")
         out.append(dict(example, row=index, messages=canon["messages"]))  # messages: held-out answers
-    if not out:
-        raise DataError(f"{key}: no row of {src.path} trains (too long with data.truncation: drop, or untrainable)")
-    print0(f"hftrain: {key} ({src.path}): image rows, layout {fmt}, {rows.count} rows", file=sys.stderr)
-    for left, why, fix in ((too_long, f"longer than data.max_length={cfg.max_length} tokens, their images' included "
-                            "(data.truncation: drop)", "raise data.max_length to keep them"),
-                           (untrainable, "no trainable token (data.skip_untrainable)", "give them an assistant turn")):
-        say_left_out(key, src.path, left, rows.count, "image rows", why, fix)
-    return out, rows.count
+    return ReadExamples(out, fmt, too_long, untrainable, images)
 
 
 def _dataset(examples: list[dict]) -> datasets.Dataset:
