@@ -28,7 +28,7 @@ DEMOS = os.path.join(REPO, "recipes", "demo")
 # The order a fresh clone can run them in (the SFT demo's model feeds DPO and KTO, the reward demo's model GRPO's,
 # the SFT demo's model is the distillation demos' teacher, the short SFT the on-policy demo's student).
 ORDER = ("sft", "dpo", "kto", "orpo", "qlora", "grpo", "reward", "grpo_reward_model", "distill_student_sft", "distill",
-         "distill_student_sft_short", "distill_on_policy", "long_context", "vision", "vision_dpo",
+         "distill_student_sft_short", "distill_on_policy", "long_context", "vision", "vision_tiles", "vision_dpo",
          "vision_grpo")
 TOOL_DEMOS = ("sft_tools", "grpo_tools")
 COMMAND = re.compile(r"^#\s+((?:hftrain|accelerate launch|python)\s.*)$")
