@@ -246,7 +246,7 @@ BOUNDS: dict[str, Bound] = {
     "vision.packed_vs_accumulated.weights": Bound(1e-05, {"avx512": 7.24e-07, "avx2": 6.55e-07, "default": 8.68e-07}),
     "vision.lora_two_ranks_vs_one.losses": Bound(1e-06, {"avx512": 8.42e-08, "avx2": 8.42e-08, "default": 0.0}),
     "vision.lora_two_ranks_vs_one.weights": Bound(5e-06, {"avx512": 2.05e-07, "avx2": 2.05e-07, "default": 1.82e-07}),
-    "vision.part_rates.moves": Bound(1e-06, {}),
+    "vision.part_rates.weights": Bound(1e-06, {}),
     "vision.moe_two_ranks_vs_one.losses": Bound(1e-06, {}),
     "vision.moe_two_ranks_vs_one.weights": Bound(1e-05, {}),
     "vision.packed_vs_padded.example_losses": Bound(1e-06, {"avx512": 0, "avx2": 6.86e-09, "default": 1.37e-08}),

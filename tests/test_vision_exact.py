@@ -182,11 +182,12 @@ def two_ranks(request, tmp_path_factory, setup):
 
 
 def compared_weights(final: dict, ref: dict) -> tuple[dict, dict]:
-    """Both saves' weights to compare relatively, but for LLaVA's vision tower key biases (no rotary positions there):
-    their gradient is zero (softmax does not change when all of a query's scores move by q.b), so they stay at 0 up
-    to rounding (~1e-11) and are compared absolutely here. Savers differ only in whether they also write the tied
-    lm_head.weight (equal to the embedding): it is compared only where both hold it."""
-    keys = [k for k in ref if k.startswith("vision_tower.") and k.endswith("k_proj.bias")]
+    """Both saves' weights to compare relatively, but for the key biases of a vision tower without rotary positions
+    (CLIP, SigLIP: LLaVA, LLaVA-NeXT, Idefics3): their gradient is zero (softmax does not change when all of a query's
+    scores move by q.b), so they stay at 0 up to rounding (~1e-11) and are compared absolutely here. Savers differ
+    only in whether they also write the tied lm_head.weight (equal to the embedding): it is compared only where both
+    hold it."""
+    keys = [k for k in ref if "vision_" in k and k.endswith("self_attn.k_proj.bias")]
     for k in keys:
         assert (final[k] - ref[k]).abs().max() < 1e-9 and ref[k].abs().max() < 1e-9, k
     both = set(final) & set(ref)
