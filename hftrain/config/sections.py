@@ -85,14 +85,11 @@ class ModelSection:
         "grouped_mm); default: transformers' choice (grouped_mm where torch has it). bench/moe.py impl times them.")
     freeze: list[str] = option(
         help="Image-text-to-text models: parts left untrained, e.g. [vision_tower, projector] (LLaMA-Factory's "
-        "freeze_vision_tower / freeze_multi_modal_projector), or [vision_tower, language_model] to train the projector "
-        "alone; a name the family has no part for is refused.",
+        "freeze_vision_tower / freeze_multi_modal_projector); [vision_tower, language_model]: the projector alone.",
         factory=list)
     part_learning_rates: dict[str, float] = option(
         help="Image-text-to-text models: a learning rate per part (vision_tower, projector, language_model), e.g. "
-        "{vision_tower: 2.0e-6, projector: 1.0e-4}; the parts not named train at training.learning_rate, all under its "
-        "schedule. The run prints what trains at what rate.",
-        factory=dict)
+        "{vision_tower: 2.0e-6}; the others at training.learning_rate, all under its schedule.", factory=dict)
 
 
 @dataclass
@@ -133,14 +130,11 @@ class DataSection:
     packing: bool = option(
         False, "Pack each batch into rows no longer than its longest example; position_ids restart per "
                                "example so none attends another.")
-    image_min_pixels: int | None = option(
-        None, "Image rows: each image resized up to at least this many pixels (width x height, aspect kept) by the "
-        "model's processor, so at least about this many / (patch x merge)^2 tokens (Qwen-VL: 28 x 28 pixels a token); "
-        "families that resize every image to one size refuse it. Default: the processor's own.")
-    image_max_pixels: int | None = option(
-        None, "Image rows: each image resized down to at most this many pixels (e.g. 768 x 768 = 589824, LLaMA-"
-        "Factory's default) by the model's processor, capping its tokens; families that resize every image to one "
-        "size refuse it. Default: the processor's own (Qwen2.5-VL: 12845056 pixels, about 16k tokens).")
+    image_min_pixels: int | None = option(None, "Image rows: the fewest pixels an image is resized to (aspect kept) by "
+                                          "the processor (Qwen-VL: 28 x 28 pixels a token); default: the processor's.")
+    image_max_pixels: int | None = option(None, "Image rows: the most pixels an image is resized to, capping its "
+                                          "tokens (e.g. 589824 = 768 x 768); default: the processor's (Qwen2.5-VL: "
+                                          "12845056, ~16k tokens). Families that size images themselves refuse both.")
     assistant_only_loss: bool = option(True, "messages/alpaca: train on assistant tokens only.")
     train_turns: Literal["all", "last"] = option(
         "all", "Conversations: train every assistant turn, each as the chat template writes it when it is the last "

@@ -37,7 +37,7 @@ def part_names(family: str) -> list[str]:
     return sorted([*PARTS[family], LANGUAGE_MODEL])
 
 
-def _base(model):
+def unwrapped(model):
     """The transformers model under a peft wrapper (its module paths are the family's own)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -45,7 +45,7 @@ def _base(model):
 def part_of_parameters(model, family: str) -> dict[str, str]:
     """Each parameter's part (by its name in `model`): a vision part of PARTS, or the language model, which is all
     the rest (its decoder, embeddings and head; LLaVA-NeXT's image_newline; LoRA adapters inside it)."""
-    base, owner = _base(model), {}
+    base, owner = unwrapped(model), {}
     for name, (path, left_out) in PARTS[family].items():
         skipped = {id(p) for inner in left_out for p in base.get_submodule(inner).parameters()}
         owner |= {id(p): name for p in base.get_submodule(path).parameters() if id(p) not in skipped}

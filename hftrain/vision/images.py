@@ -12,6 +12,7 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
+from ..data.cache import cache_folder
 from ..errors import DataError
 
 # The most pixels an image may have (width x height): 8192 x 8192. Larger images are almost always a mistake (a scan
@@ -38,8 +39,6 @@ def image_path(value, base: str, what: str) -> str:
 
 def image_store() -> str:
     """Where the images rows hold as bytes are kept as files, one per content: beside hftrain's data cache."""
-    from ..data.cache import cache_folder
-
     return os.path.join(cache_folder(), "images")
 
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 import sys
 
 from ..distributed import print0
-from .families import CHECKED
-from .freezing import _base, part_names, part_of_parameters
+from .families import CHECKED, model_type_of
+from .freezing import part_names, part_of_parameters, unwrapped
 
 
 def part_rate_problems(section) -> list[tuple[str, str]]:
     """(key, problem) for model.part_learning_rates of a model section (checked before anything loads)."""
-    from .families import model_type_of
-
     rates = getattr(section, "part_learning_rates", None) or {}
     if not rates:
         return []
@@ -60,7 +58,7 @@ class PartRatesMixin:
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
         opt_model = self.model if model is None else model
-        family = getattr(getattr(_base(opt_model), "config", None), "model_type", None)
+        family = getattr(getattr(unwrapped(opt_model), "config", None), "model_type", None)
         if family not in CHECKED or getattr(self, "_parts_split", False):
             return optimizer
         names = part_of_parameters(opt_model, family)
