@@ -56,6 +56,9 @@ CONTRACT = [
     ("transformers:PreTrainedModel", "_weight_conversions", None,
      "modeling.wrap_classes_and_renamings: the renamings a save reverts kept to those the load applied (ZeRO-3 "
      "kept all)"),
+    ("transformers:PreTrainedTokenizerBase", "_set_model_specific_special_tokens", ["special_tokens"],
+     "vision.tiny_models: Gemma 3's named image tokens (boi_token, ...) on a tokenizer trained here, saved as the "
+     "Hub's tokenizer_config.json names them"),
     # TRL
     ("trl:DPOTrainer", "_precompute_ref_logps", ["dataset", "name", "batch_size"], "preference: SimPO's constant"),
     ("trl:DPOTrainer", "_get_num_items_in_batch", ["batch_samples", "device"], "preference: the pair count"),

@@ -61,7 +61,8 @@ def test_a_part_the_family_does_not_have_is_refused_by_check_and_the_run(vlm_dir
                                                                          monkeypatch):
     checked, ran = _refusal(tmp_path, vlm_dirs["llava"], ["vision_tower", "aligner"], capsys, monkeypatch)
     assert checked == ran
-    assert "model.freeze.1: 'aligner' is not a part of a llava model; its parts: projector, vision_tower" in checked
+    assert ("model.freeze.1: 'aligner' is not a part of a llava model; its parts: language_model, projector, "
+            "vision_tower") in checked
 
 
 def test_freeze_on_a_text_model_is_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
