@@ -26,7 +26,11 @@ from hftrain.vision.processor import load_processor
 from tests.exactness import beyond, within
 
 from .conftest import launch_prefix, run_matrix
-from .test_vision_exact import COLOURS, FAMILIES, _square, compared_weights
+from .test_vision_exact import COLOURS, _square, compared_weights
+
+# The families DPO on images is measured on (its bounds' figures); issue 66's other families go through the same
+# modality code, but their TRL collators and bounds are not measured here yet.
+FAMILIES = ["qwen2_5_vl", "llava"]
 
 EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
              train_sampling_strategy="sequential")

@@ -23,7 +23,11 @@ from tests.exactness import beyond, within
 
 from .conftest import ACCELERATE_LAUNCH, PY, run
 from .support import free_port
-from .test_vision_exact import COLOURS, FAMILIES, _square, compared_weights
+from .test_vision_exact import COLOURS, _square, compared_weights
+
+# The families GRPO on images is measured on (its bounds' figures); issue 66's other families go through the same
+# modality code, but their TRL collators and bounds are not measured here yet.
+FAMILIES = ["qwen2_5_vl", "llava"]
 
 QUESTION = "what colour is the square"
 
