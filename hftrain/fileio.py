@@ -14,9 +14,9 @@ import struct
 NEARLY_FULL = 1 << 20  # bytes
 
 
-def atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str | bytes) -> None:
     tmp = _own_temporary(path)
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", encoding="utf-8") as fh:
         try:
             fh.write(text)
             fh.flush()

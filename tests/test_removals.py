@@ -48,10 +48,6 @@ REMOVALS = {
         ["tests/test_op_cache.py::test_on_a_local_disk_a_lock_no_process_builds_under_is_released_after_a_minute",
          "tests/test_op_cache.py::test_on_a_shared_disk_only_a_lock_and_folder_both_quiet_for_15_min_are_released",
          "tests/test_op_cache.py::test_a_lock_whose_folder_a_process_works_in_is_kept"]),
-    ("hftrain/vision/images.py", "held_image", "os.replace"): (
-        1, "an image held in a data row, written to hftrain's image store (the datasets cache's hftrain/images) under "
-           "the SHA-256 of its bytes: a file of that name already holds the same bytes",
-        ["tests/test_vision_hub_rows.py::test_an_image_column_gives_the_examples_of_image_files"]),
     ("hftrain/fileio.py", "atomic_write", "os.replace"): (
         1, "the file being written, replaced by its complete new version",
         ["tests/test_removals.py::test_atomic_write_removes_only_its_own_temporary_file"]),

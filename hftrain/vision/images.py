@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 
 from PIL import Image, UnidentifiedImageError
 
 from ..data.cache import cache_folder
 from ..errors import DataError
+from ..fileio import atomic_write
 
 # The most pixels an image may have (width x height): 8192 x 8192. Larger images are almost always a mistake (a scan
 # at print resolution) and cost memory in the processor before it resizes them; PIL's own bomb guard is above this.
@@ -44,8 +44,8 @@ def image_store() -> str:
 
 def held_image(value, what: str) -> str:
     """The file of an image held in a row (its encoded bytes, or a decoded PIL image saved as PNG, lossless), named
-    by the SHA-256 of those bytes in image_store(): written once (atomically: a temporary file renamed), found again
-    by every later read. Every later step (the checks, the processor, the collator) reads it as any image file."""
+    by the SHA-256 of those bytes in image_store(): written once (fileio.atomic_write), found again by every later
+    read. Every later step (the checks, the processor, the collator) reads it as any image file."""
     if isinstance(value, Image.Image):
         encoded = io.BytesIO()
         value.save(encoded, format="PNG")
@@ -56,9 +56,7 @@ def held_image(value, what: str) -> str:
     if not os.path.isfile(path):
         try:
             os.makedirs(folder, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".image-", delete=False) as f:
-                f.write(value)
-            os.replace(f.name, path)
+            atomic_write(path, value)
         except OSError as e:
             raise DataError(f"{what}: the image the row holds cannot be kept in {folder} ({e.strerror or e}): make "
                             "it writable, or point HF_DATASETS_CACHE at a writable folder") from None
