@@ -123,11 +123,12 @@ class Images(Modality):
 
     def problems(self, recipe, unit):
         """Strategies not proven with images, and data keys image rows (or pairs) cannot honour."""
-        out = strategy_problems(model_type_of(recipe.model.name_or_path), getattr(recipe.strategy, "name", None),
+        family = model_type_of(recipe.model.name_or_path)
+        out = strategy_problems(family, getattr(recipe.strategy, "name", None),
                                 getattr(recipe.strategy, "sequence_parallel", None))
         if recipe.data is not None:
-            out += packing_problems(model_type_of(recipe.model.name_or_path), recipe.data.packing)
-            out += image_size_problems(model_type_of(recipe.model.name_or_path), recipe.data)
+            out += packing_problems(family, recipe.data.packing)
+            out += image_size_problems(family, recipe.data)
             out += image_pair_problems(recipe.data) if unit == "pairs" else image_data_problems(recipe.data)
         if unit == "pairs" and getattr(getattr(recipe, "preference", None), "precompute_ref_log_probs", False):
             out.append(("preference.precompute_ref_log_probs", "TRL computes the reference's log-probs of image "

@@ -121,6 +121,16 @@ def strategy_problems(model_type: str | None, strategy: str | None, sequence_par
     return out
 
 
+def section_family(section, key: str, does: str) -> tuple[str | None, list[tuple]]:
+    """(the checked family of a model section's model, []), or (None, the refusal of `key`, which `does` something
+    only an image-text-to-text model of a checked family has)."""
+    family = model_type_of(section.name_or_path) if isinstance(section.name_or_path, str) else None
+    if family in CHECKED:
+        return family, []
+    return None, [(key, f"{does}; this model is not one of the families hftrain has checked "
+                        f"({', '.join(sorted(CHECKED))}); remove {key}")]
+
+
 def packing_problems(model_type: str | None, packing: bool) -> list[tuple]:
     """A refusal, as (key, message), of packed rows for a family whose packing is not exact."""
     family = CHECKED.get(model_type)
@@ -141,8 +151,7 @@ def image_size_problems(model_type: str | None, data) -> list[tuple]:
         return []
     if family.fixed_size:
         return [(f"data.{k}", f"{family.fixed_size}; remove data.{k}") for k in given]
-    out = [(f"data.{k}", f"must be a positive number of pixels, not {v!r}") for k, v in given.items()
-           if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    out = [(f"data.{k}", f"must be a positive number of pixels, not {v}") for k, v in given.items() if v <= 0]
     low, high = given.get("image_min_pixels"), given.get("image_max_pixels")
     if not out and low is not None and high is not None and low > high:
         out.append(("data.image_min_pixels", f"{low} is more than data.image_max_pixels ({high}); lower it"))

@@ -12,7 +12,7 @@ import sys
 
 from ..distributed import print0
 from ..modeling.model_parts import LANGUAGE_MODEL, PARTS
-from .families import CHECKED, model_type_of
+from .families import model_type_of, section_family
 
 
 def freeze_problems(section) -> list[tuple[str, str]]:
@@ -20,10 +20,10 @@ def freeze_problems(section) -> list[tuple[str, str]]:
     names = getattr(section, "freeze", None) or []
     if not names:
         return []
-    family = model_type_of(section.name_or_path) if isinstance(section.name_or_path, str) else None
-    if family not in CHECKED:
-        return [("model.freeze", "freezes parts of an image-text-to-text model (vision_tower, projector); this model "
-                 f"is not one of the families hftrain has checked ({', '.join(sorted(CHECKED))}); remove model.freeze")]
+    family, refused = section_family(section, "model.freeze", "freezes parts of an image-text-to-text model "
+                                     "(vision_tower, projector)")
+    if refused:
+        return refused
     parts = part_names(family)
     out = [(f"model.freeze.{i}", f"{name!r} is not a part of a {family} model; its parts: {', '.join(parts)}")
            for i, name in enumerate(names) if name not in parts]

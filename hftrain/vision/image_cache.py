@@ -62,10 +62,14 @@ def examples_key(rows, src, processor, cfg) -> str:
 
 def identities(paths: list[str]) -> list[list] | None:
     """[path, size, modification time] of each image file, or None when one is gone."""
-    try:
-        return [[p, st.st_size, st.st_mtime_ns] for p in sorted(set(paths)) for st in [os.stat(p)]]
-    except OSError:
-        return None
+    out = []
+    for path in sorted(set(paths)):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        out.append([path, st.st_size, st.st_mtime_ns])
+    return out
 
 
 def cached_examples(rows, src, key: str, processor, cfg, read: Callable[[], ReadExamples]) -> ReadExamples:

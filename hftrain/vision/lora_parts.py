@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..config import LoraSection
 from ..modeling.model_parts import PARTS, WITHOUT_LINEAR
-from .families import CHECKED, model_type_of
+from .families import section_family
 
 
 def lora_part_problems(section) -> list[tuple[str, str]]:
@@ -18,11 +18,10 @@ def lora_part_problems(section) -> list[tuple[str, str]]:
     names = lora.vision_parts if isinstance(lora, LoraSection) else None
     if not names or not isinstance(names, list):
         return []
-    family = model_type_of(section.name_or_path) if isinstance(section.name_or_path, str) else None
-    if family not in CHECKED:
-        return [("model.lora.vision_parts", "adapts parts of an image-text-to-text model (projector, vision_tower); "
-                 f"this model is not one of the families hftrain has checked ({', '.join(sorted(CHECKED))}); remove "
-                 "model.lora.vision_parts")]
+    family, refused = section_family(section, "model.lora.vision_parts", "adapts parts of an image-text-to-text "
+                                     "model (projector, vision_tower)")
+    if refused:
+        return refused
     parts, frozen = PARTS[family], getattr(section, "freeze", None) or []
     out = [(f"model.lora.vision_parts.{i}", f"{name!r} is not a part of a {family} model; its parts: "
             f"{', '.join(sorted(parts))}") for i, name in enumerate(names) if name not in parts]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from ..distributed import print0
-from .families import CHECKED, model_type_of
+from .families import CHECKED, section_family
 from .freezing import part_names, part_of_parameters, unwrapped
 
 
@@ -23,10 +23,10 @@ def part_rate_problems(section) -> list[tuple[str, str]]:
     rates = getattr(section, "part_learning_rates", None) or {}
     if not rates:
         return []
-    family = model_type_of(section.name_or_path) if isinstance(section.name_or_path, str) else None
-    if family not in CHECKED:
-        return [("model.part_learning_rates", "sets the learning rates of an image-text-to-text model's parts; this "
-                 f"model is not one of the families hftrain has checked ({', '.join(sorted(CHECKED))}); remove it")]
+    family, refused = section_family(section, "model.part_learning_rates",
+                                     "sets the learning rates of an image-text-to-text model's parts")
+    if refused:
+        return refused
     parts, frozen = part_names(family), getattr(section, "freeze", None) or []
     out = []
     for name, rate in rates.items():
