@@ -85,31 +85,29 @@ def qwen2_vl(tokenizer):
     return config, _qwen_vl_processor(Qwen2VLProcessor, tokenizer, 14)
 
 
-def qwen3_vl(tokenizer):
-    """(config, processor) of a tiny Qwen3-VL (16-pixel patches, interleaved mrope, one deepstack layer) around
-    `tokenizer`, its image tokens added."""
+def _qwen3_vl(config_class, tokenizer, **text):
+    """(config, processor) of a tiny Qwen3-VL-style model (16-pixel patches, interleaved mrope, one deepstack layer)
+    of `config_class` around `tokenizer`, its image tokens added; `text`: more of its language model's config."""
     tokens = _qwen_vl_tokens(tokenizer)
     head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(head_dim), "mrope_interleaved": True}
-    config = Qwen3VLConfig(
-        text_config=_qwen_text(tokenizer, head_dim=head_dim, rope_parameters=rope),
+    config = config_class(
+        text_config=_qwen_text(tokenizer, head_dim=head_dim, rope_parameters=rope, **text),
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
                        "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **tokens)
     return config, _qwen_vl_processor(Qwen3VLProcessor, tokenizer, 16)
+
+
+def qwen3_vl(tokenizer):
+    """(config, processor) of a tiny Qwen3-VL around `tokenizer`."""
+    return _qwen3_vl(Qwen3VLConfig, tokenizer)
 
 
 def qwen3_vl_moe(tokenizer):
     """(config, processor) of a tiny Qwen3-VL-MoE (Qwen3-VL's tower; a language model of 4 experts, 2 per token, in
-    every layer) around `tokenizer`, its image tokens added."""
-    tokens = _qwen_vl_tokens(tokenizer)
-    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(head_dim), "mrope_interleaved": True}
-    config = Qwen3VLMoeConfig(
-        text_config=_qwen_text(tokenizer, head_dim=head_dim, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
-                               moe_intermediate_size=32, decoder_sparse_step=1, tie_word_embeddings=False),
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-                       "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **tokens)
-    return config, _qwen_vl_processor(Qwen3VLProcessor, tokenizer, 16)
+    every layer) around `tokenizer`."""
+    return _qwen3_vl(Qwen3VLMoeConfig, tokenizer, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     decoder_sparse_step=1, tie_word_embeddings=False)
 
 
 def _llava_tokens(tokenizer) -> None:
