@@ -131,7 +131,7 @@ def assert_resume_exact(tmp, variants, kind: str, bounds: str) -> None:
 
     from tests.exactness import beyond, within
 
-    weights = "model.safetensors" if kind == "whole" else "adapter_model.safetensors"
+    weights = "adapter_model.safetensors" if kind == "lora" else "model.safetensors"
     runs = {}
     for name in (f"resume_{kind}", f"resume_{kind}_after", f"resume_{kind}_weights_only"):
         variants[name].check()

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from hftrain.config import DataSection, DataSource, ModelSection
-from hftrain.vision import image_datasets, labels
+from hftrain.vision import image_examples, labels
 from hftrain.vision.image_datasets import source_examples
 from hftrain.vision.processor import processor_of
 
@@ -38,7 +38,7 @@ def _no_reading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an image was read again")
 
-    monkeypatch.setattr(image_datasets, "canonical_image_row", refuse)
+    monkeypatch.setattr(image_examples, "canonical_image_row", refuse)
     monkeypatch.setattr(labels, "open_rgb", refuse)
 
 

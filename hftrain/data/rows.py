@@ -118,6 +118,10 @@ class RowExamples:
                            "n_trainable": trainable_tokens(ex["labels"])})
         return result
 
+    def of_row(self, row: dict, where: str) -> list[dict[str, Any]]:
+        """The examples of one row as read (the streaming pipeline's call, stream.py)."""
+        return self.examples(self.layout.canonical(row, where), where)
+
     def __call__(self, batch: dict, indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {name: [] for name in TOKENISED}
         # Every row of the batch in canonical form first: a row that is wrong as data is named before any is

@@ -5,7 +5,8 @@ JSON-lines files are cut into byte blocks (a block owns the lines that start in 
 pass and dealt to the processes in turn; other sources (parquet, CSV, saved and Hub datasets) are read by
 datasets' streaming loader, split between processes by datasets.distributed.split_dataset_by_node, and .json arrays
 are read by every process, each keeping every world-th element. Rows are shuffled in windows of
-data.shuffle_buffer rows, rendered and tokenised one at a time (rows.py, the pipeline of prepared data), too long
+data.shuffle_buffer rows, rendered and tokenised one at a time (rows.py, the pipeline of prepared data; image rows
+by vision/image_examples.py, the reader stream_dataset is given), too long
 or untrainable examples dropped or refused as in prepared data, and the sources drawn from by weight.
 
 The position is exact and cheap to restore: a source's position is (pass, where its current window began, the
@@ -23,7 +24,7 @@ import collections
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import datasets
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from ..config import DataSection, DataSource
 from ..distributed import print0, rank, world_size
 from ..errors import DataError
-from .rows import RowExamples, layout_of, row_examples
+from .rows import layout_of, row_examples
 from .sources import FILE_BUILDERS, Rows, data_files, read_rows_sample, row_size_problem
 from .stream_reader import JsonLines, StreamedDataset
 from .stream_identity import identity_changes, source_identity, stream_change_problem
@@ -41,6 +42,23 @@ EMPTY_PASSES = 64  # passes in a row without a row for this process: the source 
 HISTORY = 1 << 14  # positions kept for examples made but not yet trained on (the dataloader reads ahead)
 CHECK_ROWS = 1000  # rows of each source `hftrain check` tokenises in streaming mode
 DRAW_CHUNK = 4096
+
+
+class RowFunction(Protocol):
+    """What makes a source's examples from its rows: each example's input_ids and labels (and whatever else the
+    collator reads, such as an image row's images), with n_tokens (before any cut) and n_trainable."""
+
+    def of_row(self, row: dict, where: str) -> list[dict[str, Any]]: ...
+
+
+# (first rows of the source, the source, its key, the tokenizer or processor, the data section) -> its row function
+RowsReader = Callable[[Rows, DataSource, str, Any, DataSection], RowFunction]
+KEPT_OUT = ("n_tokens", "n_trainable")  # counts the stream reads, not the collator
+
+
+def text_rows(sample: Rows, src: DataSource, key: str, tokenizer, cfg: DataSection) -> RowFunction:
+    """The text pipeline's tokenising function (rows.py), its layout found from the source's first rows."""
+    return row_examples(layout_of(sample, src, key, tokenizer), tokenizer, cfg)
 
 
 @dataclass(frozen=True)
@@ -58,7 +76,8 @@ class Position:
 class SourceStream:
     """One source's examples for this process, endless, with their positions (see the module docstring)."""
 
-    def __init__(self, index: int, src: DataSource, cfg: DataSection, tokenizer, seed: int, rank_: int, world: int):
+    def __init__(self, index: int, src: DataSource, cfg: DataSection, tokenizer, seed: int, rank_: int, world: int,
+                 reader: RowsReader = text_rows):
         key = f"data.sources.{index}"
         how, files = data_files(src, key)
         self.json = how == "files" and FILE_BUILDERS[os.path.splitext(files[0])[1].lower()] == "json"
@@ -66,13 +85,12 @@ class SourceStream:
                     else StreamedDataset(src, how, files, key, rank_, world))
         self.key, self.src, self.cfg, self.seed, self.index, self.rank = key, src, cfg, seed, index, rank_
         self.buffer = cfg.shuffle_buffer or DEFAULT_SHUFFLE_BUFFER
-        self.fn: RowExamples | None = None
-        self.tokenizer = tokenizer
+        self.fn: RowFunction | None = None
+        self.tokenizer, self.reader = tokenizer, reader
 
     def setup(self, sample: Rows) -> None:
-        """The layout (from the first rows of the source) and the tokenising function."""
-        layout = layout_of(sample, self.src, self.key, self.tokenizer)
-        self.fn = row_examples(layout, self.tokenizer, self.cfg)
+        """The row function, its layout found from the first rows of the source."""
+        self.fn = self.reader(sample, self.src, self.key, self.tokenizer, self.cfg)
 
     def _row(self, raw, place: tuple[int, int], placeholder: str) -> dict:
         if not self.json:
@@ -100,7 +118,7 @@ class SourceStream:
         try:
             row = self._row(raw, place, placeholder)
             out = []
-            for ex in self.fn.examples(self.fn.layout.canonical(row, placeholder), placeholder):
+            for ex in self.fn.of_row(row, placeholder):
                 if self.cfg.truncation == "drop" and ex["n_tokens"] > self.cfg.max_length:
                     continue
                 if ex["n_trainable"] == 0:
@@ -109,7 +127,7 @@ class SourceStream:
                     raise DataError(f"{self.key}: {placeholder}: no trainable token after masking and truncation "
                                     f"to data.max_length={self.cfg.max_length}. Raise data.max_length, fix the row, "
                                     "or set data.skip_untrainable: true to drop such rows")
-                out.append({"input_ids": ex["input_ids"], "labels": ex["labels"]})
+                out.append({k: v for k, v in ex.items() if k not in KEPT_OUT})
             return out
         except DataError as e:
             if placeholder not in str(e):
@@ -157,9 +175,9 @@ class TrainStream:
     """This process's training examples: the sources' streams drawn from by weight (draw n's source is a function
     of the seed, the process and n), and the position after each example made (`state_after`)."""
 
-    def __init__(self, cfg: DataSection, tokenizer, seed: int):
+    def __init__(self, cfg: DataSection, tokenizer, seed: int, reader: RowsReader = text_rows):
         self.world, self.rank, self.seed = world_size(), rank(), seed
-        self.sources = [SourceStream(i, s, cfg, tokenizer, seed, self.rank, self.world)
+        self.sources = [SourceStream(i, s, cfg, tokenizer, seed, self.rank, self.world, reader)
                         for i, s in enumerate(cfg.sources)]
         w = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.p = w / w.sum()
@@ -240,15 +258,16 @@ def check_sample(cfg: DataSection, tokenizer, stream: TrainStream) -> None:
         sample = read_rows_sample(s.src, s.key, CHECK_ROWS)
         s.setup(sample)
         for where, row in sample.iterate():
-            s.fn.examples(s.fn.layout.canonical(row, where), where)
+            s.fn.of_row(row, where)
     print0(f"hftrain: streaming: the first {CHECK_ROWS} rows of each source checked; the rest are read as training "
            "goes")
 
 
-def stream_dataset(cfg: DataSection, tokenizer, seed: int) -> datasets.IterableDataset:
+def stream_dataset(cfg: DataSection, tokenizer, seed: int, reader: RowsReader = text_rows) -> datasets.IterableDataset:
     """The training stream as a datasets IterableDataset of one shard per process (accelerate, with
-    dispatch_batches off, hands each process its own); `.hftrain_stream` is the TrainStream (its position)."""
-    stream = TrainStream(cfg, tokenizer, seed)
+    dispatch_batches off, hands each process its own); `.hftrain_stream` is the TrainStream (its position).
+    `reader`: how a source's rows become examples (text rows; vision/image_stream.py's image rows)."""
+    stream = TrainStream(cfg, tokenizer, seed, reader)
     check_sample(cfg, tokenizer, stream)
     ds = datasets.IterableDataset.from_generator(stream.generate, gen_kwargs={"shard": list(range(stream.world))})
     ds.hftrain_stream = stream

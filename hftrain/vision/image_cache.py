@@ -26,8 +26,8 @@ from ..distributed import print0
 from ..fileio import atomic_write
 
 # The modules whose code decides an image example: their text is part of every key.
-VISION_MODULES = ("labels.py", "image_rows.py", "images.py", "image_datasets.py", "image_sources.py", "families.py",
-                  "image_cache.py")
+VISION_MODULES = ("labels.py", "image_rows.py", "images.py", "image_datasets.py", "image_examples.py",
+                  "image_sources.py", "families.py", "image_cache.py")
 # The data keys an image example depends on (the processor's settings are in the key whole).
 EXAMPLE_KEYS = ("assistant_only_loss", "chat_template_kwargs", "train_turns", "max_length", "truncation",
                 "skip_untrainable")

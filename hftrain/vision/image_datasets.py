@@ -1,12 +1,12 @@
 """The datasets of a recipe whose model is an image-text-to-text model: every row of every source read, its images
-opened and checked (image_rows.py, images.py), rendered by the processor and labelled (labels.py), before the model
-loads; held-out rows split as the text pipeline splits them (data/split.py). Rows are kept in memory, not in the
-datasets cache; batches padded (image_batches.py) or packed (packing.py); streaming is not done for them yet
-(refused by name)."""
+opened and checked (image_rows.py, images.py), rendered by the processor and labelled (labels.py: one row, one
+example, image_examples.py), before the model loads, and kept in the datasets cache (image_cache.py); held-out rows
+split as the text pipeline splits them (data/split.py); batches padded (image_batches.py) or packed (packing.py).
+With data.streaming the training rows are read as training goes instead (data/stream.py, its position exact on
+resume, given image_examples.py's row function); held-out rows come from data.eval_sources, prepared."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -16,43 +16,20 @@ import datasets
 from ..config import DataSection, DataSource
 from ..data import Datasets, mix, read_rows
 from ..data.left_out import say_left_out
-from ..data.render import trainable_tokens
 from ..data.split import split_rows
+from ..data.stream import stream_dataset
 from ..distributed import print0
 from ..errors import DataError
 from .image_answers import image_eval_examples
 from .image_batches import ImageRows
-from .packing import PackedImageRows
-from .families import family_of, image_token_ids
-from .labels import image_example, image_tokens_in
-from .image_rows import base_folder, canonical_image_row
 from .image_cache import ReadExamples, cached_examples
-from .image_sources import image_layout
+from .image_examples import ImageRowExamples
+from .packing import PackedImageRows
 
 
 @dataclass
 class ImageDatasets(Datasets):
     processor: Any = None  # the trainer's processing class: saved beside the model
-
-
-def not_yet_problems(cfg: DataSection) -> list[str]:
-    out = []
-    if cfg.streaming:
-        out.append("data.streaming: streaming image rows is not done yet; set data.streaming: false")
-    return out
-
-
-def image_tokens_said(example: dict, processor) -> str:
-    """`N of them its images' (FILE: N tokens, ...)`: each image's run of tokens in an example."""
-    groups = image_tokens_in(example, image_token_ids(processor)[1])
-    each = ", ".join(f"{' and '.join(os.path.basename(example['images'][i]) for i in images)}: {count} tokens"
-                     for images, count in groups)
-    return f"{sum(count for _, count in groups)} of them its images' ({each})"
-
-
-def size_fix(processor) -> str:
-    """The fix for images too large, where the family's processor takes pixel bounds."""
-    return "" if family_of(processor).fixed_size else ", or lower data.image_max_pixels (fewer tokens per image)"
 
 
 def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> tuple[list[dict], int]:
@@ -74,43 +51,30 @@ def source_examples(src: DataSource, key: str, processor, cfg: DataSection) -> t
 
 def read_examples(rows, src: DataSource, key: str, processor, cfg: DataSection) -> ReadExamples:
     """Every row of a source read, checked (each image opened and decoded), rendered and labelled."""
-    fmt, rename = image_layout(rows, src, key)  # format and columns as the text sources read them
-    base, out = base_folder(src.path), []
-    too_long, untrainable, images = [], [], []
+    fn = ImageRowExamples.of_source(rows, src, key, processor, cfg)
+    out, too_long, untrainable, images = [], [], [], []
     for index, (where, row) in enumerate(rows.iterate()):
-        at = f"{key} ({where})"
-        canon = canonical_image_row({rename.get(k, k): v for k, v in row.items()}, at, base, fmt, src.roles)
-        images += canon["images"]
-        example = image_example(canon, processor, not cfg.assistant_only_loss, cfg.chat_template_kwargs, at,
-                                cfg.train_turns)
-        if len(example["input_ids"]) > cfg.max_length:
-            if cfg.truncation == "drop":
-                too_long.append(where)
-                continue
-            raise DataError(f"{at}: {len(example['input_ids'])} tokens is more than data.max_length={cfg.max_length}, "
-                            f"{image_tokens_said(example, processor)}, and image rows are never cut (an image's tokens "
-                            "cut would not match its pixels); raise data.max_length, set data.truncation: drop"
-                            f"{size_fix(processor)}")
-        if trainable_tokens(example["labels"]) == 0:
+        example = fn.example(row, where)
+        images += example["images"]
+        if example["n_tokens"] > cfg.max_length:  # data.truncation: drop (else refused by fn.example)
+            too_long.append(where)
+            continue
+        if example["n_trainable"] == 0:
             if cfg.skip_untrainable:
                 untrainable.append(where)
                 continue
-            raise DataError(f"{at}: the row has no trainable token (no assistant turn); fix it or set "
+            raise DataError(f"{key} ({where}): the row has no trainable token (no assistant turn); fix it or set "
                             "data.skip_untrainable: true")
-        out.append(dict(example, row=index, messages=canon["messages"]))  # messages: held-out answers
-    return ReadExamples(out, fmt, too_long, untrainable, images)
+        out.append(dict(example, row=index))  # messages: held-out answers
+    return ReadExamples(out, fn.fmt, too_long, untrainable, images)
 
 
 def _dataset(examples: list[dict]) -> datasets.Dataset:
     return datasets.Dataset.from_list([{k: e[k] for k in ("input_ids", "labels", "images")} for e in examples])
 
 
-def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: int = 0) -> ImageDatasets:
-    """Train and held-out image rows; the first `exact_match` held-out rows also as examples whose answers
-    eval.exact_match generates (image_answers.py: the prompt with its images, the reference)."""
-    problems = not_yet_problems(cfg)
-    if problems:
-        raise DataError(problems[0] if len(problems) == 1 else "; ".join(problems))
+def prepared_train(cfg: DataSection, processor, seed: int) -> tuple[datasets.Dataset, list[dict]]:
+    """(the training examples of every source, mixed by weight; the rows data.eval_fraction holds out)."""
     train, weights, held = [], [], []
     for i, src in enumerate(cfg.sources):
         key = f"data.sources.{i}"
@@ -123,9 +87,18 @@ def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: in
         if examples:
             train.append(_dataset(examples))
             weights.append(src.weight)
+    return (mix(train, weights, seed) if train else _dataset([])), held  # weighted as text sources are (data.mix)
+
+
+def build_image_datasets(cfg: DataSection, processor, seed: int, exact_match: int = 0) -> ImageDatasets:
+    """Train and held-out image rows; the first `exact_match` held-out rows also as examples whose answers
+    eval.exact_match generates (image_answers.py: the prompt with its images, the reference)."""
+    if cfg.streaming:  # nothing held out of a stream (config/data_rules.py): data.eval_sources only
+        train, held = stream_dataset(cfg, processor, seed, ImageRowExamples.of_source), []
+    else:
+        train, held = prepared_train(cfg, processor, seed)
     for i, src in enumerate(cfg.eval_sources):
         held += source_examples(src, f"data.eval_sources.{i}", processor, cfg)[0]
     collator = PackedImageRows(processor) if cfg.packing else ImageRows(processor)
-    train = mix(train, weights, seed) if train else _dataset([])  # weighted as text sources are (data.mix)
     return ImageDatasets(train, _dataset(held) if held else None, collator,
                          image_eval_examples(held, exact_match), processor=processor)

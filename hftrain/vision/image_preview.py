@@ -14,8 +14,10 @@ from PIL import Image
 from ..config import DataSection
 from ..constants import IGNORE_INDEX
 from ..data.preview import CLOSE, OPEN, marked
+from ..data.sources import read_rows_sample
+from ..data.stream import CHECK_ROWS
 from .families import image_token_ids
-from .image_datasets import source_examples
+from .image_datasets import read_examples, source_examples
 from .labels import image_tokens_in
 
 
@@ -40,15 +42,26 @@ def shown_with_images(tokenizer, example: dict, image_token_id: int) -> str:
     return "".join(parts)
 
 
+def shown_examples(key: str, src, processor, cfg: DataSection) -> tuple[list[dict], int, str]:
+    """(the examples the report counts, the rows they come from, which rows those are): every row, or a streamed
+    training source's first rows (as the run checks it before training: data/stream.py; never prepared whole)."""
+    if cfg.streaming and key.startswith("data.sources."):
+        sample = read_rows_sample(src, key, CHECK_ROWS)
+        read = read_examples(sample, src, key, processor, cfg)
+        return read.examples, sample.count, f"the first {sample.count} rows (streaming: never prepared whole)"
+    examples, rows = source_examples(src, key, processor, cfg)
+    return examples, rows, f"{rows} rows"
+
+
 def image_source_report(key: str, src, processor, cfg: DataSection, shown: int) -> list[str]:
     """Lines about one image source: rows, images, tokens (image tokens counted apart), the first examples."""
-    examples, rows = source_examples(src, key, processor, cfg)
+    examples, rows, which = shown_examples(key, src, processor, cfg)
     image_id = image_token_ids(processor)[1]
     lengths = np.array([len(e["input_ids"]) for e in examples])
     image_tokens = np.array([sum(t == image_id for t in e["input_ids"]) for e in examples])
     trained = np.array([sum(lab != IGNORE_INDEX for lab in e["labels"]) for e in examples])
     images = sum(len(e["images"]) for e in examples)
-    lines = [f"{key} ({src.path}): image rows, {rows} rows -> {len(examples)} examples, {images} images",
+    lines = [f"{key} ({src.path}): image rows, {which} -> {len(examples)} examples, {images} images",
              f"  tokens per example (image tokens included): min {lengths.min()}, median {np.median(lengths):g}, "
              f"max {lengths.max()}; image tokens: total {int(image_tokens.sum())}, per example min "
              f"{image_tokens.min()}, max {image_tokens.max()} (never trained)",
