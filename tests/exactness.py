@@ -260,7 +260,7 @@ BOUNDS: dict[str, Bound] = {
     "vision.two_ranks_vs_one.eval_loss": Bound(5e-6, {"avx512": 2.26e-7, "avx2": 2.42e-7, "default": 2.19e-7}),
     "vision.two_ranks_vs_one.losses": Bound(1e-6, {"avx512": 8.5e-8, "avx2": 8.5e-8, "default": 8.5e-8}),
     "vision.two_ranks_vs_one.saved_logits": Bound(2e-5, {"avx512": 9.64e-7, "avx2": 1.16e-6, "default": 1.22e-6}),
-    "vision.two_ranks_vs_one.weights": Bound(2e-5, {"avx512": 9.87e-7, "avx2": 1.6e-6, "default": 9.48e-7}),
+    "vision.two_ranks_vs_one.weights": Bound(2e-5, {"avx512": 1.02e-6, "avx2": 1.6e-6, "default": 9.48e-7}),
     # measured 2026-12-06 (issue 65's VLM DPO), same machine and method
     "vision_dpo.two_ranks_vs_one.losses": Bound(5e-06, {"avx512": 1.9e-07, "avx2": 2.8e-07, "default": 1.9e-07}),
     "vision_dpo.two_ranks_vs_one.weights": Bound(2e-05, {"avx512": 1.48e-06, "avx2": 1.38e-06, "default": 1.08e-06}),

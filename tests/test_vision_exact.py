@@ -96,14 +96,16 @@ def setup(tmp_path_factory):
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "vision_parts": ["projector"]}  # no dropout: masks differ by rank
 
 
+# model.part_learning_rates against training.learning_rate 0.5 (vision/part_rates.py): tower and projector slower
+PART_RATES = {"part_learning_rates": {"vision_tower": 0.1, "projector": 0.25}}
 MOE = {"aux_loss_coef": 0.01, "router_z_loss_coef": 0.001}  # Qwen3-VL-MoE's routers balanced (the MoE section)
 
 
 def variant(folder, name, setup, family, bs, ga, module="hftrain.recipes.sft", packing=False, lora=None, moe=None,
-            data=None, **training):
+            data=None, model=None, **training):
     _, models, rows, held = setup
     tree = {"model": {"name_or_path": models[family], "dtype": "float32", "attn_implementation": "sdpa",
-                      **({"lora": lora} if lora else {})},
+                      **({"lora": lora} if lora else {}), **(model or {})},
             "data": {"sources": [{"path": rows}], "eval_sources": [{"path": held}], "max_length": 256,
                      "packing": packing, **(data or {})},
             "training": {"output_dir": str(folder / name), "seed": 0, "report_to": "none", "disable_tqdm": True,
@@ -145,6 +147,7 @@ def one_rank(tmp_path_factory, setup):
                                                   **RESUMED, max_steps=4, **more)
     variants.update(resumed_stream(tmp, setup, "llava", 2, 2))
     variants["lora_1x_ga4"] = variant(tmp, "lora_1x_ga4", setup, FAMILIES[0], 2, 4, lora=LORA)
+    variants["rates_1x_ga4"] = variant(tmp, "rates_1x_ga4", setup, FAMILIES[0], 2, 4, model=PART_RATES)
     variants["moe_1x_ga4"] = variant(tmp, "moe_1x_ga4", setup, "qwen3_vl_moe", 2, 4, moe=MOE)
     return tmp, run_matrix(launch_prefix(1), variants, tmp / "matrix", timeout=900)
 
@@ -199,6 +202,7 @@ def two_ranks(request, tmp_path_factory, setup):
             if strategy == "ddp":
                 variants.update(resumed_stream(tmp, setup, "qwen2_5_vl", 4, 1, packing=True))
             variants["lora_2x_ga2"] = variant(tmp, "lora_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA)
+            variants["rates_2x_ga2"] = variant(tmp, "rates_2x_ga2", setup, FAMILIES[0], 2, 2, model=PART_RATES)
             variants["lora_naive_2x_ga2"] = variant(tmp, "lora_naive_2x_ga2", setup, FAMILIES[0], 2, 2, lora=LORA,
                                                     module="tests.vision_mean_of_means")
             if runs_under("qwen3_vl_moe", strategy):
@@ -338,3 +342,19 @@ def test_a_resumed_packed_image_stream_on_two_ranks_ends_where_the_uninterrupted
     steps 3-4 resumed from checkpoint-2 equal the uninterrupted run's."""
     tmp, variants = two_ranks("ddp")
     assert_resume_exact(tmp, variants, "stream", "vision")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_part_learning_rates_on_two_ranks_equal_one_rank(one_rank, two_ranks, strategy):
+    """model.part_learning_rates (Qwen2.5-VL's tower and projector at rates of their own) under each strategy: 2 ranks
+    x GA2 give 1 rank x GA4's losses, weights and held-out loss, the optimizer that steps being the one whose groups
+    part_rates.py split; the 1-rank run without the rates (the control) is beyond the bounds."""
+    tmp1, variants1 = one_rank
+    tmp, variants = two_ranks(strategy)
+    ref_loss, ref, ref_eval = outcome(variants1, tmp1, "rates_1x_ga4")
+    assert_same("2x_ga2", outcome(variants, tmp, "rates_2x_ga2", 2, strategy), ref_loss, ref, ref_eval,
+                label=f"part rates, {strategy}")
+    assert "vision_tower " in variants["rates_2x_ga2"].stderr and " at 0.1" in variants["rates_2x_ga2"].stderr
+    plain = outcome(variants1, tmp1, f"{FAMILIES[0]}_1x_ga4")[1]
+    beyond("vision.two_ranks_vs_one.weights", *compared_weights(plain, ref), label="without the rates")
