@@ -263,7 +263,7 @@ BOUNDS: dict[str, Bound] = {
     "vision.two_ranks_vs_one.weights": Bound(2e-5, {"avx512": 1.02e-6, "avx2": 1.6e-6, "default": 9.48e-7}),
     # measured 2026-12-06 (issue 65's VLM DPO), same machine and method
     "vision_dpo.two_ranks_vs_one.losses": Bound(5e-06, {"avx512": 1.9e-07, "avx2": 2.8e-07, "default": 1.9e-07}),
-    "vision_dpo.two_ranks_vs_one.weights": Bound(2e-05, {"avx512": 1.48e-06, "avx2": 1.38e-06, "default": 1.08e-06}),
+    "vision_dpo.two_ranks_vs_one.weights": Bound(5e-05, {"avx512": 2.57e-06, "avx2": 1.38e-06, "default": 2.16e-06}),
     "vision_dpo.unequal_micro_batches_vs_one_batch.losses": Bound(1e-06, {"avx512": 0, "avx2": 0.0, "default": 0.0},
         "one step: both runs log the first step's loss, log 2 (policy = reference); the weights judge it"),
     "vision_grpo.two_ranks_vs_one.weights": Bound(1e-05, {"avx512": 8.89e-07, "avx2": 6.1e-07, "default": 8.49e-07}),

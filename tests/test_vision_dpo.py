@@ -26,11 +26,15 @@ from hftrain.vision.processor import load_processor
 from tests.exactness import beyond, within
 
 from .conftest import launch_prefix, run_matrix
-from .test_vision_exact import COLOURS, _square, compared_weights
+from .test_vision_exact import COLOURS, FAMILIES as ALL_FAMILIES, _square, compared_weights
 
-# The families DPO on images is measured on (its bounds' figures); issue 66's other families go through the same
-# modality code, but their TRL collators and bounds are not measured here yet.
+# Every checked family trains on 1 rank and on 2 under DDP; the first two also under FSDP2 and ZeRO-3, with the
+# swapped-images control (the pairs' collation is the same code for all: TRL's, given hftrain's decoding).
 FAMILIES = ["qwen2_5_vl", "llava"]
+
+
+def families_under(strategy: str) -> list[str]:
+    return ALL_FAMILIES if strategy == "ddp" else FAMILIES
 
 EXACT = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
              train_sampling_strategy="sequential")
@@ -61,7 +65,7 @@ def setup(tmp_path_factory):
     """(folder, tiny models by family, 16 pairs, 6 pairs)."""
     root = tmp_path_factory.mktemp("vision_dpo")
     words = COLOURS + [QUESTION]
-    models = {f: build_tiny_vision_model(str(root / f), words * 20, f, vocab_size=320) for f in FAMILIES}
+    models = {f: build_tiny_vision_model(str(root / f), words * 20, f, vocab_size=320) for f in ALL_FAMILIES}
     return root, models, write_pairs(root, 16), write_pairs(root, 6, "six")
 
 
@@ -167,7 +171,7 @@ def _outcome(variants, folder, name, world=1, strategy="ddp"):
 def one_rank(tmp_path_factory, setup):
     tmp = tmp_path_factory.mktemp("vision_dpo_one_rank")
     six = setup[3]
-    variants = {f"{f}_1x_ga4": _variant(tmp, f"{f}_1x_ga4", setup, f, 2, 4, 2) for f in FAMILIES}
+    variants = {f"{f}_1x_ga4": _variant(tmp, f"{f}_1x_ga4", setup, f, 2, 4, 2) for f in ALL_FAMILIES}
     variants["bs6"] = _variant(tmp, "bs6", setup, FAMILIES[0], 6, 1, 1, data=six)
     variants["bs4_ga2"] = _variant(tmp, "bs4_ga2", setup, FAMILIES[0], 4, 2, 1, data=six)
     variants["naive_bs4_ga2"] = _variant(tmp, "naive_bs4_ga2", setup, FAMILIES[0], 4, 2, 1, data=six,
@@ -200,8 +204,9 @@ def two_ranks(request, tmp_path_factory, setup):
                 request.getfixturevalue("deepspeed_ops")
             tmp = tmp_path_factory.mktemp(f"vision_dpo_{strategy}")
             variants = {}
-            for f in FAMILIES:
+            for f in families_under(strategy):
                 variants[f"{f}_2x_ga2"] = _variant(tmp, f"{f}_2x_ga2", setup, f, 2, 2, 2)
+            for f in FAMILIES:
                 variants[f"{f}_swapped_2x_ga2"] = _variant(tmp, f"{f}_swapped_2x_ga2", setup, f, 2, 2, 2,
                                                            control="images_swapped")
             launches[strategy] = tmp, run_matrix(launch_prefix(2, strategy), variants, tmp / "matrix", ranks=2,
@@ -218,11 +223,13 @@ def test_two_ranks_ga2_equal_one_rank_ga4(one_rank, two_ranks, strategy):
     test above holds the pair mean's control); the control is each pair given the next pair's image."""
     tmp1, variants1 = one_rank
     tmp, variants = two_ranks(strategy)
-    for family in FAMILIES:
+    for family in families_under(strategy):
         ref_loss, ref = _outcome(variants1, tmp1, f"{family}_1x_ga4")
         losses, final = _outcome(variants, tmp, f"{family}_2x_ga2", 2, strategy)
         within("vision_dpo.two_ranks_vs_one.losses", losses, ref_loss, label=f"{strategy} {family}")
         within("vision_dpo.two_ranks_vs_one.weights", *compared_weights(final, ref), label=f"{strategy} {family}")
+        if family not in FAMILIES:
+            continue
         swapped_loss, swapped = _outcome(variants, tmp, f"{family}_swapped_2x_ga2", 2, strategy)
         beyond("vision_dpo.two_ranks_vs_one.losses", swapped_loss, ref_loss, label=f"{strategy} {family}")
         beyond("vision_dpo.two_ranks_vs_one.weights", *compared_weights(swapped, ref), label=f"{strategy} {family}")
