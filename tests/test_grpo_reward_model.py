@@ -1,4 +1,4 @@
-"""A trained reward model as GRPO's reward (`grpo.rewards: [{model: FOLDER}]`, hftrain/methods/grpo/reward_model.py):
+"""A trained reward model as GRPO's reward (`grpo.rewards: [{model: FOLDER}]`, hftrain/methods/reward_model.py):
 its scores are a plain AutoModelForSequenceClassification forward of the same tokens, batched or one at a time (the
 pad token: the score is read at the last real token); the text it reads (the policy's own tokens, or the
 conversation rendered again with its own tokenizer); what `hftrain check` and the run refuse, naming the key; one GRPO
@@ -15,7 +15,7 @@ from hftrain.config import ModelSection
 from hftrain.errors import RewardError, exit_on_user_error
 from hftrain.heads import Head
 from hftrain.methods import GrpoSection, RewardSpec, parse_recipe
-from hftrain.methods.grpo.reward_model import RewardModel
+from hftrain.methods.reward_model import RewardModel
 from hftrain.methods.grpo.rewards import ModelReward, Policy, load_rewards
 from hftrain.tiny import train_tokenizer
 

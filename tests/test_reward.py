@@ -9,13 +9,16 @@ import random
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
 from hftrain.config import ModelSection
+from hftrain.data.split import split_rows
 from hftrain.heads import Head
 from hftrain.methods import parse_recipe
 from hftrain.modeling import load_model
+from hftrain.methods.reward.pair_scores import score_pairs
 
 from tests.exactness import beyond, within
 
@@ -269,6 +272,25 @@ def test_held_out_pair_accuracy_and_margin_before_and_after(one_rank):
     for key in ("eval_pair_accuracy", "eval_mean_margin"):
         assert f"initial_{key}" in json.dumps(metrics) and f"final_{key}" in json.dumps(metrics), metrics
     assert "hftrain: eval_pair_accuracy: before" in variants["full"].stdout
+
+
+@pytest.mark.launches
+def test_hftrain_score_gives_the_runs_own_held_out_figures(one_rank, tmp_path):
+    """`hftrain score` (methods/reward/pair_scores.py) of the trained run on the rows it held out (data.eval_fraction:
+    the split remade by data/split.py's rule) gives the run's final eval_pair_accuracy and eval_mean_margin."""
+    tmp, variants, _ = one_rank
+    variants["full"].check()
+    seed = yaml.safe_load(open(tmp / "full" / "recipe.yaml"))["training"]["seed"]
+    rows = (tmp / "demo.jsonl").read_text().splitlines()
+    _, held = split_rows(len(rows), 0.25, seed, "data.sources.0", "demo.jsonl")
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(rows[i] + "\n" for i in held))
+    scores, _ = score_pairs(str(tmp / "full"), str(path), device="cpu")
+    metrics = json.load(open(tmp / "full" / "run_info.json"))["metrics"]
+    assert scores["all"].pairs == len(held) == 24
+    assert scores["all"].pair_accuracy == pytest.approx(metrics["final_eval_pair_accuracy"], abs=1e-6)
+    within("reward.padded_batch_vs_alone.scores", scores["all"].mean_margin, metrics["final_eval_mean_margin"],
+           label="hftrain score vs the run's held-out mean margin")
 
 
 @pytest.mark.launches

@@ -8,7 +8,7 @@ import pytest
 from datasets import Dataset
 
 from hftrain.config import ModelSection
-from hftrain.methods.grpo.reward_model import RewardModel
+from hftrain.methods.reward_model import RewardModel
 from hftrain.methods.reward.reward_pairs import trl_tokenised
 from hftrain.methods.reward_reading import answer_end, completed, outcome_ids
 from hftrain.tiny import train_tokenizer

@@ -1,7 +1,7 @@
 """The `hftrain` command: `check` a recipe, `prepare` or show its `data`, render its strategy `config`, `plan` memory,
-`launch`, `push`, `tiny-model`, `moe upcycle`. Each command registers itself from its module: recipe_commands (check,
-prepare, data), config_command, plan_command, training_commands (launch, sft, dpo, grpo), push_command, moe_commands;
-tiny-model from hftrain.tiny."""
+`launch`, `push`, `score` a reward model, `tiny-model`, `moe upcycle`. Each command registers itself from its module:
+recipe_commands (check, prepare, data), config_command, plan_command, training_commands (launch, sft, dpo, grpo),
+push_command, score_command, moe_commands; tiny-model from hftrain.tiny."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from .moe_commands import add_moe_command
 from .plan_command import add_plan_command
 from .push_command import add_push_command
 from .recipe_commands import add_check_command, add_data_command, add_prepare_command
+from .score_command import add_score_command
 from .training_commands import add_training_commands
 
 # Each subcommand registers itself: its parser, its options and the function that runs it (`fn`).
 COMMANDS = (add_check_command, add_prepare_command, add_data_command, add_config_command, add_plan_command,
-            add_training_commands, add_push_command, add_tiny_model_command, add_moe_command)
+            add_training_commands, add_push_command, add_score_command, add_tiny_model_command, add_moe_command)
 TAKES_OVERRIDES = ("check", "config", "data", "launch", "plan", "prepare", *SCRIPTS)
 
 

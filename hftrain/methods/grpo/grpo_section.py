@@ -15,7 +15,7 @@ from ...config import DataSource, LoraSection, MethodSection, Problems, Recipe, 
 from ...config.fields import is_number as _num
 from ...distributed import accelerator_available
 from ..policy import policy_strategy_problems, sft_only_problems
-from .reward_model import ProcessOptions, reward_model_problems
+from ..reward_model import ProcessOptions, reward_model_problems
 
 GrpoLoss = Literal["grpo", "dr_grpo", "dapo"]
 BUILTIN_REWARDS = ("exact_match", "regex", "length_penalty")

@@ -20,7 +20,7 @@ from ...errors import DataError, RewardError
 from ...heads import Head
 from ...data.collate import right_padded
 from ..reward_reading import separator_problem, step_row, steps_of
-from .reward_model import SCORE_BATCH, RewardModel, text_of
+from ..reward_model import SCORE_BATCH, RewardModel, text_of
 
 AGGREGATES = {"min": min, "last": lambda scores: scores[-1]}
 

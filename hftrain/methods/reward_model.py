@@ -39,14 +39,14 @@ import yaml
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer
 
-from ...config import ModelSection, Problems
-from ...constants import RECIPE_FILE
-from ...distributed import print0
-from ...errors import DataError, ModelError, RewardError
-from ...heads import Head
-from ...modeling import load_model, loading_outside_zero3, resolved_name_or_path
-from ...data.collate import right_padded
-from ..reward_reading import answer_end, completed, outcome_ids
+from ..config import ModelSection, Problems
+from ..constants import RECIPE_FILE
+from ..distributed import print0
+from ..errors import DataError, ModelError, RewardError
+from ..heads import Head
+from ..modeling import load_model, loading_outside_zero3, resolved_name_or_path
+from ..data.collate import right_padded
+from .reward_reading import answer_end, completed, outcome_ids
 
 SCORE_BATCH = 16  # completions per forward of the reward model
 
