@@ -1,5 +1,5 @@
 """A process reward model as GRPO's reward (`grpo.rewards: [{model: FOLDER, aggregate: min | last}]`,
-hftrain/methods/grpo/process_reward_model.py): its scores equal a plain AutoModelForTokenClassification forward read
+hftrain/methods/process_reward_model.py): its scores equal a plain AutoModelForTokenClassification forward read
 at the step separators found by hand (min and last), batched or one at a time; a completion is tokenised as the PRM's
 data phase tokenised its training rows; its separator read from its training run's recipe.yaml; what `hftrain check`
 and the run refuse, naming the key. The run with a PRM as a reward: tests/test_grpo_reward_model.py (one launch)."""
@@ -11,7 +11,7 @@ from transformers import AutoModelForTokenClassification
 from hftrain.config import ModelSection
 from hftrain.errors import RewardError, exit_on_user_error
 from hftrain.methods import GrpoSection, RewardSpec
-from hftrain.methods.grpo.process_reward_model import ProcessRewardModel
+from hftrain.methods.process_reward_model import ProcessRewardModel
 from hftrain.methods.grpo.rewards import Policy, load_rewards
 from hftrain.methods.reward.step_rows import tokenised_steps
 

@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
+from hftrain.data.split import split_rows
 from hftrain.errors import DataError
 from hftrain.methods import parse_recipe
+from hftrain.methods.reward.step_scores import score_steps
 
 from tests.exactness import beyond, within
 
@@ -288,6 +290,24 @@ def test_held_out_step_accuracy_and_f1_before_and_after_equal_a_hand_count(one_r
     assert metrics["final_eval_step_accuracy"] > metrics["initial_eval_step_accuracy"] + 0.2, metrics
     assert "hftrain: eval_step_f1: before" in variants["full"].stdout
     assert_metrics_by_hand(info, tmp / "full", tmp / "full.yaml")
+
+
+@pytest.mark.launches
+def test_hftrain_score_gives_the_runs_own_held_out_figures(one_rank, tmp_path):
+    """`hftrain score` (methods/reward/step_scores.py) of the trained process reward model on the rows its run held out
+    (data.eval_fraction: the split remade by data/split.py's rule; the separator read from the run's recipe.yaml)
+    gives the run's final eval_step_accuracy, eval_step_f1 and step count."""
+    tmp, variants, _ = one_rank
+    _, _, info = outcome(variants["full"], tmp / "full", 1)
+    rows = (tmp / "learn.jsonl").read_text().splitlines()
+    _, held = split_rows(len(rows), 0.2, 0, "data.sources.0", "learn.jsonl")  # the plan's training.seed: 0
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(rows[i] + "\n" for i in held))
+    scores = score_steps(str(tmp / "full"), str(path), device="cpu")["all"]
+    metrics = info.get("metrics", info)
+    assert (scores.rows, scores.steps) == (len(held), metrics["final_eval_steps"])
+    assert scores.step_accuracy == pytest.approx(metrics["final_eval_step_accuracy"], abs=1e-9)
+    assert scores.step_f1 == pytest.approx(metrics["final_eval_step_f1"], abs=1e-9)
 
 
 @pytest.mark.launches

@@ -182,12 +182,12 @@ def test_two_ranks_ga2_equal_one_rank_ga4(tmp_path, setup, one_rank, strategy, f
 @pytest.mark.launches
 def test_issue_66s_other_families_generate_and_train(tmp_path):
     """Each of the six other families, in one launch: hftrain grpo (TRL's generation of 4 completions per prompt
-    with the prompt's image, the token_spread reward), 2 steps of SGD; each run logs a reward, moves the weights and
+    with the prompt's image, the token_spread reward), 1 step of SGD; each run logs a reward, moves the weights and
     saves the image model whole (its class, its processor)."""
     models = {f: build_tiny_vision_model(str(tmp_path / "base" / f), (COLOURS + [QUESTION]) * 20, f, vocab_size=320)
               for f in OTHER_FAMILIES}
     rows = write_prompts(tmp_path, 8)
-    variants = {f: ("hftrain.recipes.grpo", [_recipe(tmp_path, f, models, f, rows, max_steps=2, optim="sgd",
+    variants = {f: ("hftrain.recipes.grpo", [_recipe(tmp_path, f, models, f, rows, max_steps=1, optim="sgd",
                                                      learning_rate=0.5, per_device_train_batch_size=4,
                                                      gradient_accumulation_steps=1)])
                 for f in OTHER_FAMILIES}
@@ -196,7 +196,7 @@ def test_issue_66s_other_families_generate_and_train(tmp_path):
         done[family].check()
         out = tmp_path / family
         history = json.load(open(out / "trainer_state.json"))["log_history"]
-        assert [h["step"] for h in history if "reward" in h] == [1, 2], family
+        assert [h["step"] for h in history if "reward" in h] == [1], family
         architecture = json.load(open(out / "config.json"))["architectures"][0]
         assert architecture.endswith("ForConditionalGeneration"), (family, architecture)
         assert load_processor(str(out), processor_class(family)).chat_template, family

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ...config import ModelSection
 from .grpo_section import GrpoSection, RewardSpec
 from ...errors import RewardError
-from .process_reward_model import ProcessRewardModel
+from ..process_reward_model import ProcessRewardModel
 from ..reward_model import RewardModel, model_folder, text_of, trained_separator
 from .user_code import UserCodeFailure, call_user_code, import_function, limit_of
 

@@ -44,18 +44,21 @@ def checked_model(name: str, trust_remote_code: bool) -> RewardModel:
     return RewardModel(name, "MODEL", own, None, conversational=bool(own.chat_template), cfg=section)
 
 
+def subset_of(row: dict, column: str | None, where: str) -> str:
+    """A row's subset: the value of `column`, or ALL when no column is given."""
+    if column is None:
+        return ALL
+    if column not in row:
+        raise DataError(f"{KEY}: {where}: no {column!r} column (the row has {list(row)}); name the rows' subset "
+                        "column with --subset, or leave it out to score every row as one set")
+    return str(row[column])
+
+
 def subsets_of(path: str, column: str | None, count: int) -> list[str]:
-    """Each row's subset: the value of `column` in the rows, or ALL for every row when no column is given."""
+    """Each row's subset (subset_of)."""
     if column is None:
         return [ALL] * count
-    rows = read_rows(DataSource(path=path), KEY)
-    out = []
-    for where, row in rows.iterate():
-        if column not in row:
-            raise DataError(f"{KEY}: {where}: no {column!r} column (the row has {list(row)}); name the rows' subset "
-                            "column with --subset, or leave it out to score every pair as one set")
-        out.append(str(row[column]))
-    return out
+    return [subset_of(row, column, where) for where, row in read_rows(DataSource(path=path), KEY).iterate()]
 
 
 def pair_margins(model: RewardModel, pairs: list[dict], device: torch.device) -> list[float]:

@@ -1,7 +1,8 @@
-"""A process reward model as a GRPO reward (`grpo.rewards: [{model: runs/prm, aggregate: min}]`): a token classifier
-with two labels (0: incorrect step, 1: correct step), as `hftrain reward` with kind process trains it, scores each
-step of a completion; `aggregate` makes the completion's reward of them: `min` (its weakest step: one wrong step
-spoils the answer) or `last` (the last step's score: how the whole reasoning ends).
+"""A process reward model as a scorer: GRPO's reward (`grpo.rewards: [{model: runs/prm, aggregate: min}]`) and
+`hftrain score`'s (reward/step_scores.py, which reads each step's score). A token classifier with two labels (0:
+incorrect step, 1: correct step), as `hftrain reward` with kind process trains it, scores each step of a completion;
+`aggregate` makes the completion's reward of them: `min` (its weakest step: one wrong step spoils the answer) or
+`last` (the last step's score: how the whole reasoning ends).
 
 A completion is read as its training rows were (methods/reward_reading.py, the one contract both import): its text (a
 conversation's: its last assistant turn) split at the step separator, blank pieces left out; the prompt (a text prompt
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import DataError, RewardError
-from ...heads import Head
-from ...data.collate import right_padded
-from ..reward_reading import separator_problem, step_row, steps_of
-from ..reward_model import SCORE_BATCH, RewardModel, text_of
+from ..errors import DataError, RewardError
+from ..heads import Head
+from ..data.collate import right_padded
+from .reward_reading import separator_problem, step_row, steps_of
+from .reward_model import SCORE_BATCH, RewardModel, text_of
 
 AGGREGATES = {"min": min, "last": lambda scores: scores[-1]}
 
