@@ -16,6 +16,7 @@ from ..constants import IGNORE_INDEX
 from ..data.preview import CLOSE, OPEN, marked
 from ..data.sources import read_rows_sample
 from ..data.stream import CHECK_ROWS
+from ..errors import DataError
 from .families import image_token_ids
 from .image_datasets import read_examples, source_examples
 from .labels import image_tokens_in
@@ -48,6 +49,9 @@ def shown_examples(key: str, src, processor, cfg: DataSection) -> tuple[list[dic
     if cfg.streaming and key.startswith("data.sources."):
         sample = read_rows_sample(src, key, CHECK_ROWS)
         read = read_examples(sample, src, key, processor, cfg)
+        if not read.examples:  # as source_examples refuses a source of which no row trains
+            raise DataError(f"{key}: no row of the first {sample.count} rows of {src.path} trains (too long with "
+                            "data.truncation: drop, or untrainable)")
         return read.examples, sample.count, f"the first {sample.count} rows (streaming: never prepared whole)"
     examples, rows = source_examples(src, key, processor, cfg)
     return examples, rows, f"{rows} rows"
