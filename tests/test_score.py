@@ -16,10 +16,11 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from hftrain.cli import main
 from hftrain.errors import DataError, RewardError
-from hftrain.methods.reward.pair_scores import ALL, score_pairs
+from hftrain.methods.reward.pair_scores import score_pairs
 from hftrain.methods.reward.reward_pairs import trl_tokenised
 from hftrain.methods.reward.step_rows import tokenised_steps
 from hftrain.methods.reward.step_scores import score_steps
+from hftrain.methods.reward.subsets import ALL
 from tests.exactness import beyond, within
 
 from .test_grpo_reward_model import save_prm

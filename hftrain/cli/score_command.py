@@ -1,5 +1,5 @@
-"""`hftrain score MODEL PAIRS`: a reward model scored on chosen/rejected rows (methods/reward/pair_scores.py), the
-table printed and, with --output, written as JSON."""
+"""`hftrain score MODEL ROWS`: a reward model scored on rows outside its run (methods/reward/pair_scores.py for an
+outcome model, step_scores.py for a process model), the table printed and, with --output, written as JSON."""
 
 from __future__ import annotations
 
@@ -7,25 +7,28 @@ import json
 
 from ..errors import RewardError
 from ..fileio import atomic_write
-from ..methods.reward.pair_scores import as_json, score_pairs, table
-from ..methods.reward.step_scores import is_process_model, score_steps, step_json, step_table
+from ..methods.reward.pair_scores import score_pairs
+from ..methods.reward.step_scores import is_process_model, score_steps
+from ..methods.reward.subsets import as_json, table
+
+
+def _scores(ns) -> tuple[dict, str]:
+    """(the scores per subset, the model's kind): an outcome reward model on pairs, a process reward model (a token
+    classifier) on stepwise rows."""
+    if is_process_model(ns.model):
+        return score_steps(ns.model, ns.data, ns.subset, ns.separator, ns.trust_remote_code, ns.device), "process"
+    if ns.separator is not None:
+        raise RewardError(f"--separator: applies to a process reward model (a token classifier); {ns.model} is not "
+                          "one: remove it")
+    return score_pairs(ns.model, ns.data, ns.subset, ns.trust_remote_code, ns.device)[0], "outcome"
 
 
 def _score(ns) -> int:
-    """An outcome reward model on pairs, a process reward model (a token classifier) on stepwise rows."""
-    if is_process_model(ns.model):
-        scores = score_steps(ns.model, ns.data, ns.subset, ns.separator, ns.trust_remote_code, ns.device)
-        shown, written = step_table(scores), step_json(ns.model, ns.data, scores)
-    else:
-        if ns.separator is not None:
-            raise RewardError(f"--separator: applies to a process reward model (a token classifier); {ns.model} is "
-                              "not one: remove it")
-        scores, _ = score_pairs(ns.model, ns.data, ns.subset, ns.trust_remote_code, ns.device)
-        shown, written = table(scores), as_json(ns.model, ns.data, scores)
+    scores, kind = _scores(ns)
     print(f"hftrain: {ns.model} on {ns.data}")
-    print(shown)
+    print(table(scores))
     if ns.output:
-        atomic_write(ns.output, json.dumps(written, indent=1) + "\n")
+        atomic_write(ns.output, json.dumps(as_json(ns.model, ns.data, kind, scores), indent=1) + "\n")
         print(f"hftrain: written to {ns.output}")
     return 0
 

@@ -43,6 +43,12 @@ def reward_config(recipe: Recipe, **kwargs) -> HFRewardConfig:
                           center_rewards_coefficient=recipe.reward.center_rewards_coefficient)
 
 
+def pair_figures(margin: torch.Tensor) -> tuple[float, float]:
+    """(pair accuracy: the share of pairs whose chosen side scores higher, mean margin) of pairs' score(chosen) -
+    score(rejected): the held-out figures of a run, and `hftrain score`'s (pair_scores.py)."""
+    return (margin > 0).float().mean().item(), margin.mean().item()
+
+
 class PairAccuracyMixin:
     """Held-out pair accuracy and mean margin over every held-out pair of every rank: each evaluated micro-batch's
     score differences gathered with gather_for_metrics (which leaves out the pairs the last batches repeat to keep
@@ -66,8 +72,9 @@ class PairAccuracyMixin:
             margins, self._margins = self._margins, None
         if margins:
             margin = torch.cat(margins)
-            output.metrics[f"{metric_key_prefix}_pair_accuracy"] = (margin > 0).float().mean().item()
-            output.metrics[f"{metric_key_prefix}_mean_margin"] = margin.mean().item()
+            accuracy, mean_margin = pair_figures(margin)
+            output.metrics[f"{metric_key_prefix}_pair_accuracy"] = accuracy
+            output.metrics[f"{metric_key_prefix}_mean_margin"] = mean_margin
             output.metrics[f"{metric_key_prefix}_pairs"] = margin.numel()
         return output
 

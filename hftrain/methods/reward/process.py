@@ -74,6 +74,12 @@ class StepMeanMixin(GlobalBatchMixin):
         """StepMetricsMixin's hook: nothing to record outside an evaluation."""
 
 
+def step_figures(steps: int, correct: int, tp: int, fp: int, fn: int) -> tuple[float, float]:
+    """(step accuracy, F1 of the correct-step class) of judged steps' counts: the held-out figures of a run, and
+    `hftrain score`'s (step_scores.py)."""
+    return correct / steps if steps else float("nan"), 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
+
+
 class StepMetricsMixin:
     """Held-out step accuracy, F1 of the correct-step class and the exact mean loss over every labelled step of
     every rank: each evaluated row's counts gathered (gather_for_metrics), summed after the loop."""
@@ -100,8 +106,9 @@ class StepMetricsMixin:
         if counts:
             loss, steps, correct, tp, fp, fn = torch.cat(counts).sum(0).tolist()
             output.metrics[f"{metric_key_prefix}_loss"] = loss / steps if steps else float("nan")
-            output.metrics[f"{metric_key_prefix}_step_accuracy"] = correct / steps if steps else float("nan")
-            output.metrics[f"{metric_key_prefix}_step_f1"] = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
+            accuracy, f1 = step_figures(steps, correct, tp, fp, fn)
+            output.metrics[f"{metric_key_prefix}_step_accuracy"] = accuracy
+            output.metrics[f"{metric_key_prefix}_step_f1"] = f1
             output.metrics[f"{metric_key_prefix}_steps"] = int(steps)
         return output
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +23,9 @@ from ...errors import DataError, RewardError
 from ...modeling import load_tokenizer
 from ..process_reward_model import ProcessRewardModel
 from ..reward_model import ProcessOptions, model_folder, reward_model_problems, trained_separator
-from .pair_scores import ALL, KEY, subset_of
+from .process import step_figures
 from .step_rows import steps_of_row, tokenised_steps
+from .subsets import KEY, device_of, existing, per_subset, subset_of
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,9 @@ def checked_prm(name: str, separator: str | None, trust_remote_code: bool) -> Pr
         raise RewardError("; ".join(said))
     section = ModelSection(name_or_path=name, dtype="float32", trust_remote_code=trust_remote_code)
     own = load_tokenizer(section)
-    trained = trained_separator_of(name)
-    return ProcessRewardModel(name, "MODEL", own, None, bool(own.chat_template), section, "min",
-                              separator if separator is not None else trained)
-
-
-def trained_separator_of(name: str) -> str | None:
-    folder = model_folder(name)
-    return trained_separator(folder) if folder else None
+    if separator is None:  # reward_model_problems refused a model without one of its run's
+        separator = trained_separator(model_folder(name))
+    return ProcessRewardModel(name, "MODEL", own, None, bool(own.chat_template), section, "min", separator)
 
 
 def is_process_model(name: str) -> bool:
@@ -93,44 +89,18 @@ def judged(prm: ProcessRewardModel, rows: list[dict], places: list[str],
             for probs, t in zip(scores, tokenised)]
 
 
-def summary(judgements: list[list[tuple[bool, bool]]], subsets: list[str]) -> dict[str, StepScore]:
-    """Per subset (first-seen order) and over ALL rows: rows, steps, step accuracy, correct-step F1."""
-    groups: dict[str, list[list[tuple[bool, bool]]]] = {}
-    for row, subset in zip(judgements, subsets):
-        groups.setdefault(subset, []).append(row)
-    groups[ALL] = list(judgements)
-    out = {}
-    for name, rows in groups.items():
-        steps = [step for row in rows for step in row]
-        tp = sum(p and t for p, t in steps)
-        fp = sum(p and not t for p, t in steps)
-        fn = sum(t and not p for p, t in steps)
-        out[name] = StepScore(len(rows), len(steps), sum(p == t for p, t in steps) / len(steps),
-                              2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
-    return out
+def figures(rows: list[list[tuple[bool, bool]]]) -> StepScore:
+    """A group of rows' figures from their judged steps, as the run's held-out ones (process.step_figures)."""
+    steps = [step for row in rows for step in row]
+    counts = (sum(p == t for p, t in steps), sum(p and t for p, t in steps), sum(p and not t for p, t in steps),
+              sum(t and not p for p, t in steps))
+    return StepScore(len(rows), len(steps), *step_figures(len(steps), *counts))
 
 
 def score_steps(model_name: str, path: str, subset_column: str | None = None, separator: str | None = None,
                 trust_remote_code: bool = False, device: str | None = None) -> dict[str, StepScore]:
     """The step scores of the process reward model at `model_name` on the stepwise rows at `path`."""
-    if not os.path.exists(path):
-        raise DataError(f"{KEY}: {path} does not exist; give a local file of stepwise rows (prompt, completions, "
-                        "labels) or a saved dataset folder")
+    existing(path, "stepwise rows (prompt, completions, labels)")
     prm = checked_prm(model_name, separator, trust_remote_code)
     rows, subsets, places = step_rows(path, subset_column)
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return summary(judged(prm, rows, places, where), subsets)
-
-
-def step_table(scores: dict[str, StepScore]) -> str:
-    width = max(len("subset"), *(len(name) for name in scores))
-    lines = [f"{'subset':<{width}}  {'rows':>6}  {'steps':>6}  {'step accuracy':>13}  {'step F1':>7}"]
-    for name in [n for n in scores if n != ALL] + [ALL]:
-        s = scores[name]
-        lines.append(f"{name:<{width}}  {s.rows:>6}  {s.steps:>6}  {s.step_accuracy:>13.4f}  {s.step_f1:>7.4f}")
-    return "\n".join(lines)
-
-
-def step_json(model_name: str, path: str, scores: dict[str, StepScore]) -> dict:
-    return {"model": model_name, "data": path, "kind": "process",
-            "subsets": {name: asdict(s) for name, s in scores.items()}}
+    return per_subset(judged(prm, rows, places, device_of(device)), subsets, figures)
