@@ -266,7 +266,7 @@ def check_sample(cfg: DataSection, tokenizer, stream: TrainStream) -> None:
 def stream_dataset(cfg: DataSection, tokenizer, seed: int, reader: RowsReader = text_rows) -> datasets.IterableDataset:
     """The training stream as a datasets IterableDataset of one shard per process (accelerate, with
     dispatch_batches off, hands each process its own); `.hftrain_stream` is the TrainStream (its position).
-    `reader`: how a source's rows become examples (text rows; vision/image_stream.py's image rows)."""
+    `reader`: how a source's rows become examples (text rows; vision/image_examples.py's image rows)."""
     stream = TrainStream(cfg, tokenizer, seed, reader)
     check_sample(cfg, tokenizer, stream)
     ds = datasets.IterableDataset.from_generator(stream.generate, gen_kwargs={"shard": list(range(stream.world))})
