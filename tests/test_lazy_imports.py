@@ -1,6 +1,7 @@
 """The CLI imports a method's trainer only when a command needs it (hftrain/methods/registry.py): `hftrain --help`,
-`hftrain config --all` and `hftrain check` of an SFT recipe load no TRL trainer, nor an hftrain module of a TRL-based
-method. Measured in a fresh interpreter (this one has imported every trainer); no launcher, no training."""
+`hftrain score --help`, `hftrain config --all` and `hftrain check` of an SFT recipe load no TRL trainer, nor an
+hftrain module of a TRL-based method. Measured in a fresh interpreter (this one has imported every trainer); no
+launcher, no training."""
 
 import json
 import os
@@ -37,7 +38,8 @@ PROBE = textwrap.dedent("""
 
 def test_help_config_and_check_of_an_sft_recipe_import_no_trl_trainer(tmp_path, tiny_model_dir):
     recipe = W(str(tmp_path), tiny_model_dir).recipe()
-    commands = [["--help"], ["config", "--all", "--output", str(tmp_path / "configs")], ["check", recipe]]
+    commands = [["--help"], ["score", "--help"], ["config", "--all", "--output", str(tmp_path / "configs")],
+                ["check", recipe]]
     env = {**os.environ, "PYTHONPATH": REPO}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(commands)], cwd=str(tmp_path), env=env,
                          capture_output=True, text=True, timeout=300)

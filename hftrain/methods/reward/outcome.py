@@ -26,6 +26,7 @@ from ...trainer import RUN_MIXINS
 from .. import registry
 from ..base import Method, ModelSpec
 from ..policy import load_policy, policy_peft_config
+from .figures import pair_figures
 from .reward_pairs import read_reward_pairs, show_pairs
 
 HEAD = Head.SEQUENCE_CLASSIFICATION
@@ -41,12 +42,6 @@ def reward_config(recipe: Recipe, **kwargs) -> HFRewardConfig:
     """The run's arguments (`kwargs`: every TrainingArguments value launch.setup resolved) plus the reward section's."""
     return HFRewardConfig(**kwargs, max_length=recipe.data.max_length, disable_dropout=True,
                           center_rewards_coefficient=recipe.reward.center_rewards_coefficient)
-
-
-def pair_figures(margin: torch.Tensor) -> tuple[float, float]:
-    """(pair accuracy: the share of pairs whose chosen side scores higher, mean margin) of pairs' score(chosen) -
-    score(rejected): the held-out figures of a run, and `hftrain score`'s (pair_scores.py)."""
-    return (margin > 0).float().mean().item(), margin.mean().item()
 
 
 class PairAccuracyMixin:

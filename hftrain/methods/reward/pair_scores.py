@@ -20,7 +20,7 @@ from ...errors import RewardError
 from ...modeling import load_tokenizer
 from ..pairs import read_pairs
 from ..reward_model import ProcessOptions, RewardModel, reward_model_problems
-from .outcome import pair_figures
+from .figures import pair_figures
 from .subsets import ALL, KEY, device_of, existing, per_subset, subset_of
 
 
@@ -59,7 +59,7 @@ def pair_margins(model: RewardModel, pairs: list[dict], device: torch.device) ->
 
 
 def figures(margins: list[float]) -> SubsetScore:
-    """A group of pairs' figures, as the run's held-out ones (outcome.pair_figures)."""
+    """A group of pairs' figures, as the run's held-out ones (figures.pair_figures)."""
     return SubsetScore(len(margins), *pair_figures(torch.tensor(margins, dtype=torch.float64)))
 
 

@@ -29,6 +29,7 @@ from ...modeling import load_model
 from ...trainer import RUN_MIXINS
 from .. import registry
 from ..base import Method, ModelSpec
+from .figures import step_figures
 from .step_rows import IGNORED, read_step_rows, show_steps
 
 HEAD = Head.TOKEN_CLASSIFICATION
@@ -72,12 +73,6 @@ class StepMeanMixin(GlobalBatchMixin):
 
     def record_steps(self, logits: torch.Tensor, labels: torch.Tensor, ce: torch.Tensor) -> None:
         """StepMetricsMixin's hook: nothing to record outside an evaluation."""
-
-
-def step_figures(steps: int, correct: int, tp: int, fp: int, fn: int) -> tuple[float, float]:
-    """(step accuracy, F1 of the correct-step class) of judged steps' counts: the held-out figures of a run, and
-    `hftrain score`'s (step_scores.py)."""
-    return correct / steps if steps else float("nan"), 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
 
 
 class StepMetricsMixin:

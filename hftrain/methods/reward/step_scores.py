@@ -23,7 +23,7 @@ from ...errors import DataError, RewardError
 from ...modeling import load_tokenizer
 from ..process_reward_model import ProcessRewardModel
 from ..reward_model import ProcessOptions, model_folder, reward_model_problems, trained_separator
-from .process import step_figures
+from .figures import step_figures
 from .step_rows import steps_of_row, tokenised_steps
 from .subsets import KEY, device_of, existing, per_subset, subset_of
 
@@ -90,7 +90,7 @@ def judged(prm: ProcessRewardModel, rows: list[dict], places: list[str],
 
 
 def figures(rows: list[list[tuple[bool, bool]]]) -> StepScore:
-    """A group of rows' figures from their judged steps, as the run's held-out ones (process.step_figures)."""
+    """A group of rows' figures from their judged steps, as the run's held-out ones (figures.step_figures)."""
     steps = [step for row in rows for step in row]
     counts = (sum(p == t for p, t in steps), sum(p and t for p, t in steps), sum(p and not t for p, t in steps),
               sum(t and not p for p, t in steps))
