@@ -2,7 +2,7 @@
 the recipe's method (hftrain/methods/: its arguments, model, trainer and held-out metrics) fills in what differs:
 
     validate + set up (arguments built once, resume resolved once) -> Hub token -> data -> claim output_dir -> model
-    -> trainer -> metrics before -> train -> metrics after -> save -> report -> shut down -> push
+    -> trainer -> metrics before -> train -> metrics after -> save -> report (trackers too) -> shut down -> push
 
 A stop request (SIGUSR1, e.g. SLURM's warning before a time limit) ends the run after train() with its checkpoint
 saved (stop_request/mixin.py): no metrics after, no final save, no push; the restarted run resumes.
@@ -75,6 +75,7 @@ def run(script: str, argv: list[str]) -> dict:
 
     # 4. Save: consolidated safetensors + tokenizer + trainer_state.json + run_info.json in output_dir; then push.
     save_final(trainer, recipe, run.strategy, tokenizer, metrics, method.card(recipe))
+    trainer.report_figures(metrics)  # to the tracker run hftrain owns (trackers/), which then ends
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key, math.nan), after.get(key, math.nan)
         distributed.print0(f"hftrain: {key}: before {b:.4f} -> after {a:.4f}")

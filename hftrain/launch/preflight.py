@@ -20,6 +20,7 @@ from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES
 from ..errors import RecipeError
 from ..methods import parse_recipe
+from ..trackers import report_to_problems
 from . import libraries, model_libraries
 from .memory_checks import frozen_fit_problems
 from .model_checks import model_problems, setting_problems
@@ -73,6 +74,9 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     problems += [_message(recipe, k, m) for k, m in model_libraries.moe_problems(recipe, world)]
     for section in recipe.method_sections().values():  # the method's own, over these processes and this machine
         problems += [_message(recipe, k, m) for k, m in section.launch_problems(recipe, world, environment)]
+    if "training.report_to" not in recipe.invalid:  # the trackers: names, never "all"; installed, server, login
+        problems += [_message(recipe, k, m) for k, m in report_to_problems(recipe.training_value("report_to"),
+                                                                            environment)]
     if environment:
         # The run's own train() says what it accepts with a caveat (an unverified checkpoint); check and launch say it.
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if launcher is None else (lambda _m: None)

@@ -10,6 +10,7 @@ lives in its feature's package beside the mechanism it drives (trainer/ only com
     ChunkedLossMixin       losses/chunked.py           the per-token CE from logits or, chunked, from lm_head's input
     StreamPositionMixin    data/stream_position.py     a streaming run's position in its checkpoints, resumed exactly
     PartRatesMixin         vision/part_rates.py        an image model's parts at learning rates of their own; said
+    TrackersMixin          trackers/mixin.py           the tracker run hftrain owns (MLflow's): one for the whole run
 
 Every option comes from `args` (config.HFTrainingArguments: TrainingArguments + config.HFTrainOptions), so a trainer
 is built like transformers' own. The mixins go before the library's trainer in the bases: their overrides run
@@ -26,11 +27,12 @@ from ..guards import StepGuardMixin
 from ..stop_request import StopRequestMixin
 from ..data.stream_position import StreamPositionMixin
 from ..vision.part_rates import PartRatesMixin
+from ..trackers import TrackersMixin
 
 # What every hftrain trainer has, whatever its loss (the order is the method resolution order).
-RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin, PartRatesMixin)
+RUN_MIXINS = (StagedCheckpointMixin, StepGuardMixin, CommHookMixin, StopRequestMixin, PartRatesMixin, TrackersMixin)
 
 
 __all__ = ["RUN_MIXINS", "StagedCheckpointMixin", "StepGuardMixin", "CommHookMixin", "StopRequestMixin",
            "SequenceParallelMixin", "ExactLossMixin", "ChunkedLossMixin", "StreamPositionMixin",
-           "PartRatesMixin"]
+           "PartRatesMixin", "TrackersMixin"]
