@@ -35,6 +35,7 @@ PROBE_IDS = [[1, 5, 9, 13, 17, 21, 25, 29]]  # a fixed input whose logits run_in
 
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe beside the model
 RUN_INFO_FILE = "run_info.json"  # what actually ran
+HARNESS_RESULTS_FILE = "eval_harness.json"  # `hftrain eval`'s table, base against trained (on the model card)
 # The SLURM job's folder in output_dir (`hftrain config --slurm`): its logs (slurm-<job id>.out), its working files.
 SLURM_DIR = "slurm"
 STOP_MARKER_ENV = "HFTRAIN_STOP_MARKER"  # a file the main process writes when it stopped on a request (SIGUSR1)

@@ -8,8 +8,9 @@ import re
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..constants import RECIPE_FILE, RUN_INFO_FILE
+from ..constants import HARNESS_RESULTS_FILE, RECIPE_FILE, RUN_INFO_FILE
 from ..fileio import read_json
+from ..harness import Comparison, markdown
 from ..heads import Head
 
 
@@ -69,8 +70,9 @@ def build_card(output_dir: str, files: list[str], repo_id: str | None = None, li
              + (f" (LoRA r={lora.get('r')}, alpha={lora.get('alpha')}, target modules {lora.get('target_modules')})"
                 if lora else "") + ".", ""]
 
-    lines += _results_lines(info, files) + _use_lines(repo_id or "<repo_id>", adapter, head,
-                                                      trained_by.get("num_labels"), _has_chat_template(output_dir))
+    lines += _results_lines(info, files) + _benchmark_lines(output_dir)
+    lines += _use_lines(repo_id or "<repo_id>", adapter, head, trained_by.get("num_labels"),
+                        _has_chat_template(output_dir))
     lines += _made_lines(output_dir, files, recipe, recipe_text, info, strategy, sources)
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
@@ -85,6 +87,18 @@ def _results_lines(info: dict, files: list[str]) -> list[str]:
     if "curves.png" in files:
         lines += ["", "![Loss, learning rate and throughput against the step](curves.png)"]
     return lines
+
+
+def _benchmark_lines(output_dir: str) -> list[str]:
+    """`hftrain eval`'s table (eval_harness.json), when the run was evaluated."""
+    path = os.path.join(output_dir, HARNESS_RESULTS_FILE)
+    if not os.path.isfile(path):
+        return []
+    results = read_json(path)
+    comparisons = [Comparison.from_dict(c) for c in results.get("comparisons") or []]
+    limit = f", the first {results['limit']} rows of each task" if results.get("limit") else ""
+    return ["", "## Benchmarks", "", f"lm-evaluation-harness through `hftrain eval`, against the base "
+            f"`{results.get('base')}`{limit}:", "", markdown(comparisons)]
 
 
 def _use_lines(ident: str, adapter: bool, head: Head, num_labels: int | None, chat_template: bool) -> list[str]:

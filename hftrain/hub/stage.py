@@ -10,7 +10,7 @@ import re
 import shutil
 import tempfile
 
-from ..constants import RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
+from ..constants import HARNESS_RESULTS_FILE, RECIPE_FILE, RUN_INFO_FILE, STRATEGIES
 from ..errors import HubError
 from .card import build_card
 from .run_settings import run_recipe
@@ -23,7 +23,8 @@ ALLOWED = re.compile(
     r"|config\.json|generation_config\.json|adapter_config\.json"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json|tokenizer\.model"
     r"|vocab\.json|vocab\.txt|merges\.txt|chat_template\.(jinja|json)"
-    rf"|{re.escape(RECIPE_FILE)}|{re.escape(RUN_INFO_FILE)}|trainer_state\.json|curves\.png|expert_load\.png"
+    rf"|{re.escape(RECIPE_FILE)}|{re.escape(RUN_INFO_FILE)}|{re.escape(HARNESS_RESULTS_FILE)}"
+    r"|trainer_state\.json|curves\.png|expert_load\.png"
     rf"|({'|'.join(STRATEGIES)})\.(yaml|json))$")
 
 
