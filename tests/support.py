@@ -141,3 +141,24 @@ def assert_resume_exact(tmp, variants, kind: str, bounds: str) -> None:
     within(f"{bounds}.resumed_vs_uninterrupted.losses", after[0][-2:], whole[0][-2:], label=kind)
     within(f"{bounds}.resumed_vs_uninterrupted.weights", after[1], whole[1], label=kind)
     beyond(f"{bounds}.resumed_vs_uninterrupted.weights", control[1], whole[1], label=f"{kind}, weights only")
+
+
+def scrambled(tiny_model_dir, folder, seed, scale: float = 0.5) -> str:
+    """The tiny model with every matrix drawn anew at a larger scale, saved in `folder` with its tokenizer: a tiny
+    model as built answers every prompt with the same blank lines, which leaves a comparison of answers nothing to
+    tell apart (tests/test_harness_eval.py, tests/test_export.py)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    draw = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in (p for p in model.parameters() if p.dim() == 2):
+            weight.copy_(torch.randn(weight.shape, generator=draw) * scale)
+    model.save_pretrained(folder)
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(tiny_model_dir, name), folder)
+    return folder

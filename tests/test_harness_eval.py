@@ -20,6 +20,7 @@ from hftrain.harness import TASK
 from hftrain.hub.card import build_card
 
 from .conftest import DEMO_EVAL
+from .support import scrambled
 
 pytest.importorskip("lm_eval")
 
@@ -44,21 +45,6 @@ def rows_file(path, references: list[str]) -> str:
         for row, reference in zip(prompts(), references):
             f.write(json.dumps({"messages": [row["messages"][0], {"role": "assistant", "content": reference}]}) + "\n")
     return str(path)
-
-
-def scrambled(tiny_model_dir, folder, seed) -> str:
-    """The tiny model with every matrix drawn anew at a larger scale: a tiny model as built answers every prompt with
-    the same blank lines, which would leave the comparisons below nothing to tell apart."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    draw = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for weight in (p for p in model.parameters() if p.dim() == 2):
-            weight.copy_(torch.randn(weight.shape, generator=draw) * 0.5)
-    model.save_pretrained(folder)
-    for name in os.listdir(tiny_model_dir):
-        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(os.path.join(tiny_model_dir, name), folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

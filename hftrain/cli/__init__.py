@@ -1,8 +1,8 @@
 """The `hftrain` command: `check` a recipe, `prepare` or show its `data`, render its strategy `config`, `plan` memory,
-`launch`, `push`, `score` a reward model, `eval` a model against its base, `tiny-model`, `moe upcycle`. Each command
-registers itself from its module: recipe_commands (check, prepare, data), config_command, plan_command,
-training_commands (launch, sft, dpo, grpo), push_command, score_command, eval_command, moe_commands; tiny-model from
-hftrain.tiny."""
+`launch`, `push`, `score` a reward model, `eval` a model against its base, `export` it, `tiny-model`, `moe upcycle`.
+Each command registers itself from its module: recipe_commands (check, prepare, data), config_command,
+plan_command, training_commands (launch, sft, dpo, grpo), push_command, score_command, eval_command, export_command,
+moe_commands; tiny-model from hftrain.tiny."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..methods import SCRIPTS
 from ..tiny import add_tiny_model_command
 from .config_command import add_config_command
 from .eval_command import add_eval_command
+from .export_command import add_export_command
 from .moe_commands import add_moe_command
 from .plan_command import add_plan_command
 from .push_command import add_push_command
@@ -22,8 +23,8 @@ from .training_commands import add_training_commands
 
 # Each subcommand registers itself: its parser, its options and the function that runs it (`fn`).
 COMMANDS = (add_check_command, add_prepare_command, add_data_command, add_config_command, add_plan_command,
-            add_training_commands, add_push_command, add_score_command, add_eval_command, add_tiny_model_command,
-            add_moe_command)
+            add_training_commands, add_push_command, add_score_command, add_eval_command, add_export_command,
+            add_tiny_model_command, add_moe_command)
 TAKES_OVERRIDES = ("check", "config", "data", "launch", "plan", "prepare", *SCRIPTS)
 
 
