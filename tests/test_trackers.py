@@ -1,13 +1,16 @@
 """Trackers (hftrain/trackers/): `training.report_to` checked before anything loads, and a run's whole record in one
-MLflow run on a real tracking server the test starts (127.0.0.1, a port the OS picks, SQLite store), read back
-through MLflow's own client: the resolved recipe as params and artifact, every logged step once from rank 0 of a
-2-process run, hftrain's before/after figures, the same run again after a resume, and no token anywhere."""
+tracker run, read back: MLflow on a real tracking server the test starts (127.0.0.1, a port the OS picks, SQLite
+store), through MLflow's own client; W&B in offline mode, from the run files it writes. In both: the resolved recipe,
+every logged step once from rank 0 of a 2-process run, hftrain's before/after figures, the same run again after a
+resume, and no token anywhere."""
 
 import json
 import os
 import re
+import glob
 import signal
 import socket
+import struct
 import subprocess
 import time
 
@@ -117,10 +120,45 @@ def recipe(tmp_path, model_dir, out, **training) -> str:
             "training": {"output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 2,
                          "learning_rate": 3e-3, "logging_steps": 1, "save_steps": 2, "eval_strategy": "steps",
                          "eval_steps": 2, "seed": 0, "disable_tqdm": True,
-                         "report_to": ["tensorboard", "mlflow"], **training}}
+                         "report_to": ["tensorboard", "mlflow", "wandb"], **training}}
     p = tmp_path / "recipe.yaml"
     p.write_text(yaml.safe_dump(tree))
     return str(p)
+
+
+WANDB_BLOCK = 32768
+
+
+def wandb_records(path: str) -> list:
+    """The protobuf Records of an offline W&B run file (wandb 0.31 ships no Python reader of it): a 7-byte header,
+    then LevelDB's log format, blocks of 32 KiB holding chunks of a 4-byte checksum, a 2-byte length, a 1-byte kind
+    (1 whole, 2 first, 3 middle, 4 last) and the data."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, pending, out = open(path, "rb").read(), 7, b"", []
+    while position + 7 <= len(data):
+        room = WANDB_BLOCK - position % WANDB_BLOCK
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7]) if room >= 7 else (0, 0, 0)
+        if length == 0 and kind == 0:  # the rest of a block, padded
+            position += room
+            continue
+        chunk, position = data[position + 7:position + 7 + length], position + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+    return out
+
+
+def item_key(item) -> str:
+    """A history, summary or config item's name ("train/loss": a key, or its nested parts)."""
+    return item.key or "/".join(item.nested_key)
+
+
+def wandb_run_files(folder) -> list[list]:
+    """Each offline run's records under WANDB_DIR `folder`, in the order they ran."""
+    return [wandb_records(f) for f in sorted(glob.glob(os.path.join(folder, "wandb", "offline-run-*", "*.wandb")))]
 
 
 def history(client, run_id, key) -> list[tuple[int, float]]:
@@ -139,10 +177,12 @@ def everything_stored(client, run) -> str:
 
 
 @pytest.mark.launches
-def test_a_two_process_run_and_its_resume_land_in_one_mlflow_run(tmp_path, tiny_model_dir, mlflow_server):
+def test_a_two_process_run_and_its_resume_land_in_one_tracker_run(tmp_path, tiny_model_dir, mlflow_server):
     out = tmp_path / "out"
     env = {"MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": f"two-ranks-{tmp_path.name}",
-           "HF_TOKEN": TOKEN}
+           "HF_TOKEN": TOKEN, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_PROJECT": "two",
+           "WANDB_SILENT": "true"}
+    (tmp_path / "wandb").mkdir()
     r = run([PY, "-m", "hftrain.cli", "launch", recipe(tmp_path, tiny_model_dir, out)], env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     first_recipe = (out / "recipe.yaml").read_text()
@@ -154,8 +194,8 @@ def test_a_two_process_run_and_its_resume_land_in_one_mlflow_run(tmp_path, tiny_
     client = MlflowClient(mlflow_server)
     [tracked] = client.search_runs([client.get_experiment_by_name(env["MLFLOW_EXPERIMENT_NAME"]).experiment_id])
     assert tracked.info.status == "FINISHED"
-    assert json.loads((out / "trackers.json").read_text()) == {
-        "mlflow": {"tracking_uri": mlflow_server, "run_id": tracked.info.run_id}}
+    runs = json.loads((out / "trackers.json").read_text())
+    assert runs["mlflow"] == {"tracking_uri": mlflow_server, "run_id": tracked.info.run_id}
     # Every step's loss once (rank 0 alone reports), the values the run's own log holds, across the resume.
     state = json.loads((out / "trainer_state.json").read_text())
     logged = [(h["step"], h["loss"]) for h in state["log_history"] if "loss" in h]
@@ -178,6 +218,30 @@ def test_a_two_process_run_and_its_resume_land_in_one_mlflow_run(tmp_path, tiny_
     resumed = client.download_artifacts(tracked.info.run_id, "resumed-from-checkpoint-4/recipe.yaml")
     assert yaml.safe_load(open(resumed))["training"]["max_steps"] == 6
     assert TOKEN not in everything_stored(client, tracked)
+    check_wandb(tmp_path / "wandb", runs["wandb"], logged, figures, yaml.safe_load(first_recipe))
+
+
+def check_wandb(folder, recorded, logged, figures, first_recipe):
+    """W&B: one offline run per launch (rank 0 alone), both the same run; the steps, figures and recipe as above."""
+    pieces = wandb_run_files(folder)
+    assert len(pieces) == 2 and recorded["project"] == "two"
+    for records in pieces:
+        [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        assert (run.run_id, run.project) == (recorded["run_id"], "two")
+    config = [{item_key(u): json.loads(u.value_json) for u in r.run.config.update}
+              for records in pieces for r in records if r.WhichOneof("record_type") == "run"]
+    assert config[0]["recipe"] == first_recipe and config[0]["recipe"]["training"]["max_steps"] == 4
+    steps = [{item_key(i): json.loads(i.value_json) for i in r.history.item} for records in pieces for r in records
+             if r.WhichOneof("record_type") == "history"]
+    tracked = [(h["train/global_step"], h["train/loss"]) for h in steps if "train/loss" in h]
+    assert [s for s, _ in tracked] == [s for s, _ in logged]
+    assert [v for _, v in tracked] == pytest.approx([v for _, v in logged], rel=1e-6)
+    summary = {item_key(u): json.loads(u.value_json) for r in pieces[-1] if r.WhichOneof("record_type") == "summary"
+               for u in r.summary.update}
+    assert {k: summary[k] for k in figures} == pytest.approx(figures, rel=1e-6)
+    for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            assert TOKEN.encode() not in open(path, "rb").read(), path
 
 
 def test_without_hftrains_run_the_final_evaluation_starts_a_second_mlflow_run(tmp_path, tiny_model_dir,

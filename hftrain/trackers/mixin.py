@@ -1,16 +1,18 @@
-"""TrackersMixin (in RUN_MIXINS): the tracker runs hftrain owns (runs.py), opened on the world's process zero when
-training starts (after the checkpoint to resume is known) and ended by report_figures, the run's last report."""
+"""TrackersMixin (in RUN_MIXINS): the tracker runs hftrain owns (mlflow_run.py, wandb_run.py), opened on the world's
+process zero when training starts (after the checkpoint to resume is known) and ended by report_figures, the run's
+last report."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 
+from .mlflow_run import MlflowRun
 from .names import requested
-from .runs import MlflowRun
-
+from .wandb_run import WandbRun
 
 FIGURE_PREFIXES = ("initial_", "final_")  # run_info.json's held-out figures before and after training
+OWNED = {"mlflow": MlflowRun, "wandb": WandbRun}  # the trackers whose run hftrain opens itself
 
 
 def checkpoint_name(resume_from_checkpoint) -> str | None:
@@ -23,19 +25,26 @@ def checkpoint_name(resume_from_checkpoint) -> str | None:
 
 
 class TrackersMixin:
-    _mlflow_run: MlflowRun | None = None
+    _tracker_runs: list | None = None
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if "mlflow" in requested(self.args.report_to) and self.is_world_process_zero() and self._mlflow_run is None:
-            resumed_from = checkpoint_name(resume_from_checkpoint)
-            self._mlflow_run = MlflowRun(self.args.output_dir, self.args.run_name, resumed_from)
-        with self._mlflow_run.callback_params_kept() if self._mlflow_run else contextlib.nullcontext():
+        if self._tracker_runs is None:
+            self._tracker_runs = self._open_tracker_runs(checkpoint_name(resume_from_checkpoint))
+        with contextlib.ExitStack() as stack:
+            for tracker_run in self._tracker_runs:
+                stack.enter_context(tracker_run.during_training())
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _open_tracker_runs(self, resumed_from: str | None) -> list:
+        if not self.is_world_process_zero():
+            return []
+        return [OWNED[name](self.args.output_dir, self.args.run_name, resumed_from)
+                for name in requested(self.args.report_to) if name in OWNED]
 
     def report_figures(self, figures: dict) -> None:
         """hftrain's figures (initial_* / final_*: the held-out metrics before and after) to the tracker runs hftrain
         owns, which then end. Every rank calls it; the world's process zero reports."""
-        if self._mlflow_run is not None:
-            before_and_after = {k: v for k, v in figures.items() if k.startswith(FIGURE_PREFIXES)}
-            self._mlflow_run.finish(before_and_after, self.state.global_step)
-            self._mlflow_run = None
+        before_and_after = {k: v for k, v in figures.items() if k.startswith(FIGURE_PREFIXES)}
+        for tracker_run in self._tracker_runs or []:
+            tracker_run.finish(before_and_after, self.state.global_step)
+        self._tracker_runs = []

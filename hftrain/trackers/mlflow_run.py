@@ -2,7 +2,7 @@
 train(), so the held-out evaluation after training and hftrain's before/after figures would start a second run of
 their own (mlflow's fluent API opens one for any metric logged outside a run), and a resumed run starts a new one.
 Opened here first, the callback logs into it and leaves it open (it ends only runs it started); hftrain records its id
-in output_dir/trackers.json, opens the same run again on resume, and ends it after its own figures."""
+in output_dir/trackers.json (records.py), opens the same run again on resume, and ends it after its own figures."""
 
 from __future__ import annotations
 
@@ -10,13 +10,10 @@ import contextlib
 import json
 import os
 
-import yaml
-
-from ..constants import RECIPE_FILE
-from ..fileio import atomic_write
 from .names import without_credentials
+from .records import record, recorded, resolved_recipe
 
-RUNS_FILE = "trackers.json"
+TRACKER = "mlflow"
 PARAM_PREFIX = "recipe."
 MAX_PARAMS_SETTING = "MLFLOW_MAX_LOG_PARAMS"  # transformers' MLflowCallback: how many params it logs
 
@@ -34,12 +31,8 @@ def flat(mapping: dict, prefix: str = "") -> dict[str, str]:
 
 def recorded_run(output_dir: str, tracking_uri: str) -> str | None:
     """The MLflow run id this output_dir's run recorded against this tracking URI, if any."""
-    try:
-        with open(os.path.join(output_dir, RUNS_FILE), encoding="utf-8") as f:
-            mlflow_run = json.load(f).get("mlflow", {})
-    except (OSError, ValueError):
-        return None
-    return mlflow_run.get("run_id") if mlflow_run.get("tracking_uri") == tracking_uri else None
+    entry = recorded(output_dir, TRACKER)
+    return entry.get("run_id") if entry.get("tracking_uri") == tracking_uri else None
 
 
 class MlflowRun:
@@ -58,21 +51,19 @@ class MlflowRun:
             mlflow.set_experiment(os.environ["MLFLOW_EXPERIMENT_NAME"])
         self.run = mlflow.start_run(run_id=earlier, run_name=None if earlier else run_name)
         self.resumed = earlier is not None
-        atomic_write(os.path.join(output_dir, RUNS_FILE),
-                     json.dumps({"mlflow": {"tracking_uri": uri, "run_id": self.run.info.run_id}}, indent=2))
+        record(output_dir, TRACKER, {"tracking_uri": uri, "run_id": self.run.info.run_id})
+        path, recipe = resolved_recipe(output_dir)
+        if not recipe:
+            return
         if self.resumed:  # params are fixed once logged: the run keeps its first start's, the new recipe is an artifact
-            self.mlflow.log_artifact(os.path.join(output_dir, RECIPE_FILE), f"resumed-from-{resumed_from}")
+            self.mlflow.log_artifact(path, f"resumed-from-{resumed_from}")
         else:
-            self.log_recipe(output_dir)
+            self.log_recipe(path, recipe)
 
-    def log_recipe(self, output_dir: str) -> None:
+    def log_recipe(self, path: str, recipe: dict) -> None:
         """The resolved recipe as params (recipe.<key>; a value longer than MLflow takes is left to the artifact) and
         as the artifact recipe.yaml."""
-        path = os.path.join(output_dir, RECIPE_FILE)
-        if not os.path.exists(path):
-            return
-        with open(path, encoding="utf-8") as f:
-            params = flat(yaml.safe_load(f) or {}, PARAM_PREFIX)
+        params = flat(recipe, PARAM_PREFIX)
         longest = self.mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
         batch = self.mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
         items = [(k, v) for k, v in params.items() if len(v) <= longest]
@@ -81,7 +72,7 @@ class MlflowRun:
         self.mlflow.log_artifact(path)
 
     @contextlib.contextmanager
-    def callback_params_kept(self):
+    def during_training(self):
         """While training: transformers' MLflowCallback, which logs the TrainingArguments as params at its set-up,
         logs none into a resumed run (MLFLOW_MAX_LOG_PARAMS=0, its own setting), whose params MLflow refuses to
         change (a resume's new max_steps and resume_from_checkpoint would be refused, with an error in the log)."""
