@@ -56,6 +56,10 @@ class NonFiniteError(UserError, ArithmeticError):
     """Training met a non-finite loss, gradient norm or weight: the run stops rather than train or save garbage."""
 
 
+class GateError(UserError, RuntimeError):
+    """A benchmark gate the recipe set (eval.harness.min_delta) was missed: what regressed."""
+
+
 class HubError(UserError, ValueError):
     """A run that cannot (or could not) be pushed: what is wrong and how to fix it."""
 

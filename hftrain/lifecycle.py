@@ -2,7 +2,8 @@
 the recipe's method (hftrain/methods/: its arguments, model, trainer and held-out metrics) fills in what differs:
 
     validate + set up (arguments built once, resume resolved once) -> Hub token -> data -> claim output_dir -> model
-    -> trainer -> metrics before -> train -> metrics after -> save -> report (trackers too) -> shut down -> push
+    -> trainer -> metrics before -> train -> metrics after -> save -> report (trackers too) -> shut down
+    -> benchmark (eval.harness) -> push
 
 A stop request (SIGUSR1, e.g. SLURM's warning before a time limit) ends the run after train() with its checkpoint
 saved (stop_request/mixin.py): no metrics after, no final save, no push; the restarted run resumes.
@@ -16,6 +17,7 @@ from . import distributed, sequence_parallel
 from .artifacts import first_eval, save_final, write_recipe
 from .callbacks import CurvesCallback
 from .data.templates import stop_at_end_of_turn
+from .harness import evaluate_after_training
 from .hub.push import check_token, push_after_training
 from .kernels import kernels_line
 from .launch import Run, check_data, claim_output_dir, setup_run, write_strategy_configs
@@ -82,5 +84,6 @@ def run(script: str, argv: list[str]) -> dict:
     distributed.print0(f"hftrain: saved to {recipe.output_dir}")
     del trainer, model
     distributed.shutdown()
+    evaluate_after_training(recipe)  # eval.harness: main process, the saved folder; a missed gate ends the run here
     push_after_training(recipe)  # hub.push: validate output_dir, then upload it (main process, no collective)
     return metrics

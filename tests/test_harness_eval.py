@@ -186,3 +186,62 @@ def test_rows_the_held_out_task_cannot_read_and_missing_models_are_named(tiny_mo
     assert f"{tmp_path}: not a model folder (no config.json or adapter_config.json)" in said
     said = refused([tiny_model_dir, "--no-base"], capsys)
     assert f"the task {TASK} needs held-out rows" in said and "--rows FILE" in said
+
+
+def test_check_says_what_eval_harness_cannot_run(tiny_model_dir, tmp_path):
+    from hftrain.errors import RecipeError
+    from hftrain.launch import check_recipe
+
+    from .test_bad_input import W
+
+    w = W(str(tmp_path), tiny_model_dir)
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                                                             "content": "b"}] * 2}) + "\n")
+
+    def problems(edit) -> list[str]:
+        try:
+            check_recipe(w.recipe(edit))
+        except RecipeError as e:
+            return e.problems
+        return []
+
+    def harness(rows=None, **section):
+        def edit(tree):
+            tree["eval"] = {"harness": section}
+            if rows:
+                tree["data"]["eval_sources"] = [{"path": rows}]
+        return edit
+
+    assert problems(harness()) == [f"{tmp_path / 'recipe.yaml'}: eval.harness.tasks: {TASK} is the run's held-out "
+                                   "rows: set data.eval_sources, or name other tasks"]
+    [bad_rows] = problems(harness(str(turns)))
+    assert f"eval.harness.tasks: {turns}:1: not one user message then the assistant's answer" in bad_rows
+    assert problems(harness(tasks=["mine"], include_path=str(tmp_path))) == []
+
+
+@pytest.mark.launches
+def test_a_run_benchmarks_its_saved_model_and_a_missed_gate_fails_it(tiny_model_dir, tmp_path):
+    from .conftest import PY, run
+    from .support import free_port
+
+    out = tmp_path / "out"
+    rows = tmp_path / "held_out.jsonl"
+    rows.write_text("".join(open(DEMO_EVAL, encoding="utf-8").readlines()[:8]))
+    tree = {"model": {"name_or_path": tiny_model_dir, "dtype": "float32"},
+            "data": {"sources": [{"path": DEMO_EVAL}], "eval_sources": [{"path": str(rows)}], "max_length": 48},
+            "eval": {"max_new_tokens": MAX_NEW_TOKENS, "harness": {"min_delta": 0.5}},
+            "strategy": {"name": "ddp", "num_processes": 2, "main_process_port": free_port()},
+            "training": {"output_dir": str(out), "max_steps": 2, "per_device_train_batch_size": 2,
+                         "save_strategy": "no", "report_to": "none", "disable_tqdm": True}}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(tree))
+    r = run([PY, "-m", "hftrain.cli", "launch", str(recipe)], timeout=600)
+    said = r.stdout + r.stderr
+    assert r.returncode != 0, said[-3000:]
+    assert "hftrain: eval.harness: the saved model in" in said and "in this process (the main one" in said
+    assert f"gate failed: {TASK} exact_match,none improved by +0.0000 (base 0.0000 -> trained 0.0000), less than " \
+           "eval.harness.min_delta 0.5" in said, said[-3000:]
+    written = json.loads((out / "eval_harness.json").read_text())
+    assert written["base"] == tiny_model_dir and written["comparisons"][0]["task"] == TASK
+    assert (out / "model.safetensors").is_file()  # the saved model stays

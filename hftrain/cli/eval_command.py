@@ -5,18 +5,14 @@ whence `hftrain push` puts it on the model card. --min-delta D exits 1 when a me
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 
 import yaml
 
 from ..constants import HARNESS_RESULTS_FILE, RECIPE_FILE
 from ..errors import DataError, ModelError
-from ..fileio import atomic_write
-from ..harness import (TASK, compare, gate_failures, harness_results, markdown, model_arguments, task_manager,
-                       write_heldout_task)
+from ..harness import TASK, HarnessRequest, evaluate, gate_messages, write_results
 
 GATE_FAILED = 1
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -49,22 +45,6 @@ def heldout_rows(ns, recipe: dict) -> list[str]:
     return [s["path"] for s in ((recipe.get("data") or {}).get("eval_sources") or []) if s.get("path")]
 
 
-def tasks_of(ns, recipe: dict, folder: str) -> tuple[list[str], list[str]]:
-    """(the tasks, the task folder to include): the user's, and hftrain_heldout written to `folder`."""
-    tasks = [t for names in (ns.tasks or []) for t in names.split(",") if t] or [TASK]
-    include = [ns.include_path] if ns.include_path else []
-    if TASK in tasks:
-        rows = heldout_rows(ns, recipe)
-        if not rows:
-            raise DataError(f"the task {TASK} needs held-out rows: {ns.model} has no data.eval_sources; give them "
-                            "with --rows FILE, or name other tasks with --tasks")
-        max_new = ns.max_new_tokens or (recipe.get("eval") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-        count = write_heldout_task(folder, rows, max_new)
-        print(f"hftrain: {TASK}: {count} held-out rows from {', '.join(rows)} (answers up to {max_new} tokens)")
-        include.append(folder)
-    return tasks, include
-
-
 def quantized_adapter_problem(folder: str, recipe: dict) -> None:
     """A QLoRA run's adapter was trained on a quantised base, which the harness would load unquantised: its merged/
     folder (hub.merge_lora) is the model a QLoRA run serves."""
@@ -75,39 +55,32 @@ def quantized_adapter_problem(folder: str, recipe: dict) -> None:
                          "written by a run with hub.merge_lora: true)")
 
 
+def request_of(ns, recipe: dict) -> HarnessRequest:
+    tasks = [t for names in (ns.tasks or []) for t in names.split(",") if t] or [TASK]
+    rows = heldout_rows(ns, recipe) if TASK in tasks else []
+    if TASK in tasks and not rows:
+        raise DataError(f"the task {TASK} needs held-out rows: {ns.model} has no data.eval_sources; give them "
+                        "with --rows FILE, or name other tasks with --tasks")
+    max_new = ns.max_new_tokens or (recipe.get("eval") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    return HarnessRequest(ns.model, base_of(ns, recipe), tasks, ns.include_path, rows, max_new, ns.limit,
+                          ns.batch_size, ns.device, not ns.no_chat_template, ns.trust_remote_code)
+
+
 def _evaluate(ns) -> int:
     recipe = run_recipe(ns.model)
     quantized_adapter_problem(ns.model, recipe)
-    base = base_of(ns, recipe)
-    for folder in (ns.model, base):  # each a model folder (or an adapter on a local base), before any task is read
-        if folder:
-            model_arguments(folder, ns.device)
-    with tempfile.TemporaryDirectory(prefix="hftrain-eval-tasks-") as folder:
-        tasks, include = tasks_of(ns, recipe, folder)
-        settings = (tasks, task_manager(tasks, include), ns.limit, ns.batch_size, ns.device, not ns.no_chat_template,
-                    ns.trust_remote_code)
-        trained = harness_results(ns.model, *settings)
-        before = harness_results(base, *settings) if base else None
-    comparisons = compare(trained, before)
-    print(f"hftrain: {ns.model}" + (f" against its base {base}" if base else ""))
-    print(markdown(comparisons))
+    request = request_of(ns, recipe)
+    comparisons = evaluate(request)
     output = ns.output or (os.path.join(ns.model, HARNESS_RESULTS_FILE) if recipe else None)
     if output:
-        atomic_write(output, json.dumps({"model": ns.model, "base": base, "tasks": tasks, "limit": ns.limit,
-                                         "comparisons": [c.as_dict() for c in comparisons]}, indent=1) + "\n")
-        print(f"hftrain: written to {output}")
-    return _gate(ns, comparisons, base)
-
-
-def _gate(ns, comparisons, base) -> int:
+        write_results(output, request, comparisons)
     if ns.min_delta is None:
         return 0
-    if base is None:
+    if request.base is None:
         raise ModelError("--min-delta compares with the base model: give --base FOLDER (or evaluate a run folder)")
-    failed = gate_failures(comparisons, ns.min_delta)
-    for c in failed:
-        print(f"hftrain: gate failed: {c.task} {c.metric} improved by {c.improvement:+.4f} (base {c.base:.4f} -> "
-              f"trained {c.trained:.4f}), less than --min-delta {ns.min_delta}", file=sys.stderr)
+    failed = gate_messages(comparisons, ns.min_delta, "--min-delta")
+    for message in failed:
+        print(f"hftrain: {message}", file=sys.stderr)
     return GATE_FAILED if failed else 0
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from ..constants import REDUCE_DTYPES, CompressionMethod, DataLayout
 from .fields import option
+from .eval_sections import EvalSection
 from .schema import origin_of
 from .strategy import StrategySection
 from .training import TrainingValues, training_value, typed_values
@@ -157,15 +158,6 @@ class DataSection:
     shuffle_buffer: int | None = option(None, "streaming: rows shuffled together (each window of this many rows is "
                                         "yielded in a random order; the order of files and blocks changes every pass); "
                                         "default 10000.")
-
-
-@dataclass
-class EvalSection:
-    exact_match: int = option(
-        0, "Greedy-generate answers for this many held-out examples and report exact-match accuracy before and after "
-        "training."
-    )
-    max_new_tokens: int = option(32, "Generation length for exact_match.")
 
 
 @dataclass

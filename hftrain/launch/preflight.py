@@ -19,6 +19,7 @@ from ..config.strategy_rules import strategy_problems
 from ..config.strategy import STRATEGY_DEFAULTS
 from ..constants import STRATEGIES
 from ..errors import RecipeError
+from ..harness import harness_problems
 from ..methods import parse_recipe
 from ..trackers import report_to_problems
 from . import libraries, model_libraries
@@ -77,6 +78,7 @@ def check_recipe(path: str | None, overrides: list[str] | None = None, *, raw: d
     if "training.report_to" not in recipe.invalid:  # the trackers: names, never "all"; installed, server, login
         problems += [_message(recipe, k, m) for k, m in report_to_problems(recipe.training_value("report_to"),
                                                                             environment)]
+    problems += [_message(recipe, k, m) for k, m in harness_problems(recipe, environment)]  # eval.harness
     if environment:
         # The run's own train() says what it accepts with a caveat (an unverified checkpoint); check and launch say it.
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if launcher is None else (lambda _m: None)
