@@ -102,6 +102,20 @@ def _forget_modules_of_temporary_folders(tmp_path_factory):
     sys.path[:] = [p for p in sys.path if not p.startswith(base)]
 
 
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """Each test leaves os.environ as it found it. A library imported or run in the pytest process sets variables of
+    its own (lm-eval's import HF_XET_HIGH_PERFORMANCE, its evaluation TORCHINDUCTOR_CACHE_DIR); left set, they would
+    make every later launch of that worker a real process (tests/forked.py forks only under the environment the
+    suite started with), where a worker script's `from tests import ...` fails and a test of the forked launch
+    itself fails. Fixtures of a wider scope set theirs before this one looks."""
+    environ = dict(os.environ)
+    yield
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 @pytest.fixture
 def in_process(monkeypatch):
     """For a recipe script's or the CLI's main(argv) run in the pytest process (a case whose process is not under
