@@ -10,15 +10,16 @@ import os
 from ..constants import RECIPE_FILE
 from ..errors import ModelError
 from ..methods import load_recipe
-from ..serving import GGUF_TYPES, check_gguf, convert, converter_dir, merged_folder
+from ..serving import GGUF_TYPES, check_gguf, convert, converter_dir, merged_folder, trained_reference
 
 CHECKED_PROMPTS = 8
 DEFAULT_MAX_NEW_TOKENS = 32
 
 
-def _model_section(run: str):
+def run_recipe(run: str):
+    """A run folder's recipe (None for a plain model folder)."""
     path = os.path.join(run, RECIPE_FILE)
-    return load_recipe(path).model if os.path.isfile(path) else None
+    return load_recipe(path) if os.path.isfile(path) else None
 
 
 def prompt_messages(messages: list) -> list:
@@ -27,11 +28,10 @@ def prompt_messages(messages: list) -> list:
     return messages[:roles.index("assistant")] if "assistant" in roles else []
 
 
-def held_out_examples(run: str, rows: str | None, limit: int) -> list[dict]:
+def held_out_examples(recipe, rows: str | None, limit: int) -> list[dict]:
     """The first held-out conversations (--check-rows, else the run's data.eval_sources), each its prompt only."""
     paths = [rows] if rows else []
-    if not rows and os.path.isfile(os.path.join(run, RECIPE_FILE)):
-        recipe = load_recipe(os.path.join(run, RECIPE_FILE))
+    if not rows and recipe is not None:
         paths = [s.path for s in recipe.data.eval_sources or [] if os.path.isfile(s.path)]
     examples = []
     for path in paths:
@@ -59,9 +59,11 @@ def _export(ns) -> int:
     if not types and not ns.merged:
         raise ModelError("say what to export: --merged (an adapter run as plain safetensors) and/or --gguf TYPES")
     folder = converter_dir(ns.converter) if types else None
-    source = merged_folder(ns.run, _model_section(ns.run))
+    recipe = run_recipe(ns.run)
+    source = merged_folder(ns.run, recipe.model if recipe is not None else None)
     out_dir = ns.output or os.path.join(ns.run, "gguf")
-    examples = held_out_examples(ns.run, ns.check_rows, ns.check_prompts) if types else []
+    examples = held_out_examples(recipe, ns.check_rows, ns.check_prompts) if types else []
+    reference = trained_reference(source, examples, ns.max_new_tokens) if types else None
     name = os.path.basename(os.path.normpath(ns.run))
     print("| type | file | size | largest logit difference | same greedy answers | same prompt ids |\n"
           "|---|---|---|---|---|---|"
@@ -70,7 +72,7 @@ def _export(ns) -> int:
         os.makedirs(out_dir, exist_ok=True)
         path = convert(source, folder, gguf_type, os.path.join(out_dir, f"{name}-{gguf_type}.gguf"),
                        ns.pre_tokenizer)
-        check = check_gguf(source, path, gguf_type, examples, ns.max_new_tokens)
+        check = check_gguf(reference, path, gguf_type, examples, ns.max_new_tokens)
         print(f"| {gguf_type} | {path} | {check.size_bytes / 2**20:.1f} MiB | {check.max_logit_difference:.3g} | "
               f"{check.same_answers}/{check.prompts} | {check.same_prompt_ids}/{check.prompts} |", flush=True)
     return 0

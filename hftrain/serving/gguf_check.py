@@ -31,21 +31,40 @@ def _load(folder: str, gguf_file: str | None = None):
     return Head.CAUSAL_LM.auto_class.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
 
 
+@dataclass(frozen=True)
+class TrainedReference:
+    """The model the files were written from, loaded once for every type: its tokenizer and its greedy answers."""
+    source: str
+    tokenizer: object
+    model: object
+    answers: list[str]
+
+
 @torch.no_grad()
-def check_gguf(source: str, gguf_path: str, gguf_type: str, examples: list[dict], max_new_tokens: int) -> GgufCheck:
+def trained_reference(source: str, examples: list[dict], max_new_tokens: int) -> TrainedReference:
     """`examples`: held-out rows ({"messages": [...]}) whose prompts both models answer."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer, model = AutoTokenizer.from_pretrained(source), _load(source)
+    return TrainedReference(source, tokenizer, model,
+                            [greedy_answer(model, tokenizer, e, max_new_tokens) for e in examples])
+
+
+@torch.no_grad()
+def check_gguf(reference: TrainedReference, gguf_path: str, gguf_type: str, examples: list[dict],
+               max_new_tokens: int) -> GgufCheck:
+    """One file against the reference, on the reference's examples."""
+    from transformers import AutoTokenizer
+
+    tokenizer, trained = reference.tokenizer, reference.model
     folder, name = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
     carried = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    trained, written = _load(source), _load(folder, name)
+    written = _load(folder, name)
     written.generation_config = trained.generation_config  # where each stops: the source's end-of-turn ids
     largest, same, same_ids = 0.0, 0, 0
-    for example in examples:
+    for example, answer in zip(examples, reference.answers):
         ids = torch.tensor([prompt_ids(tokenizer, example)])
         same_ids += carried.chat_template is not None and prompt_ids(carried, example) == ids[0].tolist()
         largest = max(largest, (written(ids).logits - trained(ids).logits).abs().max().item())
-        same += greedy_answer(written, tokenizer, example, max_new_tokens) == greedy_answer(
-            trained, tokenizer, example, max_new_tokens)
+        same += greedy_answer(written, tokenizer, example, max_new_tokens) == answer
     return GgufCheck(gguf_type, gguf_path, os.path.getsize(gguf_path), largest, same, same_ids, len(examples))
