@@ -155,8 +155,8 @@ def shutdown(wait: bool = True) -> None:
     ("terminate called without an active exception"); a gc, then an explicit destroy, avoids it. The heartbeat stops
     first: the other ranks must not take this rank's normal end for a stall."""
     stop_heartbeat()
-    gc.collect()
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # only a live group needs it; a full collection of a large heap costs a third of a second
         if wait:
             barrier()
         dist.destroy_process_group()

@@ -28,9 +28,9 @@ def report_to_problems(report_to, environment: bool = True) -> list[tuple[str, s
         unknown.append(NONE)  # transformers reads "none" only alone; in a list it is an unknown tracker
     out = [(KEY, f"'{n}' is not a tracker transformers reports to; one of: {', '.join(KNOWN)}, or none"
                  + (" (alone, not in a list)" if n == NONE else "")) for n in unknown]
-    if not environment:
+    if not environment or not names:
         return out
-    present = installed()
+    present = installed()  # a tenth of a second (a look for each tracker's package): only when one is named
     for name in names:
         if name in unknown:
             continue
