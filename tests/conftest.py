@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 from hftrain.launch.machine import extensions_dir  # noqa: E402
 from hftrain.launch.op_cache import build_locks  # noqa: E402
 from scripts.build_deepspeed_ops import missing_ops  # noqa: E402
-from tests import forked, launch_log, op_build  # noqa: E402
+from tests import forked, frozen_heap, launch_log, op_build  # noqa: E402
 from tests.support import LaunchTimedOut, free_port, session_processes  # noqa: E402
 from tests.launch_log import pytest_configure  # noqa: E402, F401  (hook: the launch log, when asked for)
 
@@ -337,6 +337,12 @@ def deepspeed_ops():
         pytest.fail(f"DeepSpeed op(s) {', '.join(missing)} not built in {EXTENSIONS} (waited {waited:.0f} s for the "
                     "background build): run `.venv/bin/python scripts/build_deepspeed_ops.py` (scripts/setup.sh does)"
                     + op_build.build_log_tail(), pytrace=False)
+
+
+def pytest_collection_finish(session):
+    """The test modules are imported: their heap frozen, so that the full collections tests make (each refused run's
+    shutdown, accelerate's free_memory) or the collector makes do not walk it (tests/frozen_heap.py)."""
+    frozen_heap.freeze()
 
 
 def pytest_collection_modifyitems(session, config, items):
