@@ -248,7 +248,6 @@ def one_node(cluster, tiny_model_dir, tmp_path_factory) -> list[float]:
 
 @pytest.mark.launches
 @pytest.mark.cluster
-@pytest.mark.mostly_waits
 def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_result(cluster, one_node,
                                                                                       tiny_model_dir, tmp_path):
     """2 nodes x 1 process, the script as rendered. Once training runs, the job's time limit is brought near (as a
@@ -291,7 +290,6 @@ def test_a_job_at_its_time_limit_saves_is_requeued_and_resumes_to_the_one_node_r
 
 @pytest.mark.launches
 @pytest.mark.cluster
-@pytest.mark.mostly_waits
 def test_scancel_mid_run_leaves_no_process_and_a_folder_the_next_run_accepts(cluster, tiny_model_dir, tmp_path,
                                                                              deepspeed_ops):
     """Rendered in DeepSpeed's launcher form (a hostfile from the allocation, `--no_ssh --node_rank`), ZeRO-2 on 2
