@@ -1,6 +1,7 @@
 """Freezes the interpreter's heap as it is now (`gc.freeze()`): the objects the imports made leave the collector's
-view, so a full collection no longer walks them. Imported last by tests/forked.py's server (its preload: every forked
-launch inherits the frozen heap) and called by conftest once collection has imported the test modules.
+view, so a full collection no longer walks them. Its import freezes: tests/forked.py's server imports it last of its
+preload (every forked launch inherits the frozen heap); conftest, which imports it early, calls freeze() again once
+collection has imported the test modules.
 
 Why: a full collection of an interpreter that imported torch, transformers, TRL and DeepSpeed walks about 700,000
 objects, 0.37 s on the suite's 2-core machine, and a run makes several (hftrain.distributed.shutdown before the gloo

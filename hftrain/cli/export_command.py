@@ -72,7 +72,7 @@ def _export(ns) -> int:
         os.makedirs(out_dir, exist_ok=True)
         path = convert(source, folder, gguf_type, os.path.join(out_dir, f"{name}-{gguf_type}.gguf"),
                        ns.pre_tokenizer)
-        check = check_gguf(reference, path, gguf_type, examples, ns.max_new_tokens)
+        check = check_gguf(reference, path, gguf_type, ns.max_new_tokens)
         print(f"| {gguf_type} | {path} | {check.size_bytes / 2**20:.1f} MiB | {check.max_logit_difference:.3g} | "
               f"{check.same_answers}/{check.prompts} | {check.same_prompt_ids}/{check.prompts} |", flush=True)
     return 0

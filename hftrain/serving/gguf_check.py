@@ -33,10 +33,11 @@ def _load(folder: str, gguf_file: str | None = None):
 
 @dataclass(frozen=True)
 class TrainedReference:
-    """The model the files were written from, loaded once for every type: its tokenizer and its greedy answers."""
-    source: str
+    """The model the files were written from, loaded once for every type: its tokenizer, the held-out rows the files
+    are checked on and its greedy answers to them (one per row)."""
     tokenizer: object
     model: object
+    examples: list[dict]
     answers: list[str]
 
 
@@ -46,14 +47,13 @@ def trained_reference(source: str, examples: list[dict], max_new_tokens: int) ->
     from transformers import AutoTokenizer
 
     tokenizer, model = AutoTokenizer.from_pretrained(source), _load(source)
-    return TrainedReference(source, tokenizer, model,
+    return TrainedReference(tokenizer, model, examples,
                             [greedy_answer(model, tokenizer, e, max_new_tokens) for e in examples])
 
 
 @torch.no_grad()
-def check_gguf(reference: TrainedReference, gguf_path: str, gguf_type: str, examples: list[dict],
-               max_new_tokens: int) -> GgufCheck:
-    """One file against the reference, on the reference's examples."""
+def check_gguf(reference: TrainedReference, gguf_path: str, gguf_type: str, max_new_tokens: int) -> GgufCheck:
+    """One file against the reference, on the reference's held-out rows."""
     from transformers import AutoTokenizer
 
     tokenizer, trained = reference.tokenizer, reference.model
@@ -62,9 +62,9 @@ def check_gguf(reference: TrainedReference, gguf_path: str, gguf_type: str, exam
     written = _load(folder, name)
     written.generation_config = trained.generation_config  # where each stops: the source's end-of-turn ids
     largest, same, same_ids = 0.0, 0, 0
-    for example, answer in zip(examples, reference.answers):
+    for example, answer in zip(reference.examples, reference.answers):
         ids = torch.tensor([prompt_ids(tokenizer, example)])
         same_ids += carried.chat_template is not None and prompt_ids(carried, example) == ids[0].tolist()
         largest = max(largest, (written(ids).logits - trained(ids).logits).abs().max().item())
         same += greedy_answer(written, tokenizer, example, max_new_tokens) == answer
-    return GgufCheck(gguf_type, gguf_path, os.path.getsize(gguf_path), largest, same, same_ids, len(examples))
+    return GgufCheck(gguf_type, gguf_path, os.path.getsize(gguf_path), largest, same, same_ids, len(reference.examples))
