@@ -100,7 +100,7 @@ def probe_logits(trainer) -> list:
 
 def run_info(trainer, strategy: StrategySection) -> dict:
     """What actually ran: world size, backend, engine, per-rank weight digests (replicated strategies), probe logits."""
-    replicated = strategy.name not in SHARDED
+    replicated = strategy.name not in SHARDED and strategy.resolved_tensor_parallel() == 1
     return {
         "world_size": trainer.args.world_size,
         "launcher_world_size": distributed.launcher_world_size(),
@@ -116,7 +116,8 @@ def run_info(trainer, strategy: StrategySection) -> dict:
 def describe(trainer, strategy: StrategySection) -> dict:
     """What engine actually trained: for tests and for run_info.json."""
     wrapped = trainer.model_wrapped
-    out = {"strategy": strategy.name, "wrapper": type(wrapped).__name__}
+    out = {"strategy": strategy.name, "wrapper": type(wrapped).__name__,
+           "mesh": distributed.mesh_degrees(trainer.accelerator)}  # [replicate, shard, tensor, context] or None
     if strategy.name in ZERO_STAGE:
         out["zero_stage"] = wrapped.zero_optimization_stage()
         out["offload_optimizer"] = str(getattr(wrapped.zero_offload_optimizer(), "device", None) or "none")

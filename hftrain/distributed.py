@@ -209,3 +209,12 @@ def sequence_parallel_size(args) -> int:
     ParallelismConfig): the ranks that share each sequence; 1 without it."""
     pc = getattr(args, "parallelism_config", None)
     return pc.sp_size if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_size > 1 else 1
+
+
+def mesh_degrees(args) -> list[int] | None:
+    """[replicate, shard, tensor, context] of a run's arguments (or accelerator) on an FSDP2 device mesh past
+    sharding (HSDP, TP, CP through accelerate's ParallelismConfig); None for any other run."""
+    pc = getattr(args, "parallelism_config", None)
+    if pc is None or not (pc.dp_replicate_size > 1 or pc.tp_size > 1 or pc.cp_size > 1):
+        return None
+    return [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size]

@@ -117,6 +117,21 @@ def both(*edits):
     return edit
 
 
+def mesh(save_only_model: bool | None = None, **strategy):
+    """A device mesh's strategy options (and training.save_only_model, which tensor parallelism needs)."""
+    def edit(t):
+        t["strategy"] = dict(strategy)
+        if save_only_model is not None:
+            t["training"]["save_only_model"] = save_only_model
+    return edit
+
+
+def fsdp_mesh(w: "W", **options) -> list[str]:
+    """A recipe with an FSDP mesh, run as accelerate's FSDP launcher would (the launcher's strategy agrees)."""
+    w.env.update(ACCELERATE_USE_FSDP="true")
+    return [w.recipe(mesh(name="fsdp", **options))]
+
+
 MSG = {"role": "user", "content": "reverse: a b"}
 ANS = {"role": "assistant", "content": "b a"}
 GOOD_LINE = json.dumps({"messages": [MSG, ANS]})
@@ -283,6 +298,28 @@ CASES = [
     ("num_machines_zero", lambda w: [w.recipe(set_("strategy.num_machines", 0))],
      ["strategy.num_machines: must be at least 1, got 0"]),
     ("unknown_strategy", lambda w: [w.recipe(set_("strategy.name", "zero4"))], ["strategy.name", "'zero4'", "'zero3'"]),
+    # -- the device mesh (strategy.dp_replicate_size, dp_shard_size, tp_size, cp_size) ---------------------------
+    ("mesh_degrees_that_do_not_make_the_world",
+     lambda w: fsdp_mesh(w, num_processes=4, dp_replicate_size=2, dp_shard_size=3),
+     ["strategy.dp_shard_size: strategy.dp_replicate_size (2) x strategy.dp_shard_size (3) must equal "
+      "strategy.num_processes (4): set it to 2"]),
+    ("mesh_replicas_of_an_unsharded_model", lambda w: fsdp_mesh(w, num_processes=2, dp_replicate_size=2),
+     ["strategy.dp_replicate_size: 2 replicas of an unsharded model is DDP: use strategy.name: ddp"]),
+    ("mesh_tensor_parallel_with_fsdp", lambda w: fsdp_mesh(w, num_processes=4, tp_size=2, save_only_model=True),
+     ["strategy.tp_size: tensor parallelism with FSDP2", "ReplicateParallel, which transformers 5.24 removed",
+      "Use strategy.name: ddp with strategy.tp_size equal to strategy.num_processes"]),
+    ("mesh_tensor_parallel_beside_replicas", lambda w: [w.recipe(mesh(name="ddp", num_processes=4, tp_size=2,
+                                                                      save_only_model=True))],
+     ["strategy.tp_size: must equal strategy.num_processes (4) under ddp"]),
+    ("mesh_tensor_parallel_over_heads_it_cannot_split",
+     lambda w: [w.recipe(mesh(name="ddp", num_processes=2, tp_size=2, save_only_model=True))],
+     ["strategy.tp_size: 2 does not divide the model's 1 key/value heads", "choose a divisor of 1"]),
+    ("mesh_tensor_parallel_checkpoints_with_optimizer_state",
+     lambda w: [w.recipe(mesh(name="ddp", num_processes=2, tp_size=2))],
+     ["training.save_only_model: must be true with strategy.tp_size", "training.save_strategy: no"]),
+    ("mesh_context_parallel", lambda w: fsdp_mesh(w, cp_size=2),
+     ["strategy.cp_size: context parallelism is rendered into the accelerate config but not run by hftrain yet",
+      "no DTensor sharding rule for _scaled_dot_product_flash_attention_for_cpu"]),
     ("eval_fraction_and_sources", lambda w: [w.recipe(both(set_("data.eval_fraction", 0.1),
                                                            set_("data.eval_sources", [{"path": DEMO_TRAIN}])))],
      ["data.eval_fraction: set either data.eval_fraction or data.eval_sources, not both"]),

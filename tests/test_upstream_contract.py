@@ -41,6 +41,8 @@ CONTRACT = [
      "checkpointing: weights saved in a family's original format, converted on resume"),
     ("transformers:Trainer", "_load_best_model", [], "checkpointing: the best model's weights, converted likewise"),
     ("transformers:Trainer", "_save_checkpoint", ["model", "trial"], "checkpointing: staged saves"),
+    ("transformers:Trainer", "_save", ["output_dir", "state_dict"],
+     "checkpointing: a gathered state dict's tied copies left out; a tensor-parallel model's gathered"),
     ("transformers:Trainer", "_save_rng_state", ["output_dir"],
      "stream_position: each rank's stream position beside its RNG state, in the folder being written"),
     # transformers.Trainer: read or replaced
@@ -114,6 +116,8 @@ CONTRACT = [
     ("accelerate.state:AcceleratorState", "_mixed_precision", None, "apply_fsdp_on_cpu (instance attribute)"),
     ("accelerate.state:PartialState", "_shared_state", None, "apply_fsdp_on_cpu"),
     ("accelerate.utils:DistributedDataParallelKwargs", "register_comm_hook", ["model"], "HookedDDPKwargs"),
+    ("accelerate.parallelism_config:ParallelismConfig", "_validate_accelerator", ["accelerator"],
+     "apply_tensor_parallel_on_cpu"),
     # DeepSpeed (patches/deepspeed.py)
     ("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3", "_create_fp32_partitions", [],
      "share_fp32_master_with_fp32_weights"),

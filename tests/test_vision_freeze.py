@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from hftrain.config import StrategySection
 from hftrain.methods import load_recipe, method_of
 
 from .test_vision import FAMILIES, _square_rows, refusals_of_check_and_run, vlm_dirs  # noqa: F401, F811
@@ -30,7 +31,7 @@ PARTS["qwen3_vl"] = PARTS["qwen3_vl_moe"] = {  # the merger and the deepstack me
 def _trainable_after_the_method_loads(folder, data, freeze) -> dict[str, bool]:
     recipe = load_recipe(None, raw={"model": {"name_or_path": folder, "dtype": "float32", "freeze": freeze},
                                     "data": {"sources": [{"path": data}]}})
-    run = types.SimpleNamespace(recipe=recipe, strategy=types.SimpleNamespace(resolved_sequence_parallel=lambda: 1))
+    run = types.SimpleNamespace(recipe=recipe, strategy=StrategySection())
     model = method_of(recipe).model(run)  # as the run loads the policy
     return {name: p.requires_grad for name, p in model.named_parameters()}
 

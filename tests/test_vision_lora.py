@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from hftrain.config import LoraSection, ModelSection
+from hftrain.config import LoraSection, ModelSection, StrategySection
 from hftrain.methods import load_recipe, method_of
 from hftrain.vision.lora_parts import lora_part_problems
 from tests.exactness import beyond, within
@@ -26,7 +26,7 @@ def _language_model(name: str) -> bool:
 def _loaded_with_lora(folder, data, lora) -> torch.nn.Module:
     recipe = load_recipe(None, raw={"model": {"name_or_path": folder, "dtype": "float32", "lora": lora},
                                     "data": {"sources": [{"path": data}]}})
-    run = types.SimpleNamespace(recipe=recipe, strategy=types.SimpleNamespace(resolved_sequence_parallel=lambda: 1))
+    run = types.SimpleNamespace(recipe=recipe, strategy=StrategySection())
     return method_of(recipe).model(run)  # as the run loads the policy
 
 

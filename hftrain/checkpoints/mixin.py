@@ -24,6 +24,8 @@ from .. import distributed, fileio
 from ..config import strategy_of_deepspeed_config
 from ..errors import CheckpointError
 from ..guards import check_finite_weights
+from ..mesh import gathered_state_dict
+from ..modeling import without_tied_copies
 from ..moe.blocks import unwrap
 from ..moe.expert_parallel import expert_parallel_size
 from ..patches.deepspeed import untie_zero3_universal_steps
@@ -113,8 +115,18 @@ class StagedCheckpointMixin:
         model = unwrap(self.model)
         return {**world_size.layout(a.world_size, a.per_device_train_batch_size, a.gradient_accumulation_steps,
                                     strategy, distributed.sequence_parallel_size(self.args),
-                                    expert_parallel_size(model)),
+                                    expert_parallel_size(model), distributed.mesh_degrees(self.accelerator)),
                 "quantization": quantization_of_model(model)}  # the base trained against (launch/resume.py)
+
+    def _save(self, output_dir=None, state_dict=None):
+        """A gathered state dict (FSDP2's final save; a tensor-parallel model's, gathered here on every rank) written
+        as a one-process save writes it: tied copies left out."""
+        model = self.accelerator.unwrap_model(self.model)
+        if state_dict is None and (getattr(model, "tp_size", None) or 1) > 1:
+            state_dict = gathered_state_dict(model)
+        if state_dict is not None:
+            state_dict = without_tied_copies(state_dict, model)
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial) -> None:
         check_finite_weights(self.model, f"checkpoint-{self.state.global_step}")  # every rank its shards

@@ -28,9 +28,10 @@ def checkpoint_format(strategy: str | None) -> str:
 
 
 def layout(world_size: int, per_device: int, accumulation: int, strategy: str | None,
-           sequence_parallel: int = 1, expert_parallel: int = 1) -> dict:
+           sequence_parallel: int = 1, expert_parallel: int = 1, mesh: list[int] | None = None) -> dict:
     """How a run is laid out, as a checkpoint records it; `sequence_parallel` only when > 1 (ranks per sequence:
-    the data-parallel size is world_size / it)."""
+    the data-parallel size is world_size / it); `mesh` only for an FSDP2 mesh past sharding (replicate, shard, tensor,
+    context degrees: strategy.dp_replicate_size, dp_shard_size, tp_size, cp_size)."""
     out = {"world_size": world_size, "per_device_train_batch_size": per_device,
            "gradient_accumulation_steps": accumulation, "strategy": checkpoint_format(strategy),
            "nvme_optimizer": strategy == "zero_infinity"}
@@ -38,6 +39,8 @@ def layout(world_size: int, per_device: int, accumulation: int, strategy: str | 
         out["sequence_parallel"] = sequence_parallel
     if expert_parallel > 1:  # each rank's experts and their optimizer state are its own (moe/mixin.py)
         out["expert_parallel"] = expert_parallel
+    if mesh is not None:
+        out["mesh"] = list(mesh)
     return out
 
 
@@ -105,6 +108,9 @@ def layout_problems(path: str, now: dict) -> list[str]:
                         f"the same layout only; resume with {was['world_size']} processes and "
                         f"strategy.sequence_parallel: {sp_was}")
         return problems
+    mesh_problem = _mesh_problem(path, was, now)
+    if mesh_problem:
+        return problems + [mesh_problem]
     ep_was, ep_now = was.get("expert_parallel", 1), now.get("expert_parallel", 1)
     if ep_was != ep_now:
         problems.append(f"{path} was written with moe.expert_parallel_size {ep_was}, this run has {ep_now}: each "
@@ -122,6 +128,22 @@ def layout_problems(path: str, now: dict) -> list[str]:
             f"schedule would not carry over. Set training.per_device_train_batch_size or "
             f"training.gradient_accumulation_steps so that the product is {g_was}")
     return problems
+
+
+def _mesh_problem(path: str, was: dict, now: dict) -> str | None:
+    """A checkpoint of a device mesh (HSDP, TP, CP) resumes on the same mesh only: its exactness is tested there, and
+    nowhere else."""
+    if not was.get("mesh") and not now.get("mesh"):
+        return None  # plain data parallelism: the world size's own rules
+    mesh_was = was.get("mesh") or [1, was["world_size"], 1, 1]  # plain: every rank a shard
+    mesh_now = now.get("mesh") or [1, now["world_size"], 1, 1]
+    if mesh_was == mesh_now:
+        return None
+    keys = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+    spelled = ", ".join(f"{k}: {v}" for k, v in zip(keys, mesh_was))
+    return (f"{path} was written on the device mesh {mesh_was} (replicate, shard, tensor, context), this run's is "
+            f"{mesh_now}: a mesh's checkpoint resumes on the same mesh only; resume with strategy {spelled} on "
+            f"{was['world_size']} processes")
 
 
 def to_universal(path: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..launch.mesh_plan import mesh_rows, refused_meshes
 from ..launch.plan import GiB, format_plan, kernels_here, recipe_plan, refused_strategies
 from ..methods import load_recipe
 from .arguments import recipe_arguments
@@ -18,7 +19,11 @@ def _plan(ns) -> int:
           + (f", each sequence split across {sp} GPUs" if sp > 1 else "")
           + "".join(f"; {o.role.value} ({o.key}) {o.section.name_or_path}: {x.params / 1e6:.1f}M parameters, frozen"
                     + (", whole on every GPU" if o.whole else "") for o, x in planned.frozen))
-    print(format_plan(rows, ns.gpu_memory * GiB if ns.gpu_memory else None, sp, refused_strategies(recipe)),
+    t = recipe.typed_training
+    meshes = mesh_rows(facts, ns.gpus_per_node, ns.nodes, micro, recipe.data.max_length, m.gradient_checkpointing,
+                       bool(t.bf16 or t.fp16), [f for spec, f in planned.frozen])
+    refused = {**refused_strategies(recipe), **refused_meshes(recipe, meshes, ns.gpus_per_node, ns.nodes)}
+    print(format_plan(rows + meshes, ns.gpu_memory * GiB if ns.gpu_memory else None, sp, refused),
           kernels_here(m, facts), sep="\n")
     return 0
 

@@ -53,16 +53,75 @@ class StrategySection:
         "the tokens, attention heads are exchanged); the processes are data-parallel groups of N; default 1 (off)."
     )
 
+    dp_replicate_size: int | None = option(
+        None, "fsdp: replicas of the sharded model (HSDP: each parameter sharded over a group of dp_shard_size ranks, "
+        "e.g. one machine's, and the groups replicated, so only gradients cross between groups); default 1."
+    )
+    dp_shard_size: int | None = option(
+        None, "fsdp: ranks each parameter is sharded over; default: num_processes / (dp_replicate_size x tp_size x "
+        "cp_size)."
+    )
+    tp_size: int | None = option(
+        None, "ddp: tensor-parallel degree, equal to num_processes (each layer's weights split over the ranks by "
+        "transformers' tp_plan, at load time); default 1 (off)."
+    )
+    cp_size: int | None = option(
+        None, "fsdp: context-parallel degree (ring attention: each sequence split over this many ranks; GPU only); "
+        "default 1 (off)."
+    )
+
     def resolved_sequence_parallel(self) -> int:
         return self.sequence_parallel or 1
+
+    def resolved_tensor_parallel(self) -> int:
+        return self.tp_size if isinstance(self.tp_size, int) and self.tp_size > 1 else 1
+
+    def mesh(self) -> Mesh:
+        """The device mesh's degrees (unset ones resolved); the shard degree is what the others leave of the world."""
+        replicate, tensor, context = (v if isinstance(v, int) and v >= 1 else 1
+                                      for v in (self.dp_replicate_size, self.tp_size, self.cp_size))
+        shard = self.dp_shard_size
+        if not (isinstance(shard, int) and shard >= 1):
+            world = self.num_processes if isinstance(self.num_processes, int) else STRATEGY_DEFAULTS["num_processes"]
+            shard = max(1, world // (replicate * tensor * context))
+        return Mesh(replicate, shard, tensor, context)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The degrees of an FSDP2 run's device mesh (accelerate's ParallelismConfig), their product the world size:
+    replicas x shards is the data-parallel size, tensor and context ranks share each batch."""
+    replicate: int = 1
+    shard: int = 1
+    tensor: int = 1
+    context: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.replicate * self.shard * self.tensor * self.context
+
+    @property
+    def data_parallel(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def degrees(self) -> list[int]:
+        """[replicate, shard, tensor, context], as a checkpoint's layout records them."""
+        return [self.replicate, self.shard, self.tensor, self.context]
+
+    @property
+    def beyond_sharding(self) -> bool:
+        """More than one dimension: plain FSDP2 (every rank a shard) needs no mesh."""
+        return self.replicate > 1 or self.tensor > 1 or self.context > 1
 
 
 # Which options each strategy reads; any other option set in a recipe is an error, not silently ignored.
 COMMON_OPTIONS = frozenset({"name", "num_processes", "num_machines", "machine_rank", "main_process_ip",
                             "main_process_port", "rank_timeout", "socket_ifname"})
+MESH_OPTIONS = frozenset({"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"})
 STRATEGY_OPTIONS = {
-    "ddp": COMMON_OPTIONS,
-    "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"},
+    "ddp": COMMON_OPTIONS | {"tp_size"},
+    "fsdp": COMMON_OPTIONS | {"fsdp_reshard_after_forward", "fsdp_offload_params", "fsdp_wrap_class"} | MESH_OPTIONS,
     "zero1": COMMON_OPTIONS,
     "zero2": COMMON_OPTIONS | {"sequence_parallel"},
     "zero3": COMMON_OPTIONS | {"sequence_parallel"},
@@ -88,6 +147,9 @@ STRATEGY_DEFAULTS = {
     "buffer_size": 100_000_000,
     "sub_group_size": 1_000_000_000,
     "sequence_parallel": 1,
+    "dp_replicate_size": 1,
+    "tp_size": 1,
+    "cp_size": 1,
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import fields
 from ..constants import (DDP_ONLY_COMPRESSION, OFFLOADED, QUANTIZED_STRATEGIES, REDUCE_DTYPES,
                          SEQUENCE_PARALLEL_ATTENTION, SEQUENCE_PARALLEL_STRATEGIES, SHARDED, STRATEGIES, ZERO_STAGE)
 from .fields import is_number as _num
+from .mesh_rules import mesh_problems
 from .sections import CompressionSection, MoeSection, Problems, Recipe
 from .strategy import STRATEGY_OPTIONS, StrategySection
 
@@ -93,6 +94,8 @@ def strategy_problems(recipe: Recipe, name: str) -> Problems:
         out += quantized_strategy_problems(recipe, name)
     if isinstance(recipe.moe, MoeSection):
         out += moe_strategy_problems(recipe.moe, s, name)
+    if name in ("ddp", "fsdp"):
+        out += mesh_problems(recipe, name)
     return out
 
 

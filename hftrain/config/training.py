@@ -149,6 +149,8 @@ class TrainingValues:
     max_bad_steps: int
     include_num_input_tokens_seen: str | bool
     ddp_find_unused_parameters: bool | None
+    save_only_model: bool
+    save_strategy: str
 
 
 def typed_values(training: dict) -> TrainingValues:

@@ -37,6 +37,8 @@ def engine_built(trainer) -> dict:
         out["engine"] = "fsdp"
     elif isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         out["engine"] = "ddp"
+    elif (getattr(trainer.model, "tp_size", None) or 1) > 1:
+        out["engine"] = "tensor_parallel"  # split by transformers at load time (strategy.tp_size): no wrapper
     else:
         out["engine"] = "single"  # no wrapper: one process (ddp on a world of 1 builds none)
     return out
@@ -48,11 +50,14 @@ def engine_problem(strategy: str, built: dict, world_size: int) -> str | None:
     engine = built["engine"]
     if engine == strategy or (strategy == "ddp" and engine == "single" and world_size == 1):
         return None
+    if strategy == "ddp" and engine == "tensor_parallel":  # only strategy.tp_size loads a model split so
+        return None
     if built["zero_stage"] is not None:
         detail = (f"DeepSpeed ZeRO stage {built['zero_stage']} (optimizer offload {built['offload_optimizer']}, "
                   f"parameter offload {built['offload_param']})")
     else:
-        detail = {"ddp": "plain DDP", "fsdp": "FSDP2", "single": "no distributed wrapper"}[engine]
+        detail = {"ddp": "plain DDP", "fsdp": "FSDP2", "single": "no distributed wrapper",
+                  "tensor_parallel": "a tensor-parallel model"}[engine]
     return (f"strategy.name is '{strategy}' but the Trainer built {detail} (model wrapper {built['wrapper']}): "
             f"the run would not train as asked.{_cause(strategy)}")
 

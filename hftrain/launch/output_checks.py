@@ -74,8 +74,10 @@ def output_problems(recipe: Recipe, strategy: StrategySection, world: int, skip:
     if "training.resume_from_checkpoint" not in skip:
         sp = strategy.sequence_parallel if is_of_type(strategy.sequence_parallel, int) else 1
         ep = recipe.moe.expert_parallel_size if recipe.moe and is_of_type(recipe.moe.expert_parallel_size, int) else 1
+        mesh = strategy.mesh()
+        degrees = mesh.degrees if mesh.beyond_sharding else None
         now = checkpoints.layout(world, recipe.typed_training.per_device_train_batch_size,
-                                 recipe.typed_training.gradient_accumulation_steps, strategy.name, sp, ep)
+                                 recipe.typed_training.gradient_accumulation_steps, strategy.name, sp, ep, degrees)
         out += [("training.resume_from_checkpoint", msg)
                 for msg in resume_problems(recipe.resume_from_checkpoint, output_dir, now,
                                            recipe.typed_training.resume_weights_only is True,

@@ -33,7 +33,8 @@ from ..methods.frozen import reference_per_layer
 from ..lifetime import (die_with_parent, end_on_interrupt, end_on_terminate, launched_by_a_launcher,
                         start_heartbeat)
 from .. import sequence_parallel
-from ..patches.accelerate import apply_fsdp_on_cpu
+from ..mesh import launcher_mesh_problem, parallelism_config
+from ..patches.accelerate import apply_fsdp_on_cpu, apply_tensor_parallel_on_cpu
 from ..patches.deepspeed import average_gradients_over_sequence_ranks, share_fp32_master_with_fp32_weights
 from ..patches.transformers import skip_batches_of_sequence_shards
 from ..patches.trl import place_references_with
@@ -158,8 +159,12 @@ def _prepare_strategy(recipe: Recipe, strategy: StrategySection) -> tuple[Recipe
             strategy.sequence_parallel, recipe.model.attn_implementation)
         average_gradients_over_sequence_ranks()
         skip_batches_of_sequence_shards()
+    if strategy.resolved_tensor_parallel() > 1 and not accelerator_available():
+        apply_tensor_parallel_on_cpu()  # transformers splits the model at load time; accelerate refuses it on CPU
     if strategy.name == "fsdp":
         _prepare_fsdp(strategy)
+        if strategy.mesh().beyond_sharding:  # HSDP, TP, CP: the recipe's device mesh, never the launcher's alone
+            extra["parallelism_config"] = parallelism_config(strategy.mesh())
         place_references_with(reference_per_layer)  # TRL's reference copies sharded per layer, as the plan counts
     return recipe, extra
 
@@ -218,6 +223,9 @@ def _check_launcher_sequence_parallel(strategy: StrategySection) -> None:
     env = os.environ
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
         return
+    mesh_problem = launcher_mesh_problem(strategy.mesh(), env) if strategy.name == "fsdp" else None
+    if mesh_problem:
+        raise LaunchError(mesh_problem)
     launched = int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
     if launched != strategy.resolved_sequence_parallel():
         raise LaunchError(f"the launcher's config asks for sequence parallelism of {launched} but the recipe's "

@@ -123,6 +123,8 @@ def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mix
         }
         if s.fsdp_wrap_class:
             cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = s.fsdp_wrap_class
+        if s.mesh().beyond_sharding:
+            cfg["parallelism_config"] = parallelism_config_section(s)
     else:
         cfg["distributed_type"] = "DEEPSPEED"
         # DeepSpeed takes precision from its JSON ("auto" = TrainingArguments); accelerate refuses the key here.
@@ -134,6 +136,14 @@ def accelerate_config(s: StrategySection, deepspeed_file: str | None = None, mix
         # and a hostfile, and without a hostfile starts a 1-machine job on each node.
         cfg["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     return cfg
+
+
+def parallelism_config_section(s: StrategySection) -> dict:
+    """The mesh's degrees as accelerate's config file spells them (its launcher exports them as PARALLELISM_CONFIG_*
+    to every rank, and the Accelerator builds its ParallelismConfig and device mesh from them)."""
+    mesh = s.mesh()
+    return {"parallelism_config_dp_replicate_size": mesh.replicate, "parallelism_config_dp_shard_size": mesh.shard,
+            "parallelism_config_tp_size": mesh.tensor, "parallelism_config_cp_size": mesh.context}
 
 
 def mixed_precision_of(training: dict | None) -> str:

@@ -11,6 +11,7 @@ from ..config.fields import is_of_type
 from ..distributed import accelerator_available
 from ..guards import environment_engine_problem
 from ..methods import policy_head
+from ..mesh import tensor_parallel_problem
 from ..sequence_parallel import heads_problem
 from .machine import async_io_problem, nvme_problems
 from .plan import model_facts, swap_buffer_elems
@@ -18,6 +19,13 @@ from .plan import model_facts, swap_buffer_elems
 # Bytes per parameter that ZeRO-Infinity swaps to NVMe, summed over the ranks of a node: the parameters
 # (conservatively fp32) plus the optimizer's fp32 gradients, master weights and two moments (launch.plan).
 NVME_BYTES_PER_PARAM = 4 + 16
+# Context parallelism renders (hftrain config) but no run takes it yet: the Trainer splits each row's tokens over the
+# cp ranks inside its step, and hftrain's exact loss (the step's global target count, losses/) has no share of a
+# split row, as it has for Ulysses (sequence_parallel/): the loss would be scaled by the cp degree, unmeasured.
+CONTEXT_PARALLEL_REFUSAL = ("strategy.cp_size: context parallelism is rendered into the accelerate config but not run "
+                            "by hftrain yet (its exact token loss has no count for rows split over the cp ranks; "
+                            "bench/gpu.py measures accelerate's own on a GPU); use strategy.name: zero3 with "
+                            "strategy.sequence_parallel (Ulysses) for long sequences, or remove cp_size")
 
 
 def facts_or_none(recipe: Recipe):
@@ -44,6 +52,10 @@ def machine_strategy_problems(strategy: StrategySection, num_parameters: int | N
         p = async_io_problem()
         if p:
             problems.append(p)
+    if strategy.name == "fsdp" and strategy.mesh().context > 1:
+        problems.append(CONTEXT_PARALLEL_REFUSAL if accelerator_available() else
+                        CONTEXT_PARALLEL_REFUSAL + "; on this machine without a GPU torch has no CPU rule for it "
+                        "either (no DTensor sharding rule for _scaled_dot_product_flash_attention_for_cpu)")
     if strategy.name == "fsdp" and strategy.fsdp_offload_params and not accelerator_available():
         problems.append("strategy.fsdp_offload_params: there is no accelerator to offload from on this machine; "
                         "remove it (parameters already live in CPU memory)")
@@ -57,9 +69,14 @@ def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
     out: list[tuple[str, str]] = []
     m = recipe.model
     sp = strategy.sequence_parallel if is_of_type(strategy.sequence_parallel, int) else 1
-    heads = _heads_problem(m.name_or_path, m.trust_remote_code, sp) if model_ok and sp > 1 else None
+    heads = _config_problem(m.name_or_path, m.trust_remote_code, heads_problem, sp) if model_ok and sp > 1 else None
     if heads:
         out.append(("strategy.sequence_parallel", heads))
+    tp = strategy.resolved_tensor_parallel() if is_of_type(strategy.tp_size, int) else 1
+    split = (_config_problem(m.name_or_path, m.trust_remote_code, tensor_parallel_problem, tp)
+             if model_ok and tp > 1 else None)
+    if split:
+        out.append(("strategy.tp_size", split))
     facts = None
     if strategy.name == "zero_infinity" and model_ok:
         facts = facts_or_none(recipe)
@@ -78,15 +95,16 @@ def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
     return strategy, out
 
 
-def _heads_problem(name_or_path: str, trust_remote_code: bool, n: int) -> str | None:
-    """sequence_parallel.heads_problem of the model's config, None when it cannot be read here (loading says so)."""
+def _config_problem(name_or_path: str, trust_remote_code: bool, rule, n: int) -> str | None:
+    """`rule(config, n)` of the model's config (sequence_parallel.heads_problem, mesh.tensor_parallel_problem), None
+    when the config cannot be read here (loading says so)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except Exception:
         return None
-    return heads_problem(config, n)
+    return rule(config, n)
 
 
 def _strategy_key(msg: str) -> str:

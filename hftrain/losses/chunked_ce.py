@@ -206,6 +206,8 @@ def head_of(model) -> tuple[torch.nn.Module | None, HeadMath | None, str]:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear:  # noqa: E721 - a LoRA, quantised or custom head computes something else
         return None, None, f"its output head is a {type(head).__name__}, not a plain torch.nn.Linear"
+    if (getattr(base, "tp_size", None) or 1) > 1:  # its weight a DTensor, each rank's a slice of the vocabulary
+        return None, None, "lm_head is split over the tensor-parallel ranks (strategy.tp_size)"
     try:
         source = inspect.getsource(type(base).forward)
     except (OSError, TypeError):

@@ -15,10 +15,15 @@ class GlobalBatchMixin:
     loss_is_scaled_for_ga = True
 
     def global_sum(self, local: torch.Tensor) -> torch.Tensor:
-        """`local` (a count or a vector of them, this rank's micro-batches summed) summed over the ranks (a gather)."""
+        """`local` (a count or a vector of them, this rank's micro-batches summed) summed over the data-parallel ranks
+        (a gather over all; the tensor-parallel ranks of a group hold the same micro-batches, each counted once)."""
         if self.args.world_size == 1:
             return local
-        return self.accelerator.gather(local.reshape(1, *local.shape)).sum(0)
+        total = self.accelerator.gather(local.reshape(1, *local.shape)).sum(0)
+        tensor_parallel = self.get_tp_size()
+        if tensor_parallel == 1:
+            return total
+        return total // tensor_parallel if not total.is_floating_point() else total / tensor_parallel
 
     def data_parallel_size(self) -> int:
         """The ranks the engine averages gradients over: every rank but tensor-parallel copies. With sequence

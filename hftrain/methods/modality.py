@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Recipe
+from ..config.mesh_rules import mesh_refusal
 from ..data import build_datasets
 from ..data.preview import preview
 from ..heads import Head
@@ -126,6 +127,7 @@ class Images(Modality):
         family = model_type_of(recipe.model.name_or_path)
         out = strategy_problems(family, getattr(recipe.strategy, "name", None),
                                 getattr(recipe.strategy, "sequence_parallel", None))
+        out += mesh_refusal(recipe, "an image-text-to-text model")
         if recipe.data is not None:
             out += packing_problems(family, recipe.data.packing)
             out += image_size_problems(family, recipe.data)

@@ -8,6 +8,7 @@ import dataclasses
 
 from ..config import DataSection, ModelSection, Problems, Recipe
 from ..config.fields import is_number
+from ..config.mesh_rules import mesh_refusal
 from ..constants import QUANTIZED_STRATEGIES
 from ..heads import Head, Role
 from ..modeling import load_model, lora_config
@@ -65,6 +66,7 @@ def policy_strategy_problems(recipe: Recipe, name: str, method: str, whole: str)
     if is_number(recipe.strategy.sequence_parallel) and recipe.strategy.sequence_parallel > 1:
         out.append(("strategy.sequence_parallel", f"{method} does not run under sequence parallelism ({whole}): "
                     "remove strategy.sequence_parallel"))
+    out += mesh_refusal(recipe, method)
     quantized = recipe.model is not None and recipe.model.quantization is not None
     if quantized and name in QUANTIZED_STRATEGIES and name != "ddp":
         out.append(("strategy.name", f"a quantised policy (DPO, ORPO, KTO, GRPO) is tested under ddp only, not "

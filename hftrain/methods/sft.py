@@ -57,7 +57,8 @@ class SFT(Method):
     def model(self, run):
         policy = self.policy(run.recipe)
         model = load_model(policy.section, packing=run.recipe.data.packing, moe=run.recipe.moe,
-                           sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head)
+                           sequence_parallel=run.strategy.resolved_sequence_parallel(), head=policy.head,
+                           tensor_parallel=run.strategy.resolved_tensor_parallel())
         return modality_of(policy.section).prepare(model, run.recipe, run.recipe.data.packing)
 
     def trainer(self, run, model, tokenizer, data, callbacks):

@@ -18,6 +18,18 @@ def saved_shapes(model) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(model.state_dict())).items()}
 
 
+def without_tied_copies(state_dict: dict, model) -> dict:
+    """A gathered state dict (FSDP2's full one) without the copies of tied weights. Gathered, a tied weight (the
+    lm_head.weight of a model whose config ties it to the embedding) is a tensor of its own, and save_pretrained, which
+    finds ties by shared storage, would write it beside its source where a one-process save writes the source alone.
+    A target is dropped only where the model declares the tie and both tensors are equal."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    drop = {target for target, source in tied.items() if target in state_dict and source in state_dict
+            and state_dict[target].shape == state_dict[source].shape
+            and bool((state_dict[target] == state_dict[source]).all())}
+    return {k: v for k, v in state_dict.items() if k not in drop}
+
+
 def _whole(model, output_dir: str, cfg: ModelSection, sharded: bool):
     """The QLoRA model to merge, whole on this process: `model` itself, or where FSDP or ZeRO-3 shards it (each rank
     holds a piece of every weight) the base quantised again from its files with the adapter output_dir holds, as

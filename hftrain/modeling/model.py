@@ -10,6 +10,7 @@ from ..config import ModelSection
 from ..errors import ModelError
 from ..heads import Head
 from ..kernels import apply_liger, liger_problem, uses_liger
+from ..mesh import tensor_parallel_config
 from ..moe.upcycle import upcycle
 from ..quantization import (bitsandbytes_problem, bnb_config, keep_training_kernels, placement, prepare_for_training,
                             record_fingerprint)
@@ -64,10 +65,11 @@ def score_pad_token(model, cfg: ModelSection, key: str = "model") -> None:
 
 
 def load_base(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, key: str = "model",
-                     num_labels: int | None = None):
+              num_labels: int | None = None, tensor_parallel: int = 1):
     """The base of `cfg` as transformers loads it by the Auto class of its `head` (safetensors only: a pickle
     checkpoint could run code on load), quantised by bitsandbytes when asked (placed whole on this rank's device, as
-    accelerate requires). `key`: where `cfg` sits in the recipe, for the messages."""
+    accelerate requires), split over `tensor_parallel` ranks by the family's tp_plan (transformers' own sharding at
+    load time: the Trainer then builds accelerate's mesh from the model). `key`: where `cfg` sits in the recipe."""
     for _, problem in path_problems(cfg, key=key):
         raise_if(problem)
     warn_remote_code(cfg, cfg.name_or_path)
@@ -82,6 +84,8 @@ def load_base(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, k
     if quantized:
         raise_if(bitsandbytes_problem())
         kwargs.update(quantization_config=bnb_config(cfg), **placement())
+    if tensor_parallel > 1:
+        kwargs["distributed_config"] = tensor_parallel_config(tensor_parallel)
     try:
         model = head.auto_class.from_pretrained(resolved_name_or_path(cfg.name_or_path), use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError) as e:  # a missing file, an unknown architecture, a broken header
@@ -95,13 +99,15 @@ def load_base(cfg: ModelSection, quantized: bool, head: Head = Head.CAUSAL_LM, k
 
 
 def load_model(cfg: ModelSection, packing: bool = False, moe=None, sequence_parallel: int = 1,
-               head: Head = Head.CAUSAL_LM, key: str = "model", num_labels: int | None = None):
+               head: Head = Head.CAUSAL_LM, key: str = "model", num_labels: int | None = None,
+               tensor_parallel: int = 1):
     """The model of `cfg` with its `head` (the method declares it: methods.Method.models), quantised (QLoRA's base)
     or upcycled to MoE, with liger's kernels, with LoRA. `sequence_parallel` > 1: packed rows are split by
     sequence_parallel.DocumentAttention, never joined into one row (Ulysses checks the rows it registered). `key`:
     where `cfg` sits in the recipe (model, or a method's other model: ModelSpec.key), for the messages; `num_labels`:
     a classifier's classes where the method fixes them (a reward model's one score)."""
-    model = load_base(cfg, quantized=cfg.quantization is not None, head=head, key=key, num_labels=num_labels)
+    model = load_base(cfg, quantized=cfg.quantization is not None, head=head, key=key, num_labels=num_labels,
+                      tensor_parallel=tensor_parallel)
     if cfg.kernels == "liger":
         raise_if(liger_problem(model.config.model_type))
     if uses_liger(cfg.kernels, model.config.model_type, quantized=cfg.quantization is not None):

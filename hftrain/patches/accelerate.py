@@ -3,7 +3,11 @@
 1. `apply_fsdp_on_cpu`: without an accelerator, accelerate turns the launcher's FSDP request into MULTI_CPU and drops
    the FSDP plugin, so "FSDP" silently trains as DDP; the patch re-selects FSDP (CPU-only machines only). It can go
    when an FSDP launch on a CPU-only machine reports DistributedType.FSDP by itself.
-2. `HookedDDPKwargs`: registers hftrain's DDP communication hook where accelerate registers its own (whose types cover
+2. `apply_tensor_parallel_on_cpu`: ParallelismConfig refuses a MULTI_CPU run (its check lists accelerators only), so a
+   model transformers split over the ranks at load time (tensor parallelism on gloo) cannot be prepared on a CPU-only
+   machine; the patch lets that check see a CPU run as a multi-device one (CPU-only machines only, tensor parallelism
+   only). It can go when ParallelismConfig._validate_accelerator accepts DistributedType.MULTI_CPU.
+3. `HookedDDPKwargs`: registers hftrain's DDP communication hook where accelerate registers its own (whose types cover
    only fp16, bf16 on NCCL and PowerSGD, unmetered); installed as `accelerator.ddp_handler`, since accelerate maps
    `kwargs_handlers` by exact class. It can go when DistributedDataParallelKwargs accepts any hook callable and state.
 """
@@ -19,6 +23,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 _applied = False
+_tensor_parallel_applied = False
 
 
 def fsdp_requested() -> bool:
@@ -47,6 +52,36 @@ def apply_fsdp_on_cpu() -> None:
 
     AcceleratorState.__init__ = __init__
     _applied = True
+
+
+class _SeenAsMultiDevice:
+    """The Accelerator as ParallelismConfig's check reads it, a CPU run counted as multi-device."""
+
+    multi_device = True
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+def apply_tensor_parallel_on_cpu() -> None:
+    """Let ParallelismConfig accept a tensor-parallel MULTI_CPU run (gloo). Idempotent."""
+    global _tensor_parallel_applied
+    if _tensor_parallel_applied:
+        return
+    from accelerate.parallelism_config import ParallelismConfig
+
+    original = ParallelismConfig._validate_accelerator
+
+    def _validate_accelerator(self, accelerator):
+        if accelerator.distributed_type == DistributedType.MULTI_CPU and self.tp_enabled:
+            accelerator = _SeenAsMultiDevice(accelerator)
+        return original(self, accelerator)
+
+    ParallelismConfig._validate_accelerator = _validate_accelerator
+    _tensor_parallel_applied = True
 
 
 class HookedDDPKwargs(DistributedDataParallelKwargs):

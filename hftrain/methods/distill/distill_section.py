@@ -11,6 +11,7 @@ from typing import Literal
 
 from ...config import MethodSection, ModelSection, Problems, Recipe, option
 from ...config.fields import is_number
+from ...config.mesh_rules import mesh_refusal
 from .teacher_checks import teacher_problems
 
 Mode = Literal["logits", "on_policy"]
@@ -83,7 +84,7 @@ class DistillSection(MethodSection):
         if is_number(sp) and sp > 1:
             out.append(("strategy.sequence_parallel", "distillation does not run under sequence parallelism (the "
                         "teacher scores whole rows on each rank): remove strategy.sequence_parallel"))
-        return out
+        return out + mesh_refusal(recipe, "distillation")
 
     def launch_problems(self, recipe: Recipe, world: int, environment: bool) -> Problems:
         return teacher_problems(recipe) if environment else []
