@@ -12,7 +12,9 @@ from .. import lifetime
 from ..config.strategy import resolved_strategy
 from ..errors import LaunchError
 from ..launch import check_recipe, machines
+from ..distributed import accelerator_available
 from ..launch.machines import check_in
+from ..launch.ray_cluster import launch_on_ray
 from ..launch.strategies import render
 from ..methods import DEFAULT_SCRIPT, METHODS, SCRIPTS, entry_of
 from ..methods.registry import BUILT_IN
@@ -54,6 +56,8 @@ def _launch(ns) -> int:
     kind = getattr(ns, "kind", None)
     recipe, strategy = check_recipe(ns.recipe, overrides, script=lambda r: script_for(r, kind, ns.script))
     s = resolved_strategy(strategy)
+    if ns.ray:
+        return _launch_on_ray(ns, s)
     _check_machines(ns, strategy, s)
     # The launcher's config goes into a folder of this launch's own, not output_dir: nothing is written there before
     # the run's own checks pass (the run writes its resolved configs itself, on the main process), and machines
@@ -72,6 +76,15 @@ def _launch(ns) -> int:
                 print(fh.read(), end="")
             return 0
         return lifetime.run_owned(cmd)
+
+
+def _launch_on_ray(ns, s) -> int:
+    """Each machine of the recipe as a Ray task running its own `hftrain launch --machine-rank K` (ray_cluster)."""
+    if ns.machine_rank is not None or ns.dry_run or ns.max_restarts:
+        raise LaunchError("--ray starts every machine itself: leave out --machine-rank, --max-restarts and --dry-run")
+    command = [getattr(ns, "kind", None) or "launch", *(["--script", ns.script] if ns.script else [])]
+    return launch_on_ray(ns.ray, command, ns.recipe, list(ns.overrides), s.num_machines,
+                         s.num_processes // s.num_machines, accelerator_available(), s.main_process_ip)
 
 
 BUILT_IN_SCRIPTS = {e.script for e in BUILT_IN}
@@ -105,4 +118,7 @@ def add_training_commands(sub) -> None:
         la.add_argument("--machine-rank", dest="machine_rank", type=int, default=None,
                         help="this machine's rank (same as strategy.machine_rank=K); run once on each machine")
         la.add_argument("--dry-run", action="store_true", help="print the command and the launcher config only")
+        la.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="run the machines (strategy.num_machines) as tasks on the Ray cluster at ADDRESS "
+                        "(e.g. 10.0.0.1:6379, or auto), each its own `hftrain launch --machine-rank K`")
         la.set_defaults(fn=_launch, kind=None if name == "launch" else name, script=None)
