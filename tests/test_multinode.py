@@ -92,14 +92,21 @@ def one_node_losses(nodes, tiny_model_dir, tmp_path_factory) -> list[float]:
     return losses(tmp / "out")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+# HSDP (issue 68): 2 nodes x 2 processes, each node's 2 ranks sharding the model, one replica per node (only the
+# gradients' all-reduce crosses the veth pair), micro-batch 4: the global batch of 16 the reference takes as 2 x 8.
+HSDP = ("strategy.num_processes=4", "strategy.dp_replicate_size=2", "training.per_device_train_batch_size=4")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3", "hsdp"])
 def test_two_nodes_train_as_one_node_with_two_processes(nodes, one_node_losses, strategy, tiny_model_dir, tmp_path,
                                                         request):
     if strategy == "zero3":
         request.getfixturevalue("deepspeed_ops")
     (tmp_path / "two").mkdir()
+    mesh = strategy == "hsdp"
+    strategy = "fsdp" if mesh else strategy
     rec = _recipe(tmp_path / "two", tiny_model_dir, strategy)
-    results = two_nodes(nodes, rec, tmp_path / "two")
+    results = two_nodes(nodes, rec, tmp_path / "two", *(HSDP if mesh else ()))
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
     out = tmp_path / "two" / "out"
     _assert_close(losses(out), one_node_losses)
@@ -110,13 +117,16 @@ def test_two_nodes_train_as_one_node_with_two_processes(nodes, one_node_losses, 
     assert "_incomplete" not in names, names
     for ckpt in ("checkpoint-2", "checkpoint-3"):
         files = os.listdir(out / ckpt)
-        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(files), files
+        assert {f"rng_state_{r}.pth" for r in range(4 if mesh else 2)} <= set(files), files
     for ckpt in ("checkpoint-2", "checkpoint-3"):
         verify(str(out / ckpt))
     # Nothing but the run's own files: `hftrain launch` rendered its configs in a private temporary folder.
     assert f"{strategy}.yaml" in names  # the run's resolved config, written by the main process
     acc = yaml.safe_load((out / f"{strategy}.yaml").read_text())
     assert acc["num_machines"] == 2 and acc["main_process_ip"] == IP[0] and acc["machine_rank"] == 0
+    if mesh:
+        assert acc["parallelism_config"]["parallelism_config_dp_replicate_size"] == 2
+        assert json.load(open(out / "run_info.json"))["mesh"] == [2, 2, 1, 1]
     AutoModelForCausalLM.from_pretrained(str(out))  # the saved model reloads
     if strategy == "ddp":  # resume across the nodes: from checkpoint-2 both nodes redo step 3, to the same weights
         resumed = tmp_path / "two" / "resumed"

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from .conftest import REPO, processes_mentioning, uneven_data
 from .support import free_port
 
-pytestmark = pytest.mark.launches
+pytestmark = [pytest.mark.launches, pytest.mark.cluster]  # a cluster of its own: run alone (scripts/test.sh)
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 STARTED = "Ray runtime started"
 
