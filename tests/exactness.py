@@ -135,6 +135,8 @@ BOUNDS: dict[str, Bound] = {
     "mesh.hsdp_vs_one_rank.heldout_logits": Bound(1e-04, {"avx512": 6.97e-06, "avx2": 5.35e-06, "default": 6.14e-06}),
     "mesh.hsdp_vs_one_rank.losses": Bound(2e-06, {"avx512": 6.65e-08, "avx2": 6.65e-08, "default": 1.33e-07}),
     "mesh.hsdp_vs_one_rank.weights": Bound(1e-05, {"avx512": 4.08e-07, "avx2": 4.14e-07, "default": 8.15e-07}),
+    "mesh.hsdp.resumed_vs_uninterrupted.losses": Bound(1e-06, {"avx512": 0, "avx2": 0.0, "default": 0.0}),
+    "mesh.hsdp.resumed_vs_uninterrupted.weights": Bound(1e-06, {"avx512": 0, "avx2": 0.0, "default": 0.0}),
     "mesh.tp_vs_one_rank.heldout_logits": Bound(5e-04, {"avx512": 2.66e-05, "avx2": 1.31e-05, "default": 1.53e-05}),
     "mesh.tp_vs_one_rank.losses": Bound(2e-06, {"avx512": 2e-07, "avx2": 1.33e-07, "default": 1.33e-07}),
     "mesh.tp_vs_one_rank.weights": Bound(5e-05, {"avx512": 2.92e-06, "avx2": 4.86e-06, "default": 3.34e-06}),

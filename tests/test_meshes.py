@@ -29,7 +29,7 @@ from hftrain.data import tokenize_example
 from tests.exactness import beyond, within
 
 from .conftest import ACCELERATE_LAUNCH, DEMO_TRAIN, PY, SMALL, launch_prefix, run_matrix, uneven_data
-from .support import free_port
+from .support import RESUMED, assert_resume_exact, free_port
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "mesh", "fsdp_hsdp_2x2.yaml")
 LR = 0.5
@@ -103,24 +103,32 @@ def test_tied_copies_are_left_out_of_a_gathered_state_dict_only_where_declared_a
 
 # -- runs --------------------------------------------------------------------------------------------------------
 
-VARIANTS = {  # name: (strategy, micro-batch, accumulation)
-    "one": ({"name": "ddp", "num_processes": 1}, 2, 4),
-    "hsdp": ({"name": "fsdp", "num_processes": 4, "dp_replicate_size": 2}, 2, 1),
-    "hsdp_ga2": ({"name": "fsdp", "num_processes": 4, "dp_replicate_size": 2, "dp_shard_size": 2}, 1, 2),
-    "tp": ({"name": "ddp", "num_processes": 2, "tp_size": 2}, 2, 4),
+HSDP_STRATEGY = {"name": "fsdp", "num_processes": 4, "dp_replicate_size": 2}
+VARIANTS = {  # name: (strategy, micro-batch, accumulation, steps, training options beside the common ones)
+    "one": ({"name": "ddp", "num_processes": 1}, 2, 4, 3, {}),
+    "hsdp": (HSDP_STRATEGY, 2, 1, 3, {}),
+    "hsdp_ga2": ({**HSDP_STRATEGY, "dp_shard_size": 2}, 1, 2, 3, {}),
+    "tp": ({"name": "ddp", "num_processes": 2, "tp_size": 2}, 2, 4, 3, {"save_only_model": True}),
 }
+# HSDP resumed on its own mesh (tests/support.py's resume check: AdamW, a checkpoint at step 2 resumed later in the
+# same launch, and the weights alone resumed as the control).
+RESUME_CHECKPOINT = "resume_hsdp/checkpoint-2"
+for _name, _more in (("", {}), ("_after", {"resume_from_checkpoint": RESUME_CHECKPOINT}),
+                     ("_weights_only", {"resume_from_checkpoint": RESUME_CHECKPOINT, "resume_weights_only": True})):
+    VARIANTS[f"resume_hsdp{_name}"] = (HSDP_STRATEGY, 2, 1, 4, {**RESUMED, **_more})
 
 
 def _recipe(tmp, model, data, name) -> str:
-    strategy, bs, ga = VARIANTS[name]
+    strategy, bs, ga, steps, training = VARIANTS[name]
+    if "resume_from_checkpoint" in training:
+        training = {**training, "resume_from_checkpoint": str(tmp / training["resume_from_checkpoint"])}
     tree = {"model": {"name_or_path": model, "dtype": "float32"},
             "data": {"sources": [{"path": data}], "max_length": 64},
-            "training": {"output_dir": str(tmp / name), "max_steps": 3, "per_device_train_batch_size": bs,
+            "training": {"output_dir": str(tmp / name), "max_steps": steps, "per_device_train_batch_size": bs,
                          "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": LR,
                          "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
-                         "logging_steps": 1, "save_steps": 3, "save_only_model": name == "tp",
-                         "train_sampling_strategy": "sequential", "seed": 0, "report_to": "none",
-                         "disable_tqdm": True},
+                         "logging_steps": 1, "save_steps": 3, "train_sampling_strategy": "sequential", "seed": 0,
+                         "report_to": "none", "disable_tqdm": True, **training},
             "strategy": strategy}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -151,14 +159,15 @@ def mesh_runs(tmp_path_factory, mesh_model):
     launches = [
         ([PY], ["one"], 1),
         ([*ACCELERATE_LAUNCH, "--config_file", hsdp_config, "--main_process_port", str(free_port())],
-         ["hsdp", "hsdp_ga2"], 4),
+         ["hsdp", "hsdp_ga2", "resume_hsdp", "resume_hsdp_after", "resume_hsdp_weights_only"], 4),
         (launch_prefix(2, "ddp"), ["tp"], 2),
     ]
-    results = {"data": data, "model": mesh_model}
+    results = {"data": data, "model": mesh_model, "tmp": tmp, "variants": {}}
     for prefix, names, ranks in launches:
         variants = {n: ("hftrain.recipes.sft", [recipes[n]]) for n in names}
         for name, variant in run_matrix(prefix, variants, tmp / f"matrix_{names[0]}", ranks=ranks).items():
             results[name] = str(tmp / name) if variant.ok else variant
+            results["variants"][name] = variant
     return results
 
 
@@ -251,3 +260,10 @@ def test_the_plan_counts_hsdp_within_a_node_and_tensor_parallel_activations_spli
     assert tp.gpu_activations == pytest.approx(32 * (10 + 24 / 16) * sbh + logits)
     assert hsdp.gpu_activations == pytest.approx(32 * 34 * sbh + logits)
     assert [r.strategy for r in mesh_rows(f, 8, 1, 1, 4096, False, True)] == ["tp 8"]  # one node: no HSDP
+
+
+@pytest.mark.launches
+def test_hsdp_resumes_exactly_on_its_own_mesh(mesh_runs):
+    """Steps 3-4 resumed from checkpoint-2 (FSDP2's sharded weights and AdamW state, the data position) on the same
+    2 x 2 mesh equal the uninterrupted run's; the weights alone resumed (a fresh AdamW) are the control."""
+    assert_resume_exact(mesh_runs["tmp"], mesh_runs["variants"], "hsdp", "mesh.hsdp")
