@@ -9,6 +9,7 @@ The refusals themselves run through `hftrain check` and the run alike in tests/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -23,7 +24,9 @@ from hftrain.constants import IGNORE_INDEX
 from hftrain.launch.mesh_plan import mesh_rows
 from hftrain.launch.plan import ModelFacts
 from hftrain.launch.strategies import accelerate_config, render
-from hftrain.mesh import launcher_mesh_problem
+from hftrain.config.mesh_rules import mesh_problems
+from hftrain.mesh import launcher_mesh_problem, parallelism_config
+from hftrain.methods import load_recipe
 from hftrain.modeling import without_tied_copies
 from hftrain.data import tokenize_example
 from tests.exactness import beyond, within
@@ -267,3 +270,14 @@ def test_hsdp_resumes_exactly_on_its_own_mesh(mesh_runs):
     """Steps 3-4 resumed from checkpoint-2 (FSDP2's sharded weights and AdamW state, the data position) on the same
     2 x 2 mesh equal the uninterrupted run's; the weights alone resumed (a fresh AdamW) are the control."""
     assert_resume_exact(mesh_runs["tmp"], mesh_runs["variants"], "hsdp", "mesh.hsdp")
+
+
+def test_replicas_beside_context_parallelism_without_shards_are_refused_as_accelerate_refuses_them():
+    recipe = load_recipe(None, ["model.name_or_path=m", "data.sources.0.path=d"], raw={})
+    bad = dataclasses.replace(recipe, strategy=StrategySection(name="fsdp", num_processes=4, dp_replicate_size=2,
+                                                               cp_size=2))
+    assert [k for k, _ in mesh_problems(bad, "fsdp")] == ["strategy.dp_replicate_size"]
+    with pytest.raises(ValueError, match="cannot be used with pure data parallelism"):  # accelerate's own refusal
+        parallelism_config(bad.strategy.mesh())
+    good = dataclasses.replace(bad, strategy=dataclasses.replace(bad.strategy, num_processes=8))
+    assert mesh_problems(good, "fsdp") == []

@@ -42,6 +42,10 @@ def mesh_problems(recipe: Recipe, name: str) -> Problems:
     if mesh.replicate > 1 and mesh.shard == 1 and mesh.tensor == mesh.context == 1:
         out.append(("strategy.dp_replicate_size", f"{mesh.replicate} replicas of an unsharded model is DDP: use "
                     "strategy.name: ddp, or shard within each replica (strategy.dp_shard_size > 1)"))
+    elif mesh.replicate > 1 and mesh.shard == 1:
+        out.append(("strategy.dp_replicate_size", "replicas of an unsharded model beside context parallelism are "
+                    "refused by accelerate 1.15's ParallelismConfig: shard within each replica "
+                    "(strategy.dp_shard_size > 1), or set dp_replicate_size: 1"))
     if mesh.beyond_sharding:
         out += _beside_the_mesh(recipe, mesh)
     return out
