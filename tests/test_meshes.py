@@ -112,7 +112,9 @@ VARIANTS = {  # name: (strategy, micro-batch, accumulation, steps, training opti
     "hsdp": (HSDP_STRATEGY, 2, 1, 3, {}),
     "hsdp_ga2": ({**HSDP_STRATEGY, "dp_shard_size": 2}, 1, 2, 3, {}),
     "tp": ({"name": "ddp", "num_processes": 2, "tp_size": 2}, 2, 4, 3, {"save_only_model": True}),
+    "tp_packed": ({"name": "ddp", "num_processes": 2, "tp_size": 2}, 2, 4, 3, {"save_only_model": True}),
 }
+PACKED = {"tp_packed"}  # data.packing: rows joined, attention kept to each example
 # HSDP resumed on its own mesh (tests/support.py's resume check: AdamW, a checkpoint at step 2 resumed later in the
 # same launch, and the weights alone resumed as the control).
 RESUME_CHECKPOINT = "resume_hsdp/checkpoint-2"
@@ -126,7 +128,7 @@ def _recipe(tmp, model, data, name) -> str:
     if "resume_from_checkpoint" in training:
         training = {**training, "resume_from_checkpoint": str(tmp / training["resume_from_checkpoint"])}
     tree = {"model": {"name_or_path": model, "dtype": "float32"},
-            "data": {"sources": [{"path": data}], "max_length": 64},
+            "data": {"sources": [{"path": data}], "max_length": 64, "packing": name in PACKED},
             "training": {"output_dir": str(tmp / name), "max_steps": steps, "per_device_train_batch_size": bs,
                          "gradient_accumulation_steps": ga, "optim": "sgd", "learning_rate": LR,
                          "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "weight_decay": 0.0,
@@ -163,7 +165,7 @@ def mesh_runs(tmp_path_factory, mesh_model):
         ([PY], ["one"], 1),
         ([*ACCELERATE_LAUNCH, "--config_file", hsdp_config, "--main_process_port", str(free_port())],
          ["hsdp", "hsdp_ga2", "resume_hsdp", "resume_hsdp_after", "resume_hsdp_weights_only"], 4),
-        (launch_prefix(2, "ddp"), ["tp"], 2),
+        (launch_prefix(2, "ddp"), ["tp", "tp_packed"], 2),
     ]
     results = {"data": data, "model": mesh_model, "tmp": tmp, "variants": {}}
     for prefix, names, ranks in launches:
@@ -236,16 +238,18 @@ def test_hsdp_equals_one_process_with_the_same_global_batch(mesh_runs, name):
 
 
 @pytest.mark.launches
-def test_tensor_parallel_equals_one_process(mesh_runs):
-    one, run = _run(mesh_runs, "one"), _run(mesh_runs, "tp")
+@pytest.mark.parametrize("name", ["tp", "tp_packed"])
+def test_tensor_parallel_equals_one_process(mesh_runs, name):
+    one, run = _run(mesh_runs, "one"), _run(mesh_runs, name)
     assert run["info"]["world_size"] == 2 and run["info"]["mesh"] == [1, 1, 2, 1]
     assert run["info"]["rank_weight_digests"] is None  # each rank holds its slices, not a replica
     naive = _micro_batch_mean_of_first_step(mesh_runs["model"], mesh_runs["data"])
     beyond("mesh.tp_vs_one_rank.losses", naive, one["losses"][0], label="the per-micro-batch mean")
-    within("mesh.tp_vs_one_rank.losses", run["losses"], one["losses"])
+    within("mesh.tp_vs_one_rank.losses", run["losses"], one["losses"], label=name)
     assert run["tokens"] == one["tokens"]  # the tensor-parallel copies of a micro-batch counted once
-    within("mesh.tp_vs_one_rank.weights", *_untied(run["weights"], one["weights"]))
-    within("mesh.tp_vs_one_rank.heldout_logits", _heldout_logits(run["folder"]), _heldout_logits(one["folder"]))
+    within("mesh.tp_vs_one_rank.weights", *_untied(run["weights"], one["weights"]), label=name)
+    within("mesh.tp_vs_one_rank.heldout_logits", _heldout_logits(run["folder"]), _heldout_logits(one["folder"]),
+           label=name)
 
 
 def test_the_plan_counts_hsdp_within_a_node_and_tensor_parallel_activations_split():
