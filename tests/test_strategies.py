@@ -297,6 +297,17 @@ def test_batch_arithmetic_preflight():
     assert batch_problem(2, 4, 2, False, 3) is None  # a short step still trains
 
 
+def test_an_epoch_that_leaves_its_last_round_of_micro_batches_short_is_said_to_train_repeats():
+    from hftrain.launch.data_checks import repeats_warning
+
+    said = repeats_warning(4, 2, False, 18, "examples")
+    assert "18 training examples are not a multiple of 4 processes x per_device_train_batch_size 2 = 8" in said
+    assert "completed with 6 repeats" in said and "use a multiple of 8 examples" in said
+    assert repeats_warning(4, 2, False, 16, "examples") is None
+    assert repeats_warning(1, 2, False, 17, "examples") is None  # one process: a short last step, no repeats
+    assert repeats_warning(4, 2, True, 18, "examples") is None  # drop_last: the short round is dropped
+
+
 def test_launch_runs_the_same_preflight_as_the_run(tmp_path, capsys):
     from hftrain.cli import main
 
