@@ -12,6 +12,7 @@ import shutil
 
 from ..errors import CheckpointError
 from ..fileio import atomic_write, fsync_tree
+from ..mesh import RECIPE_KEYS
 from . import manifest
 
 LAYOUT = "hftrain_checkpoint.json"  # how the checkpoint was written: world size, batch layout, strategy
@@ -139,8 +140,7 @@ def _mesh_problem(path: str, was: dict, now: dict) -> str | None:
     mesh_now = now.get("mesh") or [1, now["world_size"], 1, 1]
     if mesh_was == mesh_now:
         return None
-    keys = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-    spelled = ", ".join(f"{k}: {v}" for k, v in zip(keys, mesh_was))
+    spelled = ", ".join(f"{k}: {v}" for k, v in zip(RECIPE_KEYS.values(), mesh_was))
     return (f"{path} was written on the device mesh {mesh_was} (replicate, shard, tensor, context), this run's is "
             f"{mesh_now}: a mesh's checkpoint resumes on the same mesh only; resume with strategy {spelled} on "
             f"{was['world_size']} processes")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .fields import is_number as _num
 from .sections import CompressionSection, MoeSection, Problems, Recipe
-from .strategy import MESH_OPTIONS, STRATEGY_DEFAULTS, StrategySection
+from .strategy import MESH_OPTIONS, StrategySection
 
 
 # Both paths to TP x FSDP2 measured at the pinned versions (4 CPU processes, tp 2 x fsdp 2, a tiny Llama):
@@ -66,7 +66,7 @@ def mesh_refusal(recipe: Recipe, who: str) -> Problems:
 
 def _world_problems(s: StrategySection) -> Problems:
     """The degrees' product is the world size (the shard degree, unset, is what the others leave of it)."""
-    world = s.num_processes if _num(s.num_processes) else STRATEGY_DEFAULTS["num_processes"]
+    world = s.resolved_num_processes()
     others = {k: getattr(s, k) for k in ("dp_replicate_size", "tp_size", "cp_size") if _num(getattr(s, k))}
     product = 1
     for v in others.values():
@@ -89,7 +89,7 @@ def _tensor_parallel_problems(recipe: Recipe, s: StrategySection, name: str) -> 
     """Tensor parallelism (transformers splits each layer at load time; its Trainer then builds accelerate's mesh):
     alone over every rank, under ddp; what it is not built or tested with."""
     out: Problems = []
-    world = s.num_processes if _num(s.num_processes) else STRATEGY_DEFAULTS["num_processes"]
+    world = s.resolved_num_processes()
     if name == "fsdp":
         out.append(("strategy.tp_size", f"{TP_WITH_FSDP}. Use strategy.name: ddp with strategy.tp_size equal to "
                     "strategy.num_processes (tensor parallelism alone), or fsdp without tp_size"))

@@ -73,6 +73,11 @@ class StrategySection:
     def resolved_sequence_parallel(self) -> int:
         return self.sequence_parallel or 1
 
+    def resolved_num_processes(self) -> int:
+        """num_processes, or its default where unset (or not a number: the rules say so)."""
+        n = self.num_processes
+        return n if isinstance(n, int) and not isinstance(n, bool) else STRATEGY_DEFAULTS["num_processes"]
+
     def resolved_tensor_parallel(self) -> int:
         return self.tp_size if isinstance(self.tp_size, int) and self.tp_size > 1 else 1
 
@@ -82,8 +87,7 @@ class StrategySection:
                                       for v in (self.dp_replicate_size, self.tp_size, self.cp_size))
         shard = self.dp_shard_size
         if not (isinstance(shard, int) and shard >= 1):
-            world = self.num_processes if isinstance(self.num_processes, int) else STRATEGY_DEFAULTS["num_processes"]
-            shard = max(1, world // (replicate * tensor * context))
+            shard = max(1, self.resolved_num_processes() // (replicate * tensor * context))
         return Mesh(replicate, shard, tensor, context)
 
 
@@ -95,14 +99,6 @@ class Mesh:
     shard: int = 1
     tensor: int = 1
     context: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.replicate * self.shard * self.tensor * self.context
-
-    @property
-    def data_parallel(self) -> int:
-        return self.replicate * self.shard
 
     @property
     def degrees(self) -> list[int]:

@@ -18,6 +18,7 @@ from ..config.strategy_rules import strategy_problems
 from ..mesh import tensor_parallel_problem
 from ..methods import Recipe
 from .plan import ModelFacts, Row, activation_bytes, frozen_bytes, state_bytes
+from .strategy_checks import config_problem
 
 
 def tensor_parallel_activation_bytes(f: ModelFacts, micro_batch: int, seq: int, checkpointing: bool, n: int) -> float:
@@ -60,19 +61,9 @@ def refused_meshes(recipe: Recipe, rows: list[Row], gpus_per_node: int, nodes: i
         moved = dataclasses.replace(recipe, strategy=strategy, training={**recipe.training, **weights_only})
         problems = [(k, m) for k, m in strategy_problems(moved, name)
                     if not k.startswith("strategy.") or k.split(".", 1)[1] in MESH_OPTIONS]
-        split = _split_problem(recipe, n) if name == "ddp" else None
+        m = recipe.model
+        split = (config_problem(m.name_or_path, m.trust_remote_code, tensor_parallel_problem, n)
+                 if name == "ddp" else None)
         if problems or split:
             refused[row.strategy] = problems[0] if problems else ("strategy.tp_size", split.split(": ", 1)[1])
     return refused
-
-
-def _split_problem(recipe: Recipe, n: int) -> str | None:
-    """mesh.tensor_parallel_problem of the policy's config over `n` ranks (None where the config cannot be read)."""
-    from transformers import AutoConfig
-
-    m = recipe.model
-    try:
-        config = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
-    except Exception:
-        return None
-    return tensor_parallel_problem(config, n)

@@ -69,11 +69,11 @@ def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
     out: list[tuple[str, str]] = []
     m = recipe.model
     sp = strategy.sequence_parallel if is_of_type(strategy.sequence_parallel, int) else 1
-    heads = _config_problem(m.name_or_path, m.trust_remote_code, heads_problem, sp) if model_ok and sp > 1 else None
+    heads = config_problem(m.name_or_path, m.trust_remote_code, heads_problem, sp) if model_ok and sp > 1 else None
     if heads:
         out.append(("strategy.sequence_parallel", heads))
     tp = strategy.resolved_tensor_parallel() if is_of_type(strategy.tp_size, int) else 1
-    split = (_config_problem(m.name_or_path, m.trust_remote_code, tensor_parallel_problem, tp)
+    split = (config_problem(m.name_or_path, m.trust_remote_code, tensor_parallel_problem, tp)
              if model_ok and tp > 1 else None)
     if split:
         out.append(("strategy.tp_size", split))
@@ -95,7 +95,7 @@ def machine_problems(recipe: Recipe, strategy: StrategySection, world: int, skip
     return strategy, out
 
 
-def _config_problem(name_or_path: str, trust_remote_code: bool, rule, n: int) -> str | None:
+def config_problem(name_or_path: str, trust_remote_code: bool, rule, n: int) -> str | None:
     """`rule(config, n)` of the model's config (sequence_parallel.heads_problem, mesh.tensor_parallel_problem), None
     when the config cannot be read here (loading says so)."""
     from transformers import AutoConfig

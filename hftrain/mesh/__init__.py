@@ -2,8 +2,9 @@
 ParallelismConfig a run hands its arguments, the launcher's mesh checked against the recipe's. The degrees and their
 rules are the recipe's (config/strategy.py, config/mesh_rules.py)."""
 
-from .accelerate_mesh import gathered_state_dict, launcher_mesh_problem, parallelism_config, tensor_parallel_config
+from .accelerate_mesh import (RECIPE_KEYS, gathered_state_dict, launcher_mesh_problem, parallelism_config,
+                              tensor_parallel_config)
 from .model_rules import tensor_parallel_problem
 
-__all__ = ["gathered_state_dict", "launcher_mesh_problem", "parallelism_config", "tensor_parallel_config",
-           "tensor_parallel_problem"]
+__all__ = ["RECIPE_KEYS", "gathered_state_dict", "launcher_mesh_problem", "parallelism_config",
+           "tensor_parallel_config", "tensor_parallel_problem"]
